@@ -1,0 +1,22 @@
+"""megatron_fsdp_v2: fully sharded data parallel training for PyTorch on flat buffers.
+
+Wrap modules with :func:`fully_shard`, pick a ZeRO strategy (``no_shard``, ``optim``,
+``optim_grads``, ``optim_grads_params``), and train with a plain ``torch.optim`` optimizer.
+"""
+
+from .api import MixedPrecisionPolicy, ShardingStrategy
+from .fully_shard import FSDPModule, MemoryReport, UnshardHandle, fully_shard, memory_report
+from .ops import build_info
+from .utils import clip_grad_norm_
+
+__all__ = [
+    "FSDPModule",
+    "MemoryReport",
+    "MixedPrecisionPolicy",
+    "ShardingStrategy",
+    "UnshardHandle",
+    "build_info",
+    "clip_grad_norm_",
+    "fully_shard",
+    "memory_report",
+]

@@ -1,0 +1,492 @@
+"""One parameter group: its flat buffers and their lifecycle (unshard, reshard, gradient reduction,
+gradient install). No hooks here; ``_state.py`` decides *when* each step runs.
+
+[Note: buffer roles]
+Every group owns up to three persistent flat buffers, laid out identically (see
+[Note: row-aligned flat buffers] in ``_layout.py``):
+
+* ``model_weight``: the compute weights, in the compute dtype. Full size (replicated) for
+  ``no_shard``/``optim``/``optim_grads``; this rank's shard for ``optim_grads_params``, which
+  gathers into a temporary ``unsharded_model_weight`` bucket around forward and backward.
+  Compute parameters (the module's original ``nn.Parameter`` objects) are views into the
+  unsharded buffer, bound once at wrap time.
+* ``main_weight``: what the optimizer updates, exposed as DTensor parameters whose local tensors
+  are views into it. Sharded except for ``no_shard``. It is a separate buffer only when the main
+  dtype differs from the compute dtype; otherwise it *is* this rank's part of ``model_weight``.
+* ``main_grad``: what the optimizer reads, exposed as DTensor gradients viewing it. Full size for
+  ``no_shard``/``optim`` (micro-batches accumulate locally and one collective runs on the last
+  one), a shard for ``optim_grads``/``optim_grads_params`` (every micro-batch is reduce-scattered
+  and the shards accumulate). Allocated lazily on first use and freed when gradients are cleared;
+  the tensor object survives (storage freeing), so cached gradient views stay valid.
+
+[Note: replicated-buffer refresh]
+With replicated compute weights and sharded main weights (``optim``, ``optim_grads``), an
+optimizer step leaves every rank's ``model_weight`` stale outside its own shard. The step marks
+the group stale; the next unshard (the unit's pre-forward) casts this rank's main shard into its
+own slot of ``model_weight`` (``refresh_from_shard_``) and runs one in-place
+``all_gather_into_tensor`` over ``model_weight``. That is the strategy's single all-gather.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import _collectives as comm
+from . import ops
+from ._allocator import BucketAllocator
+from ._layout import BufferLayout
+from .api import ResolvedDtypes, ShardingStrategy
+
+__all__ = ["GradState", "ParamGroup"]
+
+
+class GradState(enum.Enum):
+    """What ``main_grad`` holds."""
+
+    EMPTY = "empty"
+    """Nothing: the next gradient write overwrites (storage may be freed)."""
+    ACCUMULATING = "accumulating"
+    """Local, unreduced sums in the full-size ``main_grad`` (``no_shard``/``optim`` between the
+    first and the last micro-batch)."""
+    REDUCED = "reduced"
+    """Reduced sums in this rank's part of ``main_grad``; new micro-batches are reduced first and
+    then added."""
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class ParamGroup:
+    """The flat buffers of one (device, dtype, requires_grad) bucket of one FSDP unit."""
+
+    def __init__(
+        self,
+        *,
+        group_id: tuple[int, int],
+        params: Sequence[nn.Parameter],
+        fqns: Sequence[str],
+        layout: BufferLayout,
+        mesh: DeviceMesh,
+        strategy: ShardingStrategy,
+        dtypes: ResolvedDtypes,
+        grad_pre_scale: float,
+        allocator: BucketAllocator,
+    ) -> None:
+        self.group_id = group_id
+        self.params = list(params)  # compute parameters (the module's original objects)
+        self.fqns = list(fqns)
+        self.layout = layout
+        self.mesh = mesh
+        self.process_group = mesh.get_group()
+        self.rank = mesh.get_local_rank()
+        self.world_size = mesh.size()
+        self.strategy = strategy
+        self.dtypes = dtypes
+        self.grad_pre_scale = grad_pre_scale
+        self.allocator = allocator
+        self.requires_grad = self.params[0].requires_grad
+        self.device = self.params[0].device
+
+        self._offsets = [item.offset for item in layout.items]
+        self._uncovered = layout.uncovered_ranges()
+        self._shard_start, self._shard_end = layout.shard_range(self.rank)
+        # The span of the flat buffer behind the optimizer-facing tensors.
+        if strategy.shards_main_weights:
+            self._local_start, self._local_end = self._shard_start, self._shard_end
+        else:
+            self._local_start, self._local_end = 0, layout.total_numel
+        self._separate_main = dtypes.main != dtypes.model
+        self._unshard_key = (group_id, "unsharded_model_weight")
+        self._rs_key = (group_id, "reduce_scatter_input")
+        self._comm_key = (group_id, "grad_comm")
+
+        self._build_weight_buffers()
+        self.dist_params = self._build_dist_params()
+
+        # Gradient state (see GradState). main_grad is created lazily.
+        self.grad_state = GradState.EMPTY
+        self._main_grad: torch.Tensor | None = None
+        self._main_grad_allocated = False
+        self._grad_dtensors: list[DTensor | None] | None = None
+        self._grads_installed = False
+        self._pending_reductions: list[tuple[comm.Work | None, Callable[[], None]]] = []
+
+        self._weights_stale = False  # see [Note: replicated-buffer refresh]
+        self._unsharded = not strategy.shards_model_weights
+        self._unshard_work: comm.Work | None = None
+
+    # ------------------------------------------------------------------ construction
+
+    def _local_pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """(item index, item-relative start, flat start) of each item's part in [start, end)."""
+        pieces = []
+        for index, item in enumerate(self.layout.items):
+            lo, hi = self.layout.local_item_range(index, start, end)
+            if hi > lo:
+                pieces.append((index, lo - item.offset, lo))
+        return pieces
+
+    def _copy_params_into(self, buffer: torch.Tensor, start: int, end: int) -> None:
+        """Copy (casting) this group's original parameter values in [start, end) into ``buffer``,
+        which holds exactly that span."""
+        pieces = self._local_pieces(start, end)
+        inputs, offsets = [], []
+        for index, item_start, flat_start in pieces:
+            lo, hi = self.layout.local_item_range(index, start, end)
+            flat_param = self.params[index].detach().reshape(-1)
+            inputs.append(flat_param[item_start : item_start + (hi - lo)])
+            offsets.append(flat_start - start)
+        ops.pack_(inputs, offsets, buffer)
+
+    def _build_weight_buffers(self) -> None:
+        layout, dtypes, device = self.layout, self.dtypes, self.device
+        if self.strategy.shards_model_weights:
+            self.model_weight = torch.zeros(layout.shard_numel, dtype=dtypes.model, device=device)
+            self._copy_params_into(self.model_weight, self._shard_start, self._shard_end)
+            # Views can only be taken while the storage exists; it is freed below, after binding.
+            unsharded = self.allocator.allocate(
+                self._unshard_key, layout.total_numel, dtypes.model, device
+            )
+        else:
+            self.model_weight = torch.zeros(layout.total_numel, dtype=dtypes.model, device=device)
+            self._copy_params_into(self.model_weight, 0, layout.total_numel)
+            unsharded = self.model_weight
+        self.unsharded_model_weight = unsharded
+        if self._separate_main:
+            self.main_weight = torch.zeros(
+                self._local_end - self._local_start, dtype=dtypes.main, device=device
+            )
+            self._copy_params_into(self.main_weight, self._local_start, self._local_end)
+        elif self.strategy.shards_model_weights:
+            self.main_weight = self.model_weight
+        else:
+            self.main_weight = self.model_weight[self._local_start : self._local_end]
+        # Bind the compute parameters to their zero-copy views; the original storage is released.
+        with torch.no_grad():
+            for param, item in zip(self.params, layout.items):
+                param.data = unsharded[item.offset : item.end].view(item.shape)
+        if self.strategy.shards_model_weights:
+            self.allocator.free(self._unshard_key)
+            self.allocator.reset_peak()
+
+    def _local_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        """Item ``index``'s local rows in ``buffer``, which holds [_local_start, _local_end)."""
+        item = self.layout.items[index]
+        lo, hi = self.layout.local_item_range(index, self._local_start, self._local_end)
+        rows = (hi - lo) // item.row_numel
+        flat = buffer[lo - self._local_start : hi - self._local_start]
+        return flat.view(rows, *item.shape[1:]) if len(item.shape) > 0 else flat.view(())
+
+    def local_row_range(self, index: int) -> tuple[int, int]:
+        """Global dim-0 rows of parameter ``index`` that this rank's optimizer-facing shard holds."""
+        item = self.layout.items[index]
+        lo, hi = self.layout.local_item_range(index, self._local_start, self._local_end)
+        start = min(max(lo - item.offset, 0), item.numel) // item.row_numel
+        return start, start + (hi - lo) // item.row_numel
+
+    def _to_dtensor(self, local: torch.Tensor, index: int) -> DTensor:
+        shape = self.layout.items[index].shape
+        placement = Shard(0) if self.strategy.shards_main_weights else Replicate()
+        return DTensor.from_local(
+            local, self.mesh, [placement], run_check=False, shape=shape,
+            stride=_contiguous_stride(shape),
+        )
+
+    def _build_dist_params(self) -> list[nn.Parameter]:
+        dist_params = []
+        for index, param in enumerate(self.params):
+            local = self._local_view(self.main_weight, index)
+            dist_param = nn.Parameter(self._to_dtensor(local, index), requires_grad=param.requires_grad)
+            # Optimizer grouping and checkpoint code read attributes set on the original params.
+            for name, value in vars(param).items():
+                if not name.startswith("_mfsdp"):
+                    setattr(dist_param, name, value)
+            dist_param._mfsdp_param_group = self  # type: ignore[attr-defined]
+            dist_param._mfsdp_index = index  # type: ignore[attr-defined]
+            dist_params.append(dist_param)
+        return dist_params
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def needs_refresh(self) -> bool:
+        return self._weights_stale
+
+    def mark_main_weights_updated(self) -> None:
+        """The optimizer (or a checkpoint load) changed the main weights: refresh compute weights
+        before their next use. A no-op where compute weights alias the main weights in place."""
+        if self._separate_main or (
+            self.strategy.shards_main_weights and not self.strategy.shards_model_weights
+        ):
+            self._weights_stale = True
+
+    def unshard(self, async_op: bool = False) -> None:
+        """Make the full compute weights available (possibly asynchronously; see
+        :meth:`wait_for_unshard`)."""
+        if self.strategy.shards_model_weights:
+            if self._unsharded:
+                return
+            if self._weights_stale:
+                ops.refresh_from_shard_(self.main_weight, self.model_weight, 0)
+                self._weights_stale = False
+            output = self.allocator.allocate(
+                self._unshard_key, self.layout.total_numel, self.dtypes.model, self.device
+            )
+            self._unshard_work = comm.all_gather_into(
+                output, self.model_weight, self.process_group, async_op
+            )
+            self._unsharded = True
+            return
+        if not self._weights_stale:
+            return
+        if self._separate_main:
+            ops.refresh_from_shard_(self.main_weight, self.model_weight, self._local_start)
+        if self.strategy.shards_main_weights:
+            own_slot = self.model_weight[self._shard_start : self._shard_end]
+            self._unshard_work = comm.all_gather_into(
+                self.model_weight, own_slot, self.process_group, async_op
+            )
+        self._weights_stale = False
+
+    def wait_for_unshard(self) -> None:
+        work, self._unshard_work = self._unshard_work, None
+        if work is not None:
+            work.wait()
+
+    def reshard(self) -> None:
+        """Free the gathered weights of a sharded-weight group (no-op otherwise)."""
+        if not self.strategy.shards_model_weights or not self._unsharded:
+            return
+        self.wait_for_unshard()
+        self.allocator.free(self._unshard_key)
+        self._unsharded = False
+
+    @property
+    def is_unsharded(self) -> bool:
+        return self._unsharded
+
+    # ------------------------------------------------------------------ gradients
+
+    @property
+    def main_grad_numel(self) -> int:
+        return self.layout.shard_numel if self.strategy.shards_grads else self.layout.total_numel
+
+    def _ensure_main_grad(self) -> torch.Tensor:
+        if self._main_grad is None:
+            self._main_grad = torch.empty(self.main_grad_numel, dtype=self.dtypes.grad, device=self.device)
+            self._main_grad_allocated = True
+        elif not self._main_grad_allocated:
+            self._main_grad.untyped_storage().resize_(self._main_grad.numel() * self._main_grad.element_size())
+            self._main_grad_allocated = True
+        return self._main_grad
+
+    def _main_grad_local(self) -> torch.Tensor:
+        """The part of ``main_grad`` behind the optimizer-facing gradients."""
+        main_grad = self._ensure_main_grad()
+        if self.strategy is ShardingStrategy.OPTIM:
+            return main_grad[self._shard_start : self._shard_end]
+        return main_grad
+
+    def release_grad_storage(self) -> None:
+        if self._main_grad is not None and self._main_grad_allocated:
+            self._main_grad.untyped_storage().resize_(0)
+            self._main_grad_allocated = False
+        self.grad_state = GradState.EMPTY
+
+    def _stage(self, grads: Sequence[torch.Tensor | None], full_buffer: torch.Tensor,
+               accumulate: bool) -> None:
+        """Write (or add) ``scale * param.grad`` into a full-size flat buffer."""
+        inputs, offsets = [], []
+        for grad, offset in zip(grads, self._offsets):
+            if grad is not None:
+                inputs.append(grad if grad.is_contiguous() else grad.contiguous())
+                offsets.append(offset)
+        if not accumulate:
+            # Regions nothing writes: padding, gaps, and parameters without a gradient.
+            for lo, hi in self._uncovered:
+                full_buffer[lo:hi].zero_()
+            for grad, item in zip(grads, self.layout.items):
+                if grad is None:
+                    full_buffer[item.offset : item.end].zero_()
+        if inputs:
+            ops.pack_(inputs, offsets, full_buffer, scale=self.grad_pre_scale, accumulate=accumulate)
+
+    def reduce_grads(self, is_last_backward: bool, async_op: bool = False) -> bool:
+        """Stage this micro-batch's ``param.grad`` and run the strategy's collective.
+
+        Returns whether anything was staged or reduced. See the table in ``design.md``:
+        ``no_shard``/``optim`` accumulate locally and reduce once on the last micro-batch;
+        ``optim_grads``/``optim_grads_params`` reduce-scatter every micro-batch.
+        """
+        if not self.requires_grad:
+            return False
+        grads = [param.grad for param in self.params]
+        has_new = any(grad is not None for grad in grads)
+        delayed = not self.strategy.shards_grads and self.grad_state is not GradState.REDUCED
+        if not has_new and not (is_last_backward and self.grad_state is GradState.ACCUMULATING):
+            return False
+        for grad, param in zip(grads, self.params):
+            if grad is not None and grad.shape != param.shape:
+                raise RuntimeError(
+                    f"gradient of {self.fqns[self.params.index(param)]} has shape "
+                    f"{tuple(grad.shape)}, expected {tuple(param.shape)}"
+                )
+        if delayed:
+            main_grad = self._ensure_main_grad()
+            if has_new:
+                self._stage(grads, main_grad, accumulate=self.grad_state is GradState.ACCUMULATING)
+            self.grad_state = GradState.ACCUMULATING
+            if is_last_backward:
+                self._reduce_accumulated(async_op)
+        else:
+            self._reduce_micro_batch(grads, async_op)
+        for param in self.params:
+            param.grad = None
+        return True
+
+    def _reduce_accumulated(self, async_op: bool) -> None:
+        """The delayed collective of ``no_shard`` (all-reduce) and ``optim`` (reduce-scatter), in
+        place on ``main_grad`` when the communication dtype allows it."""
+        main_grad = self._ensure_main_grad()
+        reduce_all = self.strategy is ShardingStrategy.NO_SHARD
+        shard = slice(self._shard_start, self._shard_end)
+        if self.dtypes.comm == self.dtypes.grad:
+            if reduce_all:
+                work = comm.all_reduce_inplace(main_grad, self.process_group, async_op)
+            else:
+                work = comm.reduce_scatter_into(main_grad[shard], main_grad, self.process_group, async_op)
+            self._track(work, lambda: None)
+        else:
+            workspace = self.allocator.allocate(
+                self._comm_key, self.layout.total_numel, self.dtypes.comm, self.device
+            )
+            ops.reduce_scatter_copy_in_(main_grad, workspace)
+            if reduce_all:
+                work = comm.all_reduce_inplace(workspace, self.process_group, async_op)
+                reduced, target = workspace, main_grad
+            else:
+                reduced, target = workspace[shard], main_grad[shard]
+                work = comm.reduce_scatter_into(reduced, workspace, self.process_group, async_op)
+
+            def finish() -> None:
+                ops.reduce_scatter_copy_out_(reduced, target)
+                self.allocator.free(self._comm_key)
+
+            self._track(work, finish)
+        self.grad_state = GradState.REDUCED
+
+    def _reduce_micro_batch(self, grads: Sequence[torch.Tensor | None], async_op: bool) -> None:
+        """Reduce this micro-batch through a temporary full-size bucket in the communication
+        dtype, then add (or write) the result into this rank's part of ``main_grad``."""
+        reduce_scatter_input = self.allocator.allocate(
+            self._rs_key, self.layout.total_numel, self.dtypes.comm, self.device
+        )
+        self._stage(grads, reduce_scatter_input, accumulate=False)
+        accumulate = self.grad_state is not GradState.EMPTY
+        target = self._main_grad_local()
+        if self.strategy is ShardingStrategy.NO_SHARD:
+            work = comm.all_reduce_inplace(reduce_scatter_input, self.process_group, async_op)
+            reduced = reduce_scatter_input
+        elif not accumulate and self.dtypes.comm == self.dtypes.grad:
+            # First write, same dtype: reduce straight into the persistent shard.
+            work = comm.reduce_scatter_into(target, reduce_scatter_input, self.process_group, async_op)
+            reduced = None
+        else:
+            reduced = reduce_scatter_input[self._shard_start : self._shard_end]
+            work = comm.reduce_scatter_into(reduced, reduce_scatter_input, self.process_group, async_op)
+
+        def finish() -> None:
+            if reduced is not None:
+                ops.reduce_scatter_copy_out_(reduced, target, accumulate=accumulate)
+            self.allocator.free(self._rs_key)
+
+        self._track(work, finish)
+        self.grad_state = GradState.REDUCED
+
+    def _track(self, work: comm.Work | None, finish: Callable[[], None]) -> None:
+        if work is None:
+            finish()
+        else:
+            self._pending_reductions.append((work, finish))
+
+    def wait_for_reduction(self) -> None:
+        """Wait for in-flight gradient collectives and fold their results into ``main_grad``."""
+        pending, self._pending_reductions = self._pending_reductions, []
+        for work, finish in pending:
+            if work is not None:
+                work.wait()
+            finish()
+
+    def install_grads(self) -> None:
+        """Expose reduced gradients as DTensor ``.grad`` of the optimizer-facing parameters.
+        Empty local shards get ``grad=None`` (fused optimizers mishandle zero-size tensors)."""
+        if self.grad_state is not GradState.REDUCED:
+            return
+        if self._grad_dtensors is None:
+            local = self._main_grad_local()
+            self._grad_dtensors = []
+            for index, param in enumerate(self.dist_params):
+                view = self._local_view(local, index)
+                self._grad_dtensors.append(
+                    self._to_dtensor(view, index) if view.numel() > 0 and param.requires_grad else None
+                )
+        else:
+            self._ensure_main_grad()
+        for param, grad in zip(self.dist_params, self._grad_dtensors):
+            param.grad = grad
+        self._grads_installed = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.dist_params:
+            if set_to_none:
+                param.grad = None
+        for param in self.params:
+            param.grad = None
+        if set_to_none or self.grad_state is GradState.EMPTY:
+            self.release_grad_storage()
+            self._grads_installed = False
+            return
+        self._ensure_main_grad().zero_()
+        # Zeros are valid local partial sums: no_shard/optim go back to the cheap delayed path.
+        self.grad_state = (
+            GradState.REDUCED if self.strategy.shards_grads else GradState.ACCUMULATING
+        )
+
+    def sweep_cleared_grads(self) -> None:
+        """If the optimizer cleared every gradient this group installed (``optimizer.zero_grad()``),
+        forget them and free the storage, so the next backward starts fresh."""
+        if not self._grads_installed:
+            return
+        if all(param.grad is None for param in self.dist_params):
+            self.release_grad_storage()
+            self._grads_installed = False
+
+    # ------------------------------------------------------------------ accounting
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of each persistent buffer role this rank holds (grads at their step-time size)."""
+        model = self.model_weight.numel() * self.model_weight.element_size()
+        main = (
+            self.main_weight.numel() * self.main_weight.element_size() if self._separate_main else 0
+        )
+        grad = self.main_grad_numel * self.dtypes.grad.itemsize if self.requires_grad else 0
+        padding_elems = self.layout.padding_numel
+        if self.strategy.shards_model_weights:
+            padding_elems //= self.world_size
+        return {
+            "model_weights": model,
+            "main_weights": main,
+            "main_grads": grad,
+            "padding": padding_elems * self.dtypes.model.itemsize,
+        }

@@ -1,0 +1,289 @@
+"""Per-unit hook owner (``FSDPState``) and the state its root shares with the whole tree
+(``FSDPContext``). Decides *when* parameter groups unshard, reshard and reduce; never touches
+buffer contents itself.
+
+[Note: hook schedule]
+For a unit ``U`` (a module passed to ``fully_shard``):
+
+* forward pre-hook: on the root, lazy init and the gradient sweep; then ``U`` unshards its groups
+  (ZeRO-3 gather, or the ZeRO-1/2 refresh when stale), registers its compute parameters on the
+  module, and routes its tensor inputs through ``_RegisterPostBackward`` so that ``U``'s
+  post-backward runs once the gradients of its inputs (hence of its parameters) are computed.
+* forward post-hook: registers the DTensor parameters again, reshards ZeRO-3 groups, and hooks
+  the outputs so the first gradient flowing into them runs ``U``'s pre-backward.
+* pre-backward: queues the root's final callback (once per backward) and re-gathers ZeRO-3 weights.
+* post-backward: when every forward call of ``U`` in this pass has finished its backward,
+  reshard ZeRO-3 groups and reduce gradients (``ParamGroup.reduce_grads``).
+* final callback (end of backward, queued on the autograd engine): runs the post-backward of
+  units whose inputs did not require grad (typically the root, fed token ids), waits for every
+  in-flight reduction and, on the last micro-batch, installs the optimizer-facing gradients.
+
+Forward hooks that run *during* backward are activation-checkpoint recomputes: they unshard and
+register compute parameters but neither reshard nor register backward hooks again, so the
+weights gathered for the recompute serve the backward that follows.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from ._allocator import BucketAllocator
+from ._param_group import ParamGroup
+from .api import MixedPrecisionPolicy
+
+__all__ = ["FSDPState", "FSDPContext", "TrainingState", "get_state"]
+
+_STATE_ATTR = "_mfsdp_state"
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+
+
+def get_state(module: nn.Module) -> FSDPState | None:
+    return getattr(module, _STATE_ATTR, None)
+
+
+def _in_backward() -> bool:
+    """True inside the autograd engine (e.g. an activation-checkpoint recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _RegisterPostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; its backward is the unit's post-backward hook."""
+
+    @staticmethod
+    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+class FSDPContext:
+    """What the root shares with every unit of its tree."""
+
+    def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
+        self.root = root
+        self.states = states  # pre-order of the module tree: root first
+        self.allocator = BucketAllocator()
+        self.final_callback_queued = False
+
+    @property
+    def groups(self) -> Iterable[ParamGroup]:
+        for state in self.states:
+            yield from state.groups
+
+    def final_callback(self) -> None:
+        """End of backward: reduce what no post-backward hook reduced, then finish reductions."""
+        try:
+            for state in reversed(self.states):
+                if state.needs_post_backward:
+                    state.run_post_backward()
+            for state in self.states:
+                for group in state.groups:
+                    group.reshard()
+                    group.wait_for_reduction()
+                if state.is_last_backward:
+                    for group in state.groups:
+                        group.install_grads()
+        finally:
+            self.final_callback_queued = False
+            for state in self.states:
+                state.training_state = TrainingState.IDLE
+                state.pending_post_backward = 0
+                state.needs_post_backward = False
+
+
+class FSDPState:
+    """Hooks and training state of one unit."""
+
+    def __init__(
+        self, module: nn.Module, groups: list[ParamGroup], mp_policy: MixedPrecisionPolicy,
+        allocator: BucketAllocator,
+    ) -> None:
+        self._module_ref = weakref.ref(module)
+        self.groups = groups
+        self.mp_policy = mp_policy
+        self.allocator = allocator
+        self.ctx: FSDPContext | None = None
+        self.training_state = TrainingState.IDLE
+        self.is_last_backward = True
+        self.pending_post_backward = 0  # forward calls whose post-backward has not run yet
+        self.needs_post_backward = False
+        self._compute_registration, self._dist_registration = self._build_registrations(module)
+        self._cast_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module_ref()
+        assert module is not None
+        return module
+
+    def _build_registrations(
+        self, module: nn.Module
+    ) -> tuple[list[tuple[dict, dict]], list[tuple[dict, dict]]]:
+        """Per owning submodule, the ``_parameters`` entries that hold compute / DTensor params.
+        A tied parameter appears under every (submodule, name) slot it occupies."""
+        compute_ids = {id(p): (p, d) for g in self.groups for p, d in zip(g.params, g.dist_params)}
+        compute: dict[int, tuple[dict, dict]] = {}
+        dist: dict[int, tuple[dict, dict]] = {}
+        for submodule in module.modules():
+            for name, param in submodule._parameters.items():
+                if param is None or id(param) not in compute_ids:
+                    continue
+                compute_param, dist_param = compute_ids[id(param)]
+                key = id(submodule)
+                compute.setdefault(key, (submodule._parameters, {}))[1][name] = compute_param
+                dist.setdefault(key, (submodule._parameters, {}))[1][name] = dist_param
+        return list(compute.values()), list(dist.values())
+
+    def register_dist_params(self) -> None:
+        for parameters, mapping in self._dist_registration:
+            parameters.update(mapping)
+
+    def register_compute_params(self) -> None:
+        for parameters, mapping in self._compute_registration:
+            parameters.update(mapping)
+
+    # ------------------------------------------------------------------ lazy init
+
+    def _lazy_init(self) -> None:
+        """First forward: this unit is the root of every unit below it."""
+        states = [s for m in self.module.modules() if (s := get_state(m)) is not None]
+        ctx = FSDPContext(self, states)
+        for state in states:
+            state.ctx = ctx
+            # One allocator for the tree, so the temporary-bucket peak is the tree's peak.
+            ctx.allocator.adopt(state.allocator)
+            state.allocator = ctx.allocator
+            for group in state.groups:
+                group.allocator = ctx.allocator
+
+    @property
+    def is_root(self) -> bool:
+        return self.ctx is not None and self.ctx.root is self
+
+    # ------------------------------------------------------------------ forward
+
+    def unshard(self, async_op: bool = False) -> None:
+        for group in self.groups:
+            group.unshard(async_op)
+
+    def wait_for_unshard(self) -> None:
+        for group in self.groups:
+            group.wait_for_unshard()
+
+    def reshard(self) -> None:
+        for group in self.groups:
+            group.reshard()
+
+    def _pre_forward(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if _in_backward():  # activation-checkpoint recompute
+            self.unshard()
+            self.wait_for_unshard()
+            self.register_compute_params()
+            return None
+        if self.ctx is None:
+            self._lazy_init()
+        assert self.ctx is not None
+        if self.is_root:
+            self._root_pre_forward()
+        self.training_state = TrainingState.FORWARD
+        self.unshard()
+        self.wait_for_unshard()
+        self.register_compute_params()
+        if self._cast_dtype is not None:
+            dtype = self._cast_dtype
+            args, kwargs = tree_map(
+                lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+                (args, kwargs),
+            )
+        if torch.is_grad_enabled():
+            self.needs_post_backward = True
+            args, kwargs = self._register_post_backward(args, kwargs)
+        return args, kwargs
+
+    def _root_pre_forward(self) -> None:
+        assert self.ctx is not None
+        if self.ctx.final_callback_queued:
+            # A backward that never ran its final callback (e.g. an exception inside it).
+            self.ctx.final_callback()
+        for group in self.ctx.groups:
+            group.sweep_cleared_grads()
+
+    def _register_post_backward(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [
+            i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if not positions:
+            return args, kwargs
+        outputs = _RegisterPostBackward.apply(self, *(flat[i] for i in positions))
+        for i, out in zip(positions, outputs):
+            flat[i] = out
+        self.pending_post_backward += 1
+        return tree_unflatten(flat, spec)
+
+    def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        self.register_dist_params()
+        if _in_backward():
+            return output
+        self.reshard()
+        self.training_state = TrainingState.IDLE
+        if torch.is_grad_enabled():
+            tensors = [
+                t for t in tree_flatten(output)[0]
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, self._pre_backward, mode="any"
+                )
+        return output
+
+    # ------------------------------------------------------------------ backward
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        if not ctx.final_callback_queued:
+            ctx.final_callback_queued = True
+            Variable._execution_engine.queue_callback(ctx.final_callback)
+        self.training_state = TrainingState.PRE_BACKWARD
+        self.unshard()
+        self.wait_for_unshard()
+
+    def post_backward(self) -> None:
+        """Called by ``_RegisterPostBackward``: runs once every forward call has its gradients."""
+        self.pending_post_backward -= 1
+        if self.pending_post_backward <= 0 and self.needs_post_backward:
+            self.run_post_backward()
+
+    def run_post_backward(self) -> None:
+        self.needs_post_backward = False
+        self.pending_post_backward = 0
+        for group in self.groups:
+            group.reshard()
+        for group in self.groups:
+            group.reduce_grads(self.is_last_backward, async_op=True)
+        self.training_state = TrainingState.IDLE

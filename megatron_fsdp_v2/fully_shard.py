@@ -1,0 +1,344 @@
+"""The user entry point: ``fully_shard`` and the ``FSDPModule`` mixin. Validation and wiring only;
+buffers live in ``_param_group.py`` and hooks in ``_state.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from ._allocator import BucketAllocator
+from ._init import (
+    COMPUTE_PARAM_ATTR,
+    check_ranks_agree,
+    collect_managed_params,
+    unit_signature,
+    validate_mesh,
+)
+from ._layout import build_layout, plan_buckets
+from ._param_group import ParamGroup
+from ._state import FSDPState, get_state
+from .api import MixedPrecisionPolicy, ShardingStrategy
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MemoryReport", "memory_report"]
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` blocks until gathered."""
+
+    def __init__(self, state: FSDPState | None) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        if self._state is not None:
+            self._state.wait_for_unshard()
+            self._state = None
+
+
+class FSDPModule:
+    """Mixin added to the class of every module passed to :func:`fully_shard`."""
+
+    def _mfsdp_states(self) -> list[FSDPState]:
+        """States of this unit and every unit below it."""
+        assert isinstance(self, nn.Module)
+        return [s for m in self.modules() if (s := get_state(m)) is not None]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Gather (ZeRO-3) or refresh (ZeRO-1/2) this unit's compute weights ahead of use.
+        With ``async_op=True`` returns a handle; the next forward waits on it anyway."""
+        state = get_state(self)  # type: ignore[arg-type]
+        assert state is not None
+        state.unshard(async_op=async_op)
+        if async_op:
+            return UnshardHandle(state)
+        state.wait_for_unshard()
+        return None
+
+    def reshard(self) -> None:
+        """Free this unit's gathered weights (ZeRO-3; no-op for replicated strategies)."""
+        state = get_state(self)  # type: ignore[arg-type]
+        assert state is not None
+        state.reshard()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Mark whether the next backward ends the gradient-accumulation window (the last
+        micro-batch before ``optimizer.step()``). Default ``True``: every backward is last, so an
+        unmarked loop is correct, just with more collectives for ``no_shard``/``optim``.
+
+        Non-last backwards skip the delayed reduction of ``no_shard``/``optim`` and do not expose
+        gradients to the optimizer; ``optim_grads``/``optim_grads_params`` still reduce-scatter
+        every micro-batch (that is what keeps their gradients sharded)."""
+        for state in self._mfsdp_states():
+            state.is_last_backward = bool(is_last_backward)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """FSDP2's name for :meth:`set_is_last_backward`: ``False`` defers synchronization to a
+        later backward. ``recurse=False`` applies to this unit only."""
+        states = self._mfsdp_states() if recurse else [get_state(self)]  # type: ignore[arg-type]
+        for state in states:
+            if state is not None:
+                state.is_last_backward = bool(requires_gradient_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside are not the last of the iteration; on exit the flag is ``True``."""
+        self.set_is_last_backward(False)
+        try:
+            yield
+        finally:
+            self.set_is_last_backward(True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the optimizer-facing gradients of this unit and those below it.
+        ``set_to_none=True`` also frees the gradient buffers."""
+        for state in self._mfsdp_states():
+            for group in state.groups:
+                group.zero_grad(set_to_none)
+        # Parameters not managed by any unit (ignored_params) follow nn.Module semantics.
+        assert isinstance(self, nn.Module)
+        for param in self.parameters():
+            if not hasattr(param, "_mfsdp_param_group") and param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.detach_().zero_()
+
+    def mark_main_weights_updated(self) -> None:
+        """Tell the units that their optimizer-facing parameters were changed outside a
+        ``torch.optim`` optimizer step or ``load_state_dict`` (both are detected automatically),
+        so compute weights are refreshed before the next forward."""
+        for state in self._mfsdp_states():
+            for group in state.groups:
+                group.mark_main_weights_updated()
+
+
+_fsdp_classes: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _fsdp_classes:
+        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _fsdp_classes[cls]
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh | None = None,
+    sharding_strategy: ShardingStrategy | str | int = "optim_grads_params",
+    mp_policy: MixedPrecisionPolicy | None = None,
+    ignored_params: Iterable[nn.Parameter] | None = None,
+    gradient_scaling_factor: float | None = None,
+    max_padding_ratio: float = 0.01,
+    check_ranks: bool = True,
+) -> FSDPModule:
+    """Shard ``module``'s parameters, gradients and/or optimizer state over a data-parallel mesh.
+
+    Wrap children first (e.g. each transformer block), then the root, as with PyTorch FSDP2's
+    ``fully_shard``. Each call makes one *unit*: the module's parameters minus those of wrapped
+    submodules, grouped by (device, dtype, requires_grad) into row-aligned flat buffers.
+    ``module`` is changed in place (its class becomes ``FSDP<Class>``, a subclass of
+    :class:`FSDPModule` and the original class) and returned. Build the optimizer afterwards:
+    ``module.parameters()`` are then DTensor parameters (``Shard(0)``, uneven; ``Replicate()``
+    for ``no_shard``) viewing persistent flat buffers, and their gradients are DTensors too.
+
+    Args:
+        mesh: 1-D ``DeviceMesh``; default: the whole world on ``cuda`` (NCCL) or ``cpu`` (gloo).
+        sharding_strategy: ``"no_shard"`` (0), ``"optim"`` (1), ``"optim_grads"`` (2) or
+            ``"optim_grads_params"`` (3). Per parameter group and iteration of N micro-batches
+            (marked with ``set_is_last_backward``/``no_sync``) they issue 1 all-reduce; 1
+            all-gather + 1 reduce-scatter; 1 all-gather + N reduce-scatters; 2N all-gathers + N
+            reduce-scatters.
+        mp_policy: dtypes of compute weights, main weights, grads and reduction.
+        ignored_params: parameters left as plain, unmanaged ``nn.Parameter`` s.
+        gradient_scaling_factor: ``None`` averages gradients over the mesh (DDP/FSDP2); a number
+            sums them and multiplies by it (Megatron-FSDP).
+        max_padding_ratio: split a group into several buckets when row alignment would pad it
+            by more than this fraction.
+        check_ranks: verify with one small all-gather that every rank wraps the same module
+            with the same arguments.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    if isinstance(module, FSDPModule) or get_state(module) is not None:
+        raise ValueError(
+            f"{type(module).__name__} is already wrapped by fully_shard; wrap each module once "
+            "(children first, then the root)"
+        )
+    strategy = ShardingStrategy.parse(sharding_strategy)
+    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    if gradient_scaling_factor is not None and not isinstance(gradient_scaling_factor, (int, float)):
+        raise TypeError("gradient_scaling_factor must be a number or None")
+    mesh = validate_mesh(mesh)
+    managed = collect_managed_params(module, mesh, ignored_params)
+    dtypes_by_param = [mp_policy.resolve(m.param.dtype) for m in managed]
+    if check_ranks:
+        check_ranks_agree(
+            unit_signature(module, managed, strategy, mp_policy, gradient_scaling_factor), mesh
+        )
+
+    world_size = mesh.size()
+    pre_scale = (
+        float(gradient_scaling_factor) if gradient_scaling_factor is not None else 1.0 / world_size
+    )
+    # Group by (device, dtype, requires_grad), in first-seen order.
+    buckets: dict[tuple[Any, ...], list[int]] = {}
+    for i, m in enumerate(managed):
+        buckets.setdefault((m.param.device, m.param.dtype, m.param.requires_grad), []).append(i)
+    allocator = BucketAllocator()
+    groups: list[ParamGroup] = []
+    for members in buckets.values():
+        shapes = [managed[i].param.shape for i in members]
+        for split in plan_buckets(shapes, world_size, max_padding_ratio):
+            indices = [members[j] for j in split]
+            groups.append(
+                ParamGroup(
+                    group_id=(id(module), len(groups)),
+                    params=[managed[i].param for i in indices],
+                    fqns=[managed[i].fqn for i in indices],
+                    layout=build_layout([managed[i].param.shape for i in indices], world_size),
+                    mesh=mesh,
+                    strategy=strategy,
+                    dtypes=dtypes_by_param[indices[0]],
+                    grad_pre_scale=pre_scale,
+                    allocator=allocator,
+                )
+            )
+    owner = f"{type(module).__name__} at 0x{id(module):x}"
+    for group in groups:
+        for param in group.params:
+            setattr(param, COMPUTE_PARAM_ATTR, owner)
+    state = FSDPState(module, groups, mp_policy, allocator)
+    module._mfsdp_state = state  # type: ignore[assignment]
+    state.register_dist_params()
+    module.register_load_state_dict_post_hook(_mark_loaded)
+    module.__class__ = _fsdp_class(type(module))
+    return module  # type: ignore[return-value]
+
+
+def _mark_loaded(module: nn.Module, incompatible_keys: Any) -> None:
+    """A checkpoint load wrote the main weights: refresh compute weights before the next use."""
+    state = get_state(module)
+    if state is not None:
+        for group in state.groups:
+            group.mark_main_weights_updated()
+
+
+# ---------------------------------------------------------------------- optimizer integration
+# A global step hook finds the parameter groups an optimizer updated and marks them for the
+# replicated-buffer refresh (see [Note: replicated-buffer refresh]). It also catches optimizers
+# built before wrapping, which would silently update the compute views instead.
+
+@dataclass
+class _OptimizerGroups:
+    param_count: int
+    groups: list[ParamGroup] = field(default_factory=list)
+    stale_params: list[str] = field(default_factory=list)
+
+
+_optimizer_cache: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerGroups] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    cached = _optimizer_cache.get(optimizer)
+    if cached is not None and cached.param_count == len(params):
+        return cached
+    info = _OptimizerGroups(len(params))
+    seen: set[int] = set()
+    for p in params:
+        group = getattr(p, "_mfsdp_param_group", None)
+        if group is not None and id(group) not in seen:
+            seen.add(id(group))
+            info.groups.append(group)
+        owner = getattr(p, COMPUTE_PARAM_ATTR, None)
+        if owner is not None:
+            info.stale_params.append(f"shape {tuple(p.shape)} (managed by {owner})")
+    _optimizer_cache[optimizer] = info
+    return info
+
+
+def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    info = _optimizer_groups(optimizer)
+    if info.stale_params:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds parameters that fully_shard replaced "
+            f"({len(info.stale_params)}, first: {info.stale_params[0]}); the optimizer was "
+            "built before wrapping. Build it after fully_shard, from model.parameters()"
+        )
+
+
+def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in _optimizer_groups(optimizer).groups:
+        group.mark_main_weights_updated()
+
+
+register_optimizer_step_pre_hook(_optimizer_pre_step)
+register_optimizer_step_post_hook(_optimizer_post_step)
+
+
+# ---------------------------------------------------------------------- memory report
+
+@dataclass
+class MemoryReport:
+    """Bytes this rank holds per buffer role, summed over the units of a module tree."""
+
+    model_weights: int = 0
+    main_weights: int = 0
+    main_grads: int = 0
+    temporary_peak: int = 0
+    padding: int = 0
+    padding_ratio: float = 0.0
+    num_groups: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.model_weights + self.main_weights + self.main_grads + self.temporary_peak
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        return (
+            f"model_weights={self.model_weights / mib:.2f}MiB main_weights="
+            f"{self.main_weights / mib:.2f}MiB main_grads={self.main_grads / mib:.2f}MiB "
+            f"temporary_peak={self.temporary_peak / mib:.2f}MiB padding={self.padding_ratio:.3%} "
+            f"groups={self.num_groups}"
+        )
+
+
+def memory_report(module: nn.Module) -> MemoryReport:
+    """Per-role bytes of every unit in ``module``'s tree (``main_grads`` at their size during the
+    optimizer step; ``temporary_peak`` is the high-water mark of temporary buckets so far)."""
+    report = MemoryReport()
+    allocators: dict[int, BucketAllocator] = {}
+    content = padded = 0
+    for m in module.modules():
+        state = get_state(m)
+        if state is None:
+            continue
+        allocators[id(state.allocator)] = state.allocator
+        for group in state.groups:
+            sizes = group.memory_bytes()
+            report.model_weights += sizes["model_weights"]
+            report.main_weights += sizes["main_weights"]
+            report.main_grads += sizes["main_grads"]
+            report.padding += sizes["padding"]
+            report.num_groups += 1
+            content += group.layout.content_numel
+            padded += group.layout.padding_numel
+    report.temporary_peak = sum(a.peak_bytes for a in allocators.values())
+    report.padding_ratio = padded / max(content, 1)
+    return report

@@ -1,0 +1,153 @@
+"""Small models and a reference trainer shared by the distributed tests."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        # No qkv bias: the key bias has an exactly-zero gradient, which Adam turns into noise.
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+        self.checkpointed = checkpointed
+
+    def _attn(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self._attn(x)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.checkpointed and torch.is_grad_enabled():
+            return checkpoint(self._body, x, use_reentrant=False)
+        return self._body(x)
+
+
+class TinyGPT(nn.Module):
+    """GPT-style LM with tied embedding / output head."""
+
+    def __init__(self, vocab: int = 37, dim: int = 16, layers: int = 2, heads: int = 2,
+                 seq: int = 8, tie: bool = True, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, checkpointed) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+class OddMLP(nn.Module):
+    """Odd shapes (17x257, 7x15), a bias smaller than the world, a frozen layer, and a layer
+    used twice in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(15, 257)
+        self.mid = nn.Linear(257, 17)
+        self.shared = nn.Linear(17, 17)
+        self.frozen = nn.Linear(17, 7)
+        self.out = nn.Linear(7, 3)
+        for p in self.frozen.parameters():
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(torch.tanh(self.inp(x))))
+        h = torch.tanh(self.shared(torch.tanh(self.shared(h))))  # used twice
+        return self.out(torch.tanh(self.frozen(h)))
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+
+
+def mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.mse_loss(model(x).float(), y)
+
+
+def make_batches(kind: str, steps: int, micro: int, world: int, per_rank: int, seed: int = 0,
+                 vocab: int = 37, seq: int = 9) -> list[list[list]]:
+    """batches[step][micro][rank] -> that rank's micro-batch; identical on every rank."""
+    g = torch.Generator().manual_seed(1234 + seed)
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(micro):
+            if kind == "lm":
+                step.append([torch.randint(0, vocab, (per_rank, seq), generator=g) for _ in range(world)])
+            else:
+                step.append([(torch.randn(per_rank, 15, generator=g), torch.randn(per_rank, 3, generator=g))
+                             for _ in range(world)])
+        out.append(step)
+    return out
+
+
+def cat_batch(kind: str, parts: list) -> object:
+    if kind == "lm":
+        return torch.cat(parts)
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def shard_rows(dist_param: torch.Tensor) -> tuple[int, int]:
+    """The global dim-0 rows this rank's local shard of a fully_shard parameter covers."""
+    group = dist_param._mfsdp_param_group
+    return group.local_row_range(dist_param._mfsdp_index)
+
+
+def assert_close_to_reference(model: nn.Module, ref: nn.Module, rtol: float, atol: float,
+                              what: str = "param") -> None:
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        full = ref_params[name].detach()
+        if isinstance(p, DTensor):
+            lo, hi = shard_rows(p)
+            local = p.to_local().detach()
+            expected = full[lo:hi]
+        else:
+            local, expected = p.detach(), full
+        torch.testing.assert_close(local.float(), expected.float(), rtol=rtol, atol=atol,
+                                   msg=lambda m: f"{what} {name}: {m}")
+
+
+def all_ranks_ok(ok: bool) -> bool:
+    """Reduce a local verdict so every rank raises together (no rank left in a collective)."""
+    flag = torch.tensor([0 if ok else 1])
+    dist.all_reduce(flag)
+    return int(flag.item()) == 0
+
+
+def reference_copy(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)
+
+
+def lr_schedule(step: int) -> float:
+    return 1e-2 * (0.5 + 0.5 * math.cos(step))

@@ -103,6 +103,7 @@ class FSDPContext:
         finally:
             self.final_callback_queued = False
             for state in self.states:
+                state.register_dist_params()
                 state.training_state = TrainingState.IDLE
                 state.pending_post_backward = 0
                 state.needs_post_backward = False
@@ -272,6 +273,9 @@ class FSDPState:
         self.training_state = TrainingState.PRE_BACKWARD
         self.unshard()
         self.wait_for_unshard()
+        # An activation-checkpoint recompute inside this module's forward (which bypasses the
+        # forward hooks) must see compute parameters, not DTensors.
+        self.register_compute_params()
 
     def post_backward(self) -> None:
         """Called by ``_RegisterPostBackward``: runs once every forward call has its gradients."""
@@ -282,6 +286,7 @@ class FSDPState:
     def run_post_backward(self) -> None:
         self.needs_post_backward = False
         self.pending_post_backward = 0
+        self.register_dist_params()
         for group in self.groups:
             group.reshard()
         for group in self.groups:

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, checkpointed: bool = False) -> None:
+        """``checkpointed``: recompute the body in backward (checkpoint *inside* forward)."""
         super().__init__()
         self.heads = heads
         self.ln1 = nn.LayerNorm(dim)
@@ -47,11 +48,14 @@ class TinyGPT(nn.Module):
     """GPT-style LM with tied embedding / output head."""
 
     def __init__(self, vocab: int = 37, dim: int = 16, layers: int = 2, heads: int = 2,
-                 seq: int = 8, tie: bool = True, checkpointed: bool = False) -> None:
+                 seq: int = 8, tie: bool = True, checkpoint: str | None = None) -> None:
+        """``checkpoint``: None, "inner" (inside each block's forward) or "outer" (around each
+        block call, so the recompute runs the block's forward hooks)."""
         super().__init__()
+        self.outer_checkpoint = checkpoint == "outer"
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq, dim)
-        self.blocks = nn.ModuleList(Block(dim, heads, checkpointed) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, heads, checkpoint == "inner") for _ in range(layers))
         self.ln_f = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         if tie:
@@ -60,7 +64,10 @@ class TinyGPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
         for block in self.blocks:
-            x = block(x)
+            if self.outer_checkpoint and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.ln_f(x))
 
 

@@ -1,0 +1,134 @@
+"""Per-iteration collective counts (the strategy contract) and per-role memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.debug import CommDebugMode
+
+from megatron_fsdp_v2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, memory_report
+from megatron_fsdp_v2._state import get_state
+from megatron_fsdp_v2.testing import run_distributed
+
+from _models import TinyGPT, lm_loss, make_batches
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+def _expected(strategy: str, micro: int) -> tuple[int, int, int]:
+    """(all-gathers, reduce-scatters, all-reduces) per parameter group per iteration."""
+    return {
+        "no_shard": (0, 0, 1),
+        "optim": (1, 1, 0),
+        "optim_grads": (1, micro, 0),
+        "optim_grads_params": (2 * micro, micro, 0),
+    }[strategy]
+
+
+def _count(comm: CommDebugMode, *names: str) -> int:
+    counts = comm.get_comm_counts()
+    return sum(v for k, v in counts.items() if str(k).split(".")[-1].rstrip("_") in names)
+
+
+def _groups(model: torch.nn.Module) -> list:
+    return [g for m in model.modules() if (s := get_state(m)) is not None for g in s.groups]
+
+
+def _counts_worker(rank: int, world: int) -> None:
+    for strategy in STRATEGIES:
+        for micro in (1, 3):
+            torch.manual_seed(0)
+            model = TinyGPT(layers=3)
+            for block in model.blocks:
+                fully_shard(block, sharding_strategy=strategy)
+            fully_shard(model, sharding_strategy=strategy)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            batches = make_batches("lm", 3, micro, world, per_rank=2)
+            observed = []
+            for step in range(3):
+                with CommDebugMode() as comm:
+                    for i in range(micro):
+                        model.set_is_last_backward(i == micro - 1)
+                        (lm_loss(model, batches[step][i][rank]) / micro).backward()
+                    clip_grad_norm_(model.parameters(), 1.0)
+                    opt.step()
+                    opt.zero_grad()
+                observed.append((
+                    _count(comm, "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced"),
+                    _count(comm, "_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
+                    _count(comm, "allreduce", "all_reduce"),
+                    sum(comm.get_comm_counts().values()),
+                ))
+            n = len(_groups(model))
+            ag, rs, ar = _expected(strategy, micro)
+            # Iteration 0 has no refresh to do (weights are fresh at wrap time); from then on
+            # every iteration pays exactly the contract. Clipping adds one all-reduce of the
+            # squared norm when gradients are sharded (replicated ones need none).
+            clip = 0 if strategy == "no_shard" else 1
+            steady = (ag * n, rs * n, ar * n + clip, ag * n + rs * n + ar * n + clip)
+            for step, got in enumerate(observed[1:], start=1):
+                assert got == steady, (
+                    f"{strategy} N={micro} iteration {step}: (AG, RS, AR, total) = {got}, "
+                    f"expected {steady} for {n} groups"
+                )
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_collective_counts(world_size: int) -> None:
+    run_distributed(_counts_worker, world_size, timeout_s=300)
+
+
+def _memory_worker(rank: int, world: int) -> None:
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
+    reports = {}
+    for strategy in STRATEGIES:
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=64, dim=32, layers=2, heads=2)
+        content = sum(p.numel() for p in model.parameters())
+        for block in model.blocks:
+            fully_shard(block, sharding_strategy=strategy, mp_policy=mp)
+        fully_shard(model, sharding_strategy=strategy, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(2):
+            lm_loss(model, make_batches("lm", 1, 1, world, 2, seed=step)[0][0][rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        # The next forward refreshes replicated weights (ZeRO-1/2); they must be bitwise equal.
+        with torch.no_grad():
+            model(torch.zeros(1, 4, dtype=torch.long))
+        for group in _groups(model):
+            if not group.strategy.shards_model_weights:
+                gathered = [torch.empty_like(group.model_weight) for _ in range(world)]
+                dist.all_gather(gathered, group.model_weight)
+                for other in gathered:
+                    assert torch.equal(other.view(torch.int16), group.model_weight.view(torch.int16)), (
+                        f"{strategy}: replicated model weights differ across ranks"
+                    )
+            assert group.allocator.live_bytes == 0, f"{strategy}: temporary buckets leaked"
+        report = memory_report(model)
+        reports[strategy] = report
+        padding_elems = sum(g.layout.padding_numel for g in _groups(model))
+        full = {"model": content * 2, "main": content * 4, "grad": content * 4}
+        shard = {k: v / world for k, v in full.items()}
+        expect = {
+            "no_shard": (full["model"], full["main"], full["grad"]),
+            "optim": (full["model"], shard["main"], full["grad"]),
+            "optim_grads": (full["model"], shard["main"], shard["grad"]),
+            "optim_grads_params": (shard["model"], shard["main"], shard["grad"]),
+        }[strategy]
+        got = (report.model_weights, report.main_weights, report.main_grads)
+        for role, g, e, itemsize in zip(("model", "main", "grad"), got, expect, (2, 4, 4)):
+            slack = padding_elems * itemsize  # padding, at most all of it on this rank
+            assert abs(g - e) <= slack, f"{strategy} {role}: {g} bytes, ZeRO formula {e} +- {slack}"
+        assert 0.0 <= report.padding_ratio < 1.0
+        if strategy in ("optim_grads", "optim_grads_params"):
+            assert report.temporary_peak > 0
+    # Each strategy holds strictly less than the one before it.
+    totals = [reports[s].model_weights + reports[s].main_weights + reports[s].main_grads for s in STRATEGIES]
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4, totals
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_memory_report_matches_zero_formula(world_size: int) -> None:
+    run_distributed(_memory_worker, world_size, timeout_s=300)

@@ -33,6 +33,7 @@ import enum
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -78,6 +79,7 @@ class ParamGroup:
         fqns: Sequence[str],
         layout: BufferLayout,
         mesh: DeviceMesh,
+        process_group: dist.ProcessGroup | None = None,
         strategy: ShardingStrategy,
         dtypes: ResolvedDtypes,
         grad_pre_scale: float,
@@ -88,7 +90,9 @@ class ParamGroup:
         self.fqns = list(fqns)
         self.layout = layout
         self.mesh = mesh
-        self.process_group = mesh.get_group()
+        # Collectives run on ``process_group`` (a group over the mesh's ranks; see
+        # ``_init.comm_group``), default: the mesh's own group.
+        self.process_group = process_group if process_group is not None else mesh.get_group()
         self.rank = mesh.get_local_rank()
         self.world_size = mesh.size()
         self.strategy = strategy

@@ -1,14 +1,31 @@
 """The only module that issues collectives. Every collective runs on a flat 1-D buffer through
-``torch.distributed`` (NCCL on GPUs, gloo on CPU), optionally asynchronously; callers wait on the
-returned work handle exactly where they need the data."""
+``torch.distributed`` (NCCL on GPUs, gloo on CPU).
+
+[Note: asynchronous collectives]
+:class:`CommStreams` runs a collective either synchronously or in the background and returns a
+:class:`CommHandle` whose ``wait()`` is called exactly where the result is needed.
+
+* CUDA: the collective is launched on a side stream (one for all-gathers, one for reductions)
+  after that stream waits on the caller stream, so it sees buffers the caller allocated and
+  filled; an event recorded after it is what ``wait()`` makes the caller stream wait on. Buffers
+  are allocated and freed on the caller stream, and freed only after that wait, so memory is
+  never reused while a collective still reads it, without ``record_stream``.
+* CPU (gloo): the collective runs with ``async_op=True`` on gloo's worker threads while the
+  Python thread keeps computing; ``wait()`` waits on the returned work.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["all_gather_into", "reduce_scatter_into", "all_reduce_inplace", "Work"]
+__all__ = [
+    "CommHandle", "CommStreams", "all_gather_into", "reduce_scatter_into", "all_reduce_inplace",
+]
 
 Work = dist.Work
 
@@ -41,3 +58,67 @@ def all_reduce_inplace(
 ) -> Work | None:
     """Sum ``buffer`` over ranks in place."""
     return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+class CommHandle(Protocol):
+    def wait(self) -> None: ...
+
+
+class _WorkHandle:
+    __slots__ = ("work",)
+
+    def __init__(self, work: Work) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+class _EventHandle:
+    __slots__ = ("event",)
+
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
+Launch = Callable[[bool], "Work | None"]
+
+
+class CommStreams:
+    """Where collectives of one device run. See [Note: asynchronous collectives]."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            self.all_gather_stream = torch.cuda.Stream(device, priority=-1)
+            self.reduce_stream = torch.cuda.Stream(device, priority=-1)
+
+    def run(self, launch: Launch, *, async_op: bool, reduce: bool) -> CommHandle | None:
+        """Run ``launch(async_op)``; in the background when ``async_op``. Returns the handle to
+        wait on, or None when the collective has already completed (in stream order)."""
+        if not async_op:
+            launch(False)
+            return None
+        if not self.is_cuda:
+            work = launch(True)
+            return _WorkHandle(work) if work is not None else None
+        stream = self.reduce_stream if reduce else self.all_gather_stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            launch(False)
+            event = torch.cuda.Event()
+            event.record(stream)
+        return _EventHandle(event)
+
+
+_streams: dict[torch.device, CommStreams] = {}
+
+
+def streams_for(device: torch.device) -> CommStreams:
+    """The shared :class:`CommStreams` of ``device`` (one pair of side streams per GPU)."""
+    if device not in _streams:
+        _streams[device] = CommStreams(device)
+    return _streams[device]

@@ -99,6 +99,7 @@ class ParamGroup:
         self.dtypes = dtypes
         self.grad_pre_scale = grad_pre_scale
         self.allocator = allocator
+        self.streams = comm.streams_for(params[0].device)
         self.requires_grad = self.params[0].requires_grad
         self.device = self.params[0].device
 
@@ -124,11 +125,11 @@ class ParamGroup:
         self._main_grad_allocated = False
         self._grad_dtensors: list[DTensor | None] | None = None
         self._grads_installed = False
-        self._pending_reductions: list[tuple[comm.Work | None, Callable[[], None]]] = []
+        self._pending_reductions: list[tuple[comm.CommHandle | None, Callable[[], None]]] = []
 
         self._weights_stale = False  # see [Note: replicated-buffer refresh]
         self._unsharded = not strategy.shards_model_weights
-        self._unshard_work: comm.Work | None = None
+        self._unshard_handle: comm.CommHandle | None = None
 
     # ------------------------------------------------------------------ construction
 
@@ -235,46 +236,52 @@ class ParamGroup:
         ):
             self._weights_stale = True
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> bool:
         """Make the full compute weights available (possibly asynchronously; see
-        :meth:`wait_for_unshard`)."""
+        :meth:`wait_for_unshard`). Returns whether a collective was issued."""
         if self.strategy.shards_model_weights:
             if self._unsharded:
-                return
+                return False
             if self._weights_stale:
                 ops.refresh_from_shard_(self.main_weight, self.model_weight, 0)
                 self._weights_stale = False
             output = self.allocator.allocate(
                 self._unshard_key, self.layout.total_numel, self.dtypes.model, self.device
             )
-            self._unshard_work = comm.all_gather_into(
-                output, self.model_weight, self.process_group, async_op
+            shard, group = self.model_weight, self.process_group
+            self._unshard_handle = self.streams.run(
+                lambda a: comm.all_gather_into(output, shard, group, a),
+                async_op=async_op, reduce=False,
             )
             self._unsharded = True
-            return
+            return True
         if not self._weights_stale:
-            return
+            return False
         if self._separate_main:
             ops.refresh_from_shard_(self.main_weight, self.model_weight, self._local_start)
         if self.strategy.shards_main_weights:
-            own_slot = self.model_weight[self._shard_start : self._shard_end]
-            self._unshard_work = comm.all_gather_into(
-                self.model_weight, own_slot, self.process_group, async_op
+            output, group = self.model_weight, self.process_group
+            own_slot = output[self._shard_start : self._shard_end]
+            self._unshard_handle = self.streams.run(
+                lambda a: comm.all_gather_into(output, own_slot, group, a),
+                async_op=async_op, reduce=False,
             )
         self._weights_stale = False
+        return self.strategy.shards_main_weights
 
     def wait_for_unshard(self) -> None:
-        work, self._unshard_work = self._unshard_work, None
-        if work is not None:
-            work.wait()
+        handle, self._unshard_handle = self._unshard_handle, None
+        if handle is not None:
+            handle.wait()
 
-    def reshard(self) -> None:
-        """Free the gathered weights of a sharded-weight group (no-op otherwise)."""
+    def reshard(self) -> bool:
+        """Free the gathered weights of a sharded-weight group; returns whether it did."""
         if not self.strategy.shards_model_weights or not self._unsharded:
-            return
+            return False
         self.wait_for_unshard()
         self.allocator.free(self._unshard_key)
         self._unsharded = False
+        return True
 
     @property
     def is_unsharded(self) -> bool:
@@ -365,29 +372,30 @@ class ParamGroup:
         main_grad = self._ensure_main_grad()
         reduce_all = self.strategy is ShardingStrategy.NO_SHARD
         shard = slice(self._shard_start, self._shard_end)
+        group = self.process_group
         if self.dtypes.comm == self.dtypes.grad:
             if reduce_all:
-                work = comm.all_reduce_inplace(main_grad, self.process_group, async_op)
+                launch = lambda a: comm.all_reduce_inplace(main_grad, group, a)  # noqa: E731
             else:
-                work = comm.reduce_scatter_into(main_grad[shard], main_grad, self.process_group, async_op)
-            self._track(work, lambda: None)
+                launch = lambda a: comm.reduce_scatter_into(main_grad[shard], main_grad, group, a)  # noqa: E731
+            self._track(self.streams.run(launch, async_op=async_op, reduce=True), lambda: None)
         else:
             workspace = self.allocator.allocate(
                 self._comm_key, self.layout.total_numel, self.dtypes.comm, self.device
             )
             ops.reduce_scatter_copy_in_(main_grad, workspace)
             if reduce_all:
-                work = comm.all_reduce_inplace(workspace, self.process_group, async_op)
                 reduced, target = workspace, main_grad
+                launch = lambda a: comm.all_reduce_inplace(workspace, group, a)  # noqa: E731
             else:
                 reduced, target = workspace[shard], main_grad[shard]
-                work = comm.reduce_scatter_into(reduced, workspace, self.process_group, async_op)
+                launch = lambda a: comm.reduce_scatter_into(reduced, workspace, group, a)  # noqa: E731
 
             def finish() -> None:
                 ops.reduce_scatter_copy_out_(reduced, target)
                 self.allocator.free(self._comm_key)
 
-            self._track(work, finish)
+            self._track(self.streams.run(launch, async_op=async_op, reduce=True), finish)
         self.grad_state = GradState.REDUCED
 
     def _reduce_micro_batch(self, grads: Sequence[torch.Tensor | None], async_op: bool) -> None:
@@ -399,37 +407,43 @@ class ParamGroup:
         self._stage(grads, reduce_scatter_input, accumulate=False)
         accumulate = self.grad_state is not GradState.EMPTY
         target = self._main_grad_local()
+        group = self.process_group
+        reduced: torch.Tensor | None
         if self.strategy is ShardingStrategy.NO_SHARD:
-            work = comm.all_reduce_inplace(reduce_scatter_input, self.process_group, async_op)
             reduced = reduce_scatter_input
+            launch = lambda a: comm.all_reduce_inplace(reduce_scatter_input, group, a)  # noqa: E731
         elif not accumulate and self.dtypes.comm == self.dtypes.grad:
             # First write, same dtype: reduce straight into the persistent shard.
-            work = comm.reduce_scatter_into(target, reduce_scatter_input, self.process_group, async_op)
             reduced = None
+            launch = lambda a: comm.reduce_scatter_into(target, reduce_scatter_input, group, a)  # noqa: E731
         else:
             reduced = reduce_scatter_input[self._shard_start : self._shard_end]
-            work = comm.reduce_scatter_into(reduced, reduce_scatter_input, self.process_group, async_op)
+            launch = lambda a: comm.reduce_scatter_into(reduced, reduce_scatter_input, group, a)  # noqa: E731
 
         def finish() -> None:
             if reduced is not None:
                 ops.reduce_scatter_copy_out_(reduced, target, accumulate=accumulate)
             self.allocator.free(self._rs_key)
 
-        self._track(work, finish)
+        self._track(self.streams.run(launch, async_op=async_op, reduce=True), finish)
         self.grad_state = GradState.REDUCED
 
-    def _track(self, work: comm.Work | None, finish: Callable[[], None]) -> None:
-        if work is None:
+    def _track(self, handle: comm.CommHandle | None, finish: Callable[[], None]) -> None:
+        if handle is None:
             finish()
         else:
-            self._pending_reductions.append((work, finish))
+            self._pending_reductions.append((handle, finish))
+
+    @property
+    def has_pending_reduction(self) -> bool:
+        return bool(self._pending_reductions)
 
     def wait_for_reduction(self) -> None:
         """Wait for in-flight gradient collectives and fold their results into ``main_grad``."""
         pending, self._pending_reductions = self._pending_reductions, []
-        for work, finish in pending:
-            if work is not None:
-                work.wait()
+        for handle, finish in pending:
+            if handle is not None:
+                handle.wait()
             finish()
 
     def install_grads(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
@@ -81,6 +82,43 @@ class FSDPContext:
         self.states = states  # pre-order of the module tree: root first
         self.allocator = BucketAllocator()
         self.final_callback_queued = False
+        self.overlap = root.overlap
+        # [Note: prefetch order] Units in the order their forward ran in the first forward
+        # pass (not registration order). Forward prefetches the next unit's gather, backward
+        # the previous one's; a unit that is skipped or runs out of order just waits for (or
+        # issues) its own gather, and stray prefetches are resharded at the root's post-forward
+        # and the final callback.
+        self.forward_order: list[FSDPState] = []
+        self._order_index: dict[int, int] = {}
+        self.recording_order = True
+        # Units whose gradient collectives may still be in flight, oldest first.
+        self.reducing: deque[FSDPState] = deque()
+        self.max_inflight_reductions = 2
+        # Debug/test event log of (event, unit fqn); None disables logging.
+        self.events: list[tuple[str, str]] | None = None
+
+    def log(self, event: str, state: FSDPState) -> None:
+        if self.events is not None:
+            self.events.append((event, state.fqn))
+
+    def record_forward(self, state: FSDPState) -> None:
+        if self.recording_order and id(state) not in self._order_index:
+            self._order_index[id(state)] = len(self.forward_order)
+            self.forward_order.append(state)
+
+    def neighbor(self, state: FSDPState, step: int) -> FSDPState | None:
+        """The unit ``step`` positions after ``state`` in the recorded forward order."""
+        index = self._order_index.get(id(state))
+        if index is None or self.recording_order:
+            return None
+        index += step
+        return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
+
+    def drain_reductions(self, keep: int) -> None:
+        """Finish the oldest in-flight reductions until at most ``keep`` units have some."""
+        while len(self.reducing) > keep:
+            for group in self.reducing.popleft().groups:
+                group.wait_for_reduction()
 
     @property
     def groups(self) -> Iterable[ParamGroup]:
@@ -93,6 +131,7 @@ class FSDPContext:
             for state in reversed(self.states):
                 if state.needs_post_backward:
                     state.run_post_backward()
+            self.reducing.clear()
             for state in self.states:
                 for group in state.groups:
                     group.reshard()
@@ -107,6 +146,7 @@ class FSDPContext:
                 state.training_state = TrainingState.IDLE
                 state.pending_post_backward = 0
                 state.needs_post_backward = False
+                state.backward_done = False
 
 
 class FSDPState:
@@ -125,6 +165,9 @@ class FSDPState:
         self.is_last_backward = True
         self.pending_post_backward = 0  # forward calls whose post-backward has not run yet
         self.needs_post_backward = False
+        self.backward_done = False  # post-backward ran in the current backward
+        self.overlap = True  # prefetch gathers and run reductions in the background
+        self.fqn = type(module).__name__
         self._compute_registration, self._dist_registration = self._build_registrations(module)
         self._cast_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
@@ -166,9 +209,11 @@ class FSDPState:
 
     def _lazy_init(self) -> None:
         """First forward: this unit is the root of every unit below it."""
-        states = [s for m in self.module.modules() if (s := get_state(m)) is not None]
+        named = [(name, s) for name, m in self.module.named_modules() if (s := get_state(m)) is not None]
+        states = [s for _, s in named]
         ctx = FSDPContext(self, states)
-        for state in states:
+        for name, state in named:
+            state.fqn = name or "<root>"
             state.ctx = ctx
             # One allocator for the tree, so the temporary-bucket peak is the tree's peak.
             ctx.allocator.adopt(state.allocator)
@@ -182,17 +227,22 @@ class FSDPState:
 
     # ------------------------------------------------------------------ forward
 
-    def unshard(self, async_op: bool = False) -> None:
+    def unshard(self, async_op: bool = False) -> bool:
+        """Start making compute weights available; True if a collective was issued."""
+        issued = False
         for group in self.groups:
-            group.unshard(async_op)
+            issued |= group.unshard(async_op)
+        return issued
 
     def wait_for_unshard(self) -> None:
         for group in self.groups:
             group.wait_for_unshard()
 
-    def reshard(self) -> None:
+    def reshard(self) -> bool:
+        freed = False
         for group in self.groups:
-            group.reshard()
+            freed |= group.reshard()
+        return freed
 
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -205,11 +255,18 @@ class FSDPState:
         if self.ctx is None:
             self._lazy_init()
         assert self.ctx is not None
+        ctx = self.ctx
         if self.is_root:
             self._root_pre_forward()
+        ctx.record_forward(self)
         self.training_state = TrainingState.FORWARD
-        self.unshard()
+        if self.unshard():
+            ctx.log("unshard", self)
         self.wait_for_unshard()
+        if ctx.overlap:
+            following = ctx.neighbor(self, +1)
+            if following is not None and following.unshard(async_op=True):
+                ctx.log("prefetch", following)
         self.register_compute_params()
         if self._cast_dtype is not None:
             dtype = self._cast_dtype
@@ -229,6 +286,18 @@ class FSDPState:
             self.ctx.final_callback()
         for group in self.ctx.groups:
             group.sweep_cleared_grads()
+        if self.ctx.overlap:
+            # [Note: replicated-buffer refresh] is in place, so refreshing every unit at once
+            # costs no memory: launch all refresh all-gathers now, in forward order, and let
+            # each unit wait for its own in its pre-forward, overlapping the earlier units'
+            # compute.
+            for state in self.ctx.forward_order or self.ctx.states:
+                issued = False
+                for group in state.groups:
+                    if group.needs_refresh and not group.strategy.shards_model_weights:
+                        issued |= group.unshard(async_op=True)
+                if issued:
+                    self.ctx.log("refresh", state)
 
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -249,8 +318,16 @@ class FSDPState:
         self.register_dist_params()
         if _in_backward():
             return output
-        self.reshard()
+        ctx = self.ctx
+        assert ctx is not None
+        if self.reshard():
+            ctx.log("reshard", self)
         self.training_state = TrainingState.IDLE
+        if self.is_root:
+            ctx.recording_order = False
+            for state in ctx.states:  # prefetched but never run (skipped by control flow)
+                if state.reshard():
+                    ctx.log("reshard", state)
         if torch.is_grad_enabled():
             tensors = [
                 t for t in tree_flatten(output)[0]
@@ -271,8 +348,17 @@ class FSDPState:
             ctx.final_callback_queued = True
             Variable._execution_engine.queue_callback(ctx.final_callback)
         self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()
+        if self.unshard():
+            ctx.log("unshard", self)
         self.wait_for_unshard()
+        if ctx.overlap:
+            preceding = ctx.neighbor(self, -1)
+            if (
+                preceding is not None
+                and not preceding.backward_done
+                and preceding.unshard(async_op=True)
+            ):
+                ctx.log("prefetch", preceding)
         # An activation-checkpoint recompute inside this module's forward (which bypasses the
         # forward hooks) must see compute parameters, not DTensors.
         self.register_compute_params()
@@ -287,8 +373,17 @@ class FSDPState:
         self.needs_post_backward = False
         self.pending_post_backward = 0
         self.register_dist_params()
+        ctx = self.ctx
+        assert ctx is not None
+        if self.reshard():
+            ctx.log("reshard", self)
+        reduced = False
         for group in self.groups:
-            group.reshard()
-        for group in self.groups:
-            group.reduce_grads(self.is_last_backward, async_op=True)
+            reduced |= group.reduce_grads(self.is_last_backward, async_op=ctx.overlap)
+        if reduced:
+            ctx.log("reduce", self)
+            if ctx.overlap:
+                ctx.reducing.append(self)
+                ctx.drain_reductions(ctx.max_inflight_reductions)
+        self.backward_done = True
         self.training_state = TrainingState.IDLE

@@ -141,6 +141,7 @@ def fully_shard(
     gradient_scaling_factor: float | None = None,
     max_padding_ratio: float = 0.01,
     check_ranks: bool = True,
+    overlap: bool = True,
 ) -> FSDPModule:
     """Shard ``module``'s parameters, gradients and/or optimizer state over a data-parallel mesh.
 
@@ -167,6 +168,11 @@ def fully_shard(
             by more than this fraction.
         check_ranks: verify with one small all-gather that every rank wraps the same module
             with the same arguments.
+        overlap: prefetch all-gathers (next unit in forward, previous in backward, in the
+            order recorded in the first forward), launch every ZeRO-1/2 refresh at the start
+            of forward, and run gradient reductions in the background. ``False`` runs every
+            collective synchronously (same numbers, for debugging). The root's value applies
+            to the whole tree.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
@@ -221,6 +227,7 @@ def fully_shard(
         for param in group.params:
             setattr(param, COMPUTE_PARAM_ATTR, owner)
     state = FSDPState(module, groups, mp_policy, allocator)
+    state.overlap = overlap
     module._mfsdp_state = state  # type: ignore[assignment]
     state.register_dist_params()
     module.register_load_state_dict_post_hook(_mark_loaded)

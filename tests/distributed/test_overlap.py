@@ -1,0 +1,123 @@
+"""Overlapped schedule: same numbers as the synchronous one, prefetch order as designed, and
+safety when control flow skips a prefetched unit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_fsdp_v2 import clip_grad_norm_, fully_shard
+from megatron_fsdp_v2._state import get_state
+from megatron_fsdp_v2.testing import run_distributed
+
+from _models import TinyGPT, all_ranks_ok, lm_loss, make_batches
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+class SkippingGPT(TinyGPT):
+    """Skips ``skip`` (a block index) when set: a prefetched unit that never runs."""
+
+    skip: int | None = None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for i, block in enumerate(self.blocks):
+            if i != self.skip:
+                x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _train(rank: int, world: int, strategy: str, overlap: bool, micro: int, steps: int = 4,
+           skip_at: dict[int, int] | None = None) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = SkippingGPT(layers=3)
+    for block in model.blocks:
+        fully_shard(block, sharding_strategy=strategy, overlap=overlap)
+    fully_shard(model, sharding_strategy=strategy, overlap=overlap)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = make_batches("lm", steps, micro, world, per_rank=2)
+    for step in range(steps):
+        model.skip = (skip_at or {}).get(step)
+        for i in range(micro):
+            model.set_is_last_backward(i == micro - 1)
+            (lm_loss(model, batches[step][i][rank]) / micro).backward()
+        clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+    return [p.to_local().detach().clone() for p in model.parameters()]
+
+
+def _equal_worker(rank: int, world: int) -> None:
+    for strategy in STRATEGIES:
+        for skip_at in (None, {2: 1}):
+            sync = _train(rank, world, strategy, overlap=False, micro=2, skip_at=skip_at)
+            overlapped = _train(rank, world, strategy, overlap=True, micro=2, skip_at=skip_at)
+            ok = all(torch.equal(a, b) for a, b in zip(sync, overlapped))
+            assert all_ranks_ok(ok), f"{strategy} skip={skip_at}: overlap changed the numbers"
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_overlap_matches_synchronous_bitwise(world_size: int) -> None:
+    run_distributed(_equal_worker, world_size, timeout_s=300)
+
+
+def _events_worker(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = SkippingGPT(layers=3)
+    for block in model.blocks:
+        fully_shard(block, sharding_strategy="optim_grads_params")
+    fully_shard(model, sharding_strategy="optim_grads_params")
+    batches = make_batches("lm", 3, 1, world, per_rank=2)
+    lm_loss(model, batches[0][0][rank]).backward()  # records the forward order
+    ctx = get_state(model).ctx
+    ctx.events = []
+    lm_loss(model, batches[1][0][rank]).backward()
+    expected = [
+        # forward: each unit prefetches the next one in the recorded order
+        ("unshard", "<root>"), ("prefetch", "blocks.0"),
+        ("prefetch", "blocks.1"), ("reshard", "blocks.0"),
+        ("prefetch", "blocks.2"), ("reshard", "blocks.1"),
+        ("reshard", "blocks.2"),
+        ("reshard", "<root>"),
+        # backward: the root first (its outputs get gradients first), then each block gathers
+        # itself only if not prefetched and prefetches the one before it
+        ("unshard", "<root>"),
+        ("unshard", "blocks.2"), ("prefetch", "blocks.1"), ("reshard", "blocks.2"), ("reduce", "blocks.2"),
+        ("prefetch", "blocks.0"), ("reshard", "blocks.1"), ("reduce", "blocks.1"),
+        ("reshard", "blocks.0"), ("reduce", "blocks.0"),
+        # final callback: the root, whose inputs (token ids) never get gradients
+        ("reshard", "<root>"), ("reduce", "<root>"),
+    ]
+    assert ctx.events == expected, f"\n got {ctx.events}\nwant {expected}"
+
+    # A prefetched unit skipped by control flow is resharded at the root's post-forward.
+    ctx.events = []
+    model.skip = 1
+    with torch.no_grad():
+        model(batches[2][0][rank][:, :-1])
+    assert ("prefetch", "blocks.1") in ctx.events and ctx.events[-1] == ("reshard", "blocks.1"), ctx.events
+    assert all(not g.is_unsharded for s in ctx.states for g in s.groups)
+    assert ctx.allocator.live_bytes == 0
+
+    # ZeRO-1/2: all refresh all-gathers are launched at the root's pre-forward, in order.
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2)
+    for block in model.blocks:
+        fully_shard(block, sharding_strategy="optim_grads")
+    fully_shard(model, sharding_strategy="optim_grads")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    lm_loss(model, batches[0][0][rank]).backward()
+    opt.step()
+    ctx = get_state(model).ctx
+    ctx.events = []
+    lm_loss(model, batches[1][0][rank]).backward()
+    assert ctx.events[:3] == [("refresh", "<root>"), ("refresh", "blocks.0"), ("refresh", "blocks.1")], ctx.events
+    assert [e for e in ctx.events if e[0] == "reduce"] == [
+        ("reduce", "blocks.1"), ("reduce", "blocks.0"), ("reduce", "<root>")
+    ], ctx.events
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_event_order(world_size: int) -> None:
+    run_distributed(_events_worker, world_size, timeout_s=120)

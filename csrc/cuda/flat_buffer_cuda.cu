@@ -1,0 +1,321 @@
+// CUDA kernels for the flat-buffer ops: TORCH_LIBRARY_IMPL(megatron_fsdp_v2, CUDA, m).
+//
+// One kernel does every copy op: scaled_cast_kernel<S, D> walks a segment table
+// (multi_tensor.cuh) with a grid-stride loop over tiles. A full tile whose
+// pointers are aligned moves kUnroll 16-byte vectors per thread (all loads issued
+// before the stores); partial or misaligned tiles fall back to a strided scalar
+// loop. pack_/unpack_ of a whole list is one launch (per kMaxSegments segments).
+//
+// Numerics match the CPU kernels and the reference: opmath(src) * scale and
+// opmath(dst) + scaled are rounded separately (__fmul_rn/__fadd_rn cannot be
+// contracted into an FMA), then cast once to D.
+//
+// Kernels run on the current stream of the tensors' device, under a device guard.
+// Keep pybind11 / torch/extension.h out of this file, and ATen/cuda/CUDAContext.h
+// too: it pulls in cuBLAS/cuSPARSE/cuSOLVER headers that minimal toolkits lack,
+// and c10 gives us the stream (at::cuda::getCurrentCUDAStream is the same call).
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "mfsdp/checks.h"
+#include "mfsdp/segments.h"
+#include "multi_tensor.cuh"
+
+namespace megatron_fsdp_v2 {
+namespace {
+
+using mfsdp::cuda::SegmentTable;
+
+constexpr int kBlock = 256;
+constexpr int kUnroll = 4;
+
+template <typename S, typename D>
+using opmath_t = std::conditional_t<std::is_same_v<S, double> || std::is_same_v<D, double>,
+                                    double, float>;
+
+// 16-byte accesses on the wider side of the copy.
+template <typename S, typename D>
+constexpr int vec_width() {
+  return 16 / static_cast<int>(sizeof(S) > sizeof(D) ? sizeof(S) : sizeof(D));
+}
+
+template <typename S, typename D>
+constexpr int64_t tile_elems() {
+  return int64_t{kBlock} * vec_width<S, D>() * kUnroll;
+}
+
+__device__ __forceinline__ int64_t tile_size(int64_t tile, int64_t remaining) {
+  return remaining < tile ? remaining : tile;
+}
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
+template <typename S, typename D, typename acc_t>
+__device__ __forceinline__ D scaled_cast(S x, D old, acc_t scale, bool accumulate) {
+  acc_t v = mul_rn(static_cast<acc_t>(x), scale);
+  if (accumulate) v = add_rn(static_cast<acc_t>(old), v);
+  return static_cast<D>(v);
+}
+
+template <typename S, typename D>
+__global__ void __launch_bounds__(kBlock)
+    scaled_cast_kernel(const __grid_constant__ SegmentTable table, opmath_t<S, D> scale,
+                       bool accumulate) {
+  using acc_t = opmath_t<S, D>;
+  constexpr int kVec = vec_width<S, D>();
+  constexpr int64_t kTile = tile_elems<S, D>();
+  using SrcVec = Vec<S, kVec>;
+  using DstVec = Vec<D, kVec>;
+
+  const int64_t num_tiles = table.tile_begin[table.num_segments];
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int s = mfsdp::cuda::find_segment(table, tile);
+    const int64_t start = (tile - table.tile_begin[s]) * kTile;
+    const int64_t n = tile_size(kTile, table.numel[s] - start);
+    const S* src = static_cast<const S*>(table.src[s]) + start;
+    D* dst = static_cast<D*>(table.dst[s]) + start;
+    const bool aligned = reinterpret_cast<uintptr_t>(src) % sizeof(SrcVec) == 0 &&
+                         reinterpret_cast<uintptr_t>(dst) % sizeof(DstVec) == 0;
+    if (aligned && n == kTile) {
+      SrcVec in[kUnroll];
+      DstVec out[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        in[u] = reinterpret_cast<const SrcVec*>(src)[u * kBlock + threadIdx.x];
+        if (accumulate) out[u] = reinterpret_cast<const DstVec*>(dst)[u * kBlock + threadIdx.x];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          out[u].v[j] = scaled_cast<S, D, acc_t>(in[u].v[j], out[u].v[j], scale, accumulate);
+        }
+        reinterpret_cast<DstVec*>(dst)[u * kBlock + threadIdx.x] = out[u];
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < n; i += kBlock) {
+        dst[i] = scaled_cast<S, D, acc_t>(src[i], accumulate ? dst[i] : D(0), scale, accumulate);
+      }
+    }
+  }
+}
+
+template <typename acc_t>
+__device__ __forceinline__ acc_t block_sum(acc_t v) {
+  __shared__ acc_t warp_sums[kBlock / 32];
+#pragma unroll
+  for (int delta = 16; delta > 0; delta /= 2) v += __shfl_down_sync(0xffffffffu, v, delta);
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  if (lane == 0) warp_sums[warp] = v;
+  __syncthreads();
+  v = threadIdx.x < kBlock / 32 ? warp_sums[threadIdx.x] : acc_t(0);
+  if (warp == 0) {
+#pragma unroll
+    for (int delta = 16; delta > 0; delta /= 2) v += __shfl_down_sync(0xffffffffu, v, delta);
+  }
+  return v;  // valid in thread 0
+}
+
+// One partial sum of squares per block; sum_partials_kernel adds them up, so the
+// result does not depend on scheduling (no atomics).
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+    sum_of_squares_kernel(const __grid_constant__ SegmentTable table, float* partials) {
+  using acc_t = opmath_t<T, T>;
+  constexpr int kVec = vec_width<T, T>();
+  constexpr int64_t kTile = tile_elems<T, T>();
+  using InVec = Vec<T, kVec>;
+
+  acc_t acc = 0;
+  const int64_t num_tiles = table.tile_begin[table.num_segments];
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int s = mfsdp::cuda::find_segment(table, tile);
+    const int64_t start = (tile - table.tile_begin[s]) * kTile;
+    const int64_t n = tile_size(kTile, table.numel[s] - start);
+    const T* src = static_cast<const T*>(table.src[s]) + start;
+    if (reinterpret_cast<uintptr_t>(src) % sizeof(InVec) == 0 && n == kTile) {
+      InVec in[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        in[u] = reinterpret_cast<const InVec*>(src)[u * kBlock + threadIdx.x];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          const acc_t x = static_cast<acc_t>(in[u].v[j]);
+          acc += x * x;
+        }
+      }
+    } else {
+      for (int64_t i = threadIdx.x; i < n; i += kBlock) {
+        const acc_t x = static_cast<acc_t>(src[i]);
+        acc += x * x;
+      }
+    }
+  }
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = static_cast<float>(acc);
+}
+
+__global__ void __launch_bounds__(kBlock)
+    sum_partials_kernel(const float* partials, int64_t n, float* out) {
+  float acc = 0.f;
+  for (int64_t i = threadIdx.x; i < n; i += kBlock) acc += partials[i];
+  acc = block_sum(acc);
+  if (threadIdx.x == 0) *out = acc;
+}
+
+// Enough resident blocks to fill the current device; the grid-stride loop does the rest.
+int64_t max_blocks() {
+  static std::atomic<int> sm_count[C10_COMPILE_TIME_MAX_GPUS] = {};  // 0: not queried yet
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  int count = sm_count[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    sm_count[device].store(count, std::memory_order_relaxed);
+  }
+  return int64_t{count} * (2048 / kBlock);
+}
+
+void run_segments(const at::Device& device, const std::vector<mfsdp::Segment>& segments,
+                  at::ScalarType src_dtype, at::ScalarType dst_dtype, double scale,
+                  bool accumulate) {
+  if (segments.empty()) return;
+  const c10::cuda::CUDAGuard guard(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t grid_limit = max_blocks();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_dtype, "mfsdp_cast_src", [&] {
+    using src_t = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst_dtype, "mfsdp_cast_dst", [&] {
+      using dst_t = scalar_t;
+      using acc_t = opmath_t<src_t, dst_t>;
+      mfsdp::cuda::for_each_table(
+          segments, tile_elems<src_t, dst_t>(), [&](const SegmentTable& table, int64_t tiles) {
+            const int blocks = static_cast<int>(std::min(tiles, grid_limit));
+            scaled_cast_kernel<src_t, dst_t><<<blocks, kBlock, 0, stream>>>(
+                table, static_cast<acc_t>(scale), accumulate);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+    });
+  });
+}
+
+void pack_cuda(at::TensorList inputs, at::IntArrayRef offsets, const at::Tensor& flat,
+               double scale, bool accumulate) {
+  mfsdp::check_list_and_flat(inputs, "inputs", offsets, flat, "flat", "pack_");
+  TORCH_INTERNAL_ASSERT(flat.is_cuda());
+  if (inputs.empty()) return;
+  run_segments(flat.device(), mfsdp::segments_into_flat(inputs, offsets, flat),
+               inputs[0].scalar_type(), flat.scalar_type(), scale, accumulate);
+}
+
+void unpack_cuda(const at::Tensor& flat, at::IntArrayRef offsets, at::TensorList outputs,
+                 double scale, bool accumulate) {
+  mfsdp::check_list_and_flat(outputs, "outputs", offsets, flat, "flat", "unpack_");
+  TORCH_INTERNAL_ASSERT(flat.is_cuda());
+  if (outputs.empty()) return;
+  run_segments(flat.device(), mfsdp::segments_from_flat(flat, offsets, outputs),
+               flat.scalar_type(), outputs[0].scalar_type(), scale, accumulate);
+}
+
+void refresh_from_shard_cuda(const at::Tensor& main_weight_shard, const at::Tensor& model_weight,
+                             int64_t shard_offset) {
+  constexpr const char* op = "refresh_from_shard_";
+  mfsdp::check_pair(main_weight_shard, "main_weight_shard", model_weight, "model_weight", op);
+  mfsdp::check_range(main_weight_shard, "main_weight_shard", model_weight, "model_weight",
+                     shard_offset, "shard_offset", op);
+  TORCH_INTERNAL_ASSERT(model_weight.is_cuda());
+  run_segments(model_weight.device(),
+               mfsdp::segment_pair(main_weight_shard, model_weight, shard_offset),
+               main_weight_shard.scalar_type(), model_weight.scalar_type(), 1.0, false);
+}
+
+void reduce_scatter_copy_in_cuda(const at::Tensor& grad, const at::Tensor& reduce_scatter_input,
+                                 double pre_scale) {
+  constexpr const char* op = "reduce_scatter_copy_in_";
+  mfsdp::check_pair(grad, "grad", reduce_scatter_input, "reduce_scatter_input", op);
+  mfsdp::check_same_numel(grad, "grad", reduce_scatter_input, "reduce_scatter_input", op);
+  TORCH_INTERNAL_ASSERT(reduce_scatter_input.is_cuda());
+  run_segments(reduce_scatter_input.device(), mfsdp::segment_pair(grad, reduce_scatter_input, 0),
+               grad.scalar_type(), reduce_scatter_input.scalar_type(), pre_scale, false);
+}
+
+void reduce_scatter_copy_out_cuda(const at::Tensor& reduced_shard,
+                                  const at::Tensor& main_grad_shard, double post_scale,
+                                  bool accumulate) {
+  constexpr const char* op = "reduce_scatter_copy_out_";
+  mfsdp::check_pair(reduced_shard, "reduced_shard", main_grad_shard, "main_grad_shard", op);
+  mfsdp::check_same_numel(reduced_shard, "reduced_shard", main_grad_shard, "main_grad_shard", op);
+  TORCH_INTERNAL_ASSERT(main_grad_shard.is_cuda());
+  run_segments(main_grad_shard.device(), mfsdp::segment_pair(reduced_shard, main_grad_shard, 0),
+               reduced_shard.scalar_type(), main_grad_shard.scalar_type(), post_scale,
+               accumulate);
+}
+
+at::Tensor multi_tensor_sum_of_squares_cuda(at::TensorList tensors) {
+  mfsdp::check_tensor_list(tensors, "tensors", "multi_tensor_sum_of_squares");
+  TORCH_INTERNAL_ASSERT(tensors[0].is_cuda());
+  const c10::cuda::CUDAGuard guard(tensors[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const std::vector<mfsdp::Segment> segments = mfsdp::segments_of(tensors);
+  const int64_t grid_limit = max_blocks();
+  const int64_t groups = std::max<int64_t>(
+      1, (static_cast<int64_t>(segments.size()) + mfsdp::cuda::kMaxSegments - 1) /
+             mfsdp::cuda::kMaxSegments);
+  const at::TensorOptions f32 = tensors[0].options().dtype(at::kFloat);
+  at::Tensor partials = at::empty({groups * grid_limit}, f32);
+  at::Tensor out = at::empty({}, f32);
+  int64_t used = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, tensors[0].scalar_type(), "mfsdp_sum_of_squares", [&] {
+        mfsdp::cuda::for_each_table(
+            segments, tile_elems<scalar_t, scalar_t>(),
+            [&](const SegmentTable& table, int64_t tiles) {
+              const int blocks = static_cast<int>(std::min(tiles, grid_limit));
+              sum_of_squares_kernel<scalar_t>
+                  <<<blocks, kBlock, 0, stream>>>(table, partials.data_ptr<float>() + used);
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+              used += blocks;
+            });
+      });
+  sum_partials_kernel<<<1, kBlock, 0, stream>>>(partials.data_ptr<float>(), used,
+                                                out.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megatron_fsdp_v2, CUDA, m) {
+  m.impl("pack_", &pack_cuda);
+  m.impl("unpack_", &unpack_cuda);
+  m.impl("refresh_from_shard_", &refresh_from_shard_cuda);
+  m.impl("reduce_scatter_copy_in_", &reduce_scatter_copy_in_cuda);
+  m.impl("reduce_scatter_copy_out_", &reduce_scatter_copy_out_cuda);
+  m.impl("multi_tensor_sum_of_squares", &multi_tensor_sum_of_squares_cuda);
+}
+
+}  // namespace megatron_fsdp_v2

@@ -1,0 +1,82 @@
+// Multi-tensor launch metadata: many (src, dst, numel) segments in one launch.
+//
+// The segment table travels *by value* as a __grid_constant__ kernel parameter,
+// so a launch needs no host->device copy and no pinned staging buffer, and it is
+// safe to capture in a CUDA graph (the parameters are baked into the graph node).
+// CUDA >= 12.1 allows 32 KB of kernel parameters on sm_70+, enough for 768
+// segments; older toolkits keep to the classic 4 KB. A longer list is split into
+// consecutive launches of kMaxSegments (a bucket of a few hundred parameters is one).
+//
+// Work is cut into tiles that never straddle segments: segment s owns tiles
+// [tile_begin[s], tile_begin[s + 1]) and tile t of it starts kTile * (t -
+// tile_begin[s]) elements into the segment. Tile starts are therefore aligned
+// whenever the segment's pointers are, which is what lets the kernels use 16-byte
+// vector loads and stores.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "mfsdp/segments.h"
+
+namespace mfsdp {
+namespace cuda {
+
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+constexpr int kMaxSegments = 768;  // ~24.6 KB of kernel parameters
+#else
+constexpr int kMaxSegments = 96;   // ~3 KB, under the 4 KB limit
+#endif
+
+struct SegmentTable {
+  int64_t tile_begin[kMaxSegments + 1];  // prefix sums of tiles; tile_begin[num_segments] = total
+  const void* src[kMaxSegments];
+  void* dst[kMaxSegments];
+  int64_t numel[kMaxSegments];
+  int num_segments;
+};
+
+// Index of the segment owning `tile`: the last s with tile_begin[s] <= tile
+// (segments are non-empty, so the owner is unique).
+__device__ __forceinline__ int find_segment(const SegmentTable& table, int64_t tile) {
+  int lo = 0;
+  int hi = table.num_segments - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (table.tile_begin[mid] <= tile) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Calls launch(table, num_tiles) for each group of at most kMaxSegments segments.
+// `tile_elems` is the kernel's elements per tile. Empty segments must be dropped.
+template <typename Launch>
+void for_each_table(const std::vector<Segment>& segments, int64_t tile_elems,
+                    const Launch& launch) {
+  for (size_t first = 0; first < segments.size(); first += kMaxSegments) {
+    const size_t count = std::min<size_t>(kMaxSegments, segments.size() - first);
+    SegmentTable table;
+    table.num_segments = static_cast<int>(count);
+    int64_t tiles = 0;
+    for (size_t i = 0; i < count; ++i) {
+      const Segment& seg = segments[first + i];
+      table.tile_begin[i] = tiles;
+      table.src[i] = seg.src;
+      table.dst[i] = seg.dst;
+      table.numel[i] = seg.numel;
+      tiles += (seg.numel + tile_elems - 1) / tile_elems;
+    }
+    table.tile_begin[count] = tiles;
+    launch(table, tiles);
+  }
+}
+
+}  // namespace cuda
+}  // namespace mfsdp

@@ -1,0 +1,128 @@
+// User-facing argument checks shared by the CPU and CUDA backends.
+//
+// Every message starts with the op name and names the offending argument, so a
+// failure inside a bucket of hundreds of parameters points at one of them.
+// These are TORCH_CHECKs (RuntimeError in Python). What the dispatcher already
+// guarantees (e.g. "this CPU kernel got a CPU flat buffer") is asserted with
+// TORCH_INTERNAL_ASSERT at the call site instead.
+//
+// Header-only and pybind11-free: included from .cpp and .cu files alike.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+
+namespace mfsdp {
+
+inline bool is_supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+// `arg` is the argument name as the user sees it, e.g. "flat" or "inputs[3]".
+inline void check_supported_dtype(const at::Tensor& t, const char* op, const std::string& arg) {
+  TORCH_CHECK(is_supported_dtype(t.scalar_type()), op, ": unsupported dtype ", t.scalar_type(),
+              " for `", arg, "`; expected float32, float16, bfloat16 or float64");
+}
+
+inline void check_contiguous(const at::Tensor& t, const char* op, const std::string& arg) {
+  TORCH_CHECK(t.is_contiguous(), op, ": `", arg, "` must be contiguous, got shape ", t.sizes(),
+              " with strides ", t.strides());
+}
+
+// A flat buffer: 1-D, contiguous, supported dtype.
+inline void check_flat_buffer(const at::Tensor& t, const char* op, const std::string& arg) {
+  TORCH_CHECK(t.dim() == 1, op, ": `", arg, "` must be a 1-D flat buffer, got a ", t.dim(),
+              "-D tensor of shape ", t.sizes());
+  check_contiguous(t, op, arg);
+  check_supported_dtype(t, op, arg);
+}
+
+inline void check_same_device(const at::Tensor& t, const std::string& arg, const at::Tensor& ref,
+                              const char* ref_arg, const char* op) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": device mismatch: `", arg, "` is on ", t.device(),
+              " but `", ref_arg, "` is on ", ref.device());
+}
+
+// A list of tensors exchanged with a flat buffer (pack_ / unpack_): one offset per
+// tensor, every tensor contiguous, one dtype and one device for the whole list, and
+// each [offset, offset + numel) inside the flat buffer.
+inline void check_list_and_flat(at::TensorList tensors, const char* list_arg,
+                                at::IntArrayRef offsets, const at::Tensor& flat,
+                                const char* flat_arg, const char* op) {
+  check_flat_buffer(flat, op, flat_arg);
+  TORCH_CHECK(tensors.size() == offsets.size(), op, ": list length mismatch: got ",
+              tensors.size(), " tensors in `", list_arg, "` but ", offsets.size(),
+              " `offsets`; expected one offset per tensor");
+  const int64_t flat_numel = flat.numel();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const std::string arg = c10::str(list_arg, "[", i, "]");
+    check_same_device(t, arg, flat, flat_arg, op);
+    if (i == 0) {
+      check_supported_dtype(t, op, arg);
+    } else {
+      TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), op, ": dtype mismatch in `",
+                  list_arg, "`: ", list_arg, "[0] is ", tensors[0].scalar_type(), " but ", arg,
+                  " is ", t.scalar_type(), "; all tensors in one call must share a dtype");
+    }
+    check_contiguous(t, op, arg);
+    const int64_t offset = offsets[i];
+    const int64_t numel = t.numel();
+    TORCH_CHECK(offset >= 0 && offset <= flat_numel && numel <= flat_numel - offset, op,
+                ": offsets[", i, "] out of range: ", arg, " at offset ", offset, " with numel ",
+                numel, " needs elements [", offset, ", ", offset + numel, ") but `", flat_arg,
+                "` has numel ", flat_numel);
+  }
+}
+
+// A 1-D source/destination pair on one device (refresh / reduce-scatter copies).
+inline void check_pair(const at::Tensor& src, const char* src_arg, const at::Tensor& dst,
+                       const char* dst_arg, const char* op) {
+  check_flat_buffer(src, op, src_arg);
+  check_flat_buffer(dst, op, dst_arg);
+  check_same_device(src, src_arg, dst, dst_arg, op);
+}
+
+inline void check_same_numel(const at::Tensor& src, const char* src_arg, const at::Tensor& dst,
+                             const char* dst_arg, const char* op) {
+  TORCH_CHECK(src.numel() == dst.numel(), op, ": numel mismatch: `", src_arg, "` has ",
+              src.numel(), " elements but `", dst_arg, "` has ", dst.numel());
+}
+
+// dst[dst_offset : dst_offset + src.numel()] must lie inside dst.
+inline void check_range(const at::Tensor& src, const char* src_arg, const at::Tensor& dst,
+                        const char* dst_arg, int64_t dst_offset, const char* offset_arg,
+                        const char* op) {
+  const int64_t numel = src.numel();
+  const int64_t dst_numel = dst.numel();
+  TORCH_CHECK(dst_offset >= 0 && dst_offset <= dst_numel && numel <= dst_numel - dst_offset, op,
+              ": ", offset_arg, " out of range: `", src_arg, "` at ", offset_arg, " ", dst_offset,
+              " with numel ", numel, " needs elements [", dst_offset, ", ", dst_offset + numel,
+              ") but `", dst_arg, "` has numel ", dst_numel);
+}
+
+// A non-empty list of contiguous tensors of one supported dtype on one device.
+inline void check_tensor_list(at::TensorList tensors, const char* list_arg, const char* op) {
+  TORCH_CHECK(!tensors.empty(), op, ": `", list_arg,
+              "` is empty; the Python wrapper handles empty lists (pass device=)");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    const std::string arg = c10::str(list_arg, "[", i, "]");
+    if (i == 0) {
+      check_supported_dtype(t, op, arg);
+    } else {
+      const std::string first = c10::str(list_arg, "[0]");
+      check_same_device(t, arg, tensors[0], first.c_str(), op);
+      TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), op, ": dtype mismatch in `",
+                  list_arg, "`: ", first, " is ", tensors[0].scalar_type(), " but ", arg, " is ",
+                  t.scalar_type(), "; all tensors in one call must share a dtype");
+    }
+    check_contiguous(t, op, arg);
+  }
+}
+
+}  // namespace mfsdp

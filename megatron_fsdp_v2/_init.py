@@ -1,12 +1,17 @@
-"""Wrap-time helpers: the default mesh, collecting and validating the parameters a unit manages,
-and the cross-rank consistency check. Runs before any buffer is built, so a bad call leaves the
-module untouched."""
+"""Wrap-time helpers: argument validation, the default mesh, the library's communication group
+(with its collective timeout), collecting and validating the parameters a unit manages, and the
+cross-rank consistency check. Everything that can reject a call runs before any collective and
+before any buffer is built, so a bad call leaves the module untouched (see
+``notes/failures_design.md``)."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,7 +21,20 @@ from torch.distributed.tensor import DTensor
 
 from .api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 
-__all__ = ["ManagedParam", "default_mesh", "collect_managed_params", "check_ranks_agree"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "ManagedParam",
+    "check_module",
+    "check_ranks_agree",
+    "collect_managed_params",
+    "comm_group",
+    "default_mesh",
+    "validate_options",
+]
+
+# Default timeout of the library's collectives (see ``comm_group``): well under torch's default
+# (10 minutes), so a rank that died or diverged fails the others in bounded time.
+DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 # Attribute set on a module's original parameters once a unit manages them (they become the
 # compute parameters, views into the unit's flat buffers).
@@ -30,13 +48,22 @@ _LAUNCH_HINT = (
 _default_meshes: dict[str, DeviceMesh] = {}
 
 
+def _group_alive(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still registered (not destroyed by ``destroy_process_group``)."""
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
 def default_mesh() -> DeviceMesh:
     """A 1-D mesh over the whole world: ``cuda`` for NCCL, ``cpu`` otherwise (gloo)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"fully_shard needs an initialized default process group: {_LAUNCH_HINT}")
     device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     mesh = _default_meshes.get(device_type)
-    if mesh is None:
+    if mesh is None or not _group_alive(mesh.get_group()):
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
         _default_meshes[device_type] = mesh
     return mesh
@@ -46,7 +73,12 @@ def validate_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
         return default_mesh()
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"mesh must be a torch.distributed.DeviceMesh, got {type(mesh).__name__}")
+        raise TypeError(
+            f"mesh must be a torch.distributed.DeviceMesh (e.g. init_device_mesh('cuda', "
+            f"(world_size,))) or None, got {type(mesh).__name__}"
+        )
+    if not dist.is_initialized():
+        raise ValueError(f"fully_shard needs an initialized default process group: {_LAUNCH_HINT}")
     if mesh.ndim != 1:
         raise ValueError(
             f"mesh must be 1-D (the data-parallel dimension), got a {mesh.ndim}-D mesh of shape "
@@ -54,6 +86,127 @@ def validate_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
         )
     return mesh
 
+
+def validate_options(
+    gradient_scaling_factor: Any, max_padding_ratio: Any, timeout: Any
+) -> timedelta | None:
+    """Check the scalar arguments of ``fully_shard``; returns the timeout as a ``timedelta``
+    (``None``: the mesh's own process group and its timeout)."""
+    if gradient_scaling_factor is not None:
+        if isinstance(gradient_scaling_factor, bool) or not isinstance(
+            gradient_scaling_factor, (int, float)
+        ):
+            raise TypeError(
+                "gradient_scaling_factor must be a number or None (None averages gradients over "
+                f"the mesh), got {type(gradient_scaling_factor).__name__}"
+            )
+        if not math.isfinite(gradient_scaling_factor) or gradient_scaling_factor <= 0:
+            raise ValueError(
+                f"gradient_scaling_factor must be a positive finite number, got "
+                f"{gradient_scaling_factor}; use None to average gradients over the mesh"
+            )
+    if isinstance(max_padding_ratio, bool) or not isinstance(max_padding_ratio, (int, float)):
+        raise TypeError(
+            f"max_padding_ratio must be a number, got {type(max_padding_ratio).__name__}"
+        )
+    if not (0 <= max_padding_ratio < math.inf):
+        raise ValueError(
+            f"max_padding_ratio must be a finite number >= 0 (a fraction, e.g. 0.01), got "
+            f"{max_padding_ratio}"
+        )
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (timedelta, int, float)):
+        raise TypeError(
+            "timeout must be a datetime.timedelta, a number of seconds, or None (the mesh's own "
+            f"process group and its timeout), got {type(timeout).__name__}"
+        )
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+    if not (0 < seconds < math.inf):
+        raise ValueError(
+            f"timeout must be positive and finite, got {seconds} s; pass e.g. "
+            "timeout=timedelta(minutes=5), or None for the process group's own timeout"
+        )
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=seconds)
+
+
+def check_module(module: Any) -> None:
+    """Reject what ``fully_shard`` cannot wrap, before looking at its parameters."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrappers: list[tuple[type, str, str]] = [
+        (DistributedDataParallel, "DistributedDataParallel", "its .module"),
+    ]
+    try:
+        from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers += [
+            (TorchFSDPModule, "torch.distributed.fsdp.fully_shard", "a fresh, unwrapped module"),
+            (FullyShardedDataParallel, "torch.distributed.fsdp.FullyShardedDataParallel",
+             "its .module before wrapping"),
+        ]
+    except ImportError:  # pragma: no cover - torch built without FSDP
+        pass
+    for cls, name, fix in wrappers:
+        if isinstance(module, cls):
+            raise ValueError(
+                f"fully_shard got a module already wrapped by {name} ({type(module).__name__}); "
+                f"use one data-parallel wrapper per module: pass {fix} instead"
+            )
+
+
+# ---------------------------------------------------------------------- communication group
+# [Note: collective timeout]
+# All of the library's collectives run on a process group created here, over the mesh's ranks,
+# with ``timeout`` (default DEFAULT_TIMEOUT). When a rank fails (an exception in forward,
+# backward or the optimizer step) and leaves the others inside a collective, they raise after
+# ``timeout`` instead of waiting for torch's default (10 minutes) or forever: gloo raises from the
+# collective (or from ``work.wait()``); NCCL's watchdog aborts the communicator and, by default,
+# the process, which torchrun then reports. ``new_group`` is itself collective over the mesh's
+# ranks: ``fully_shard`` creates the group on its first call with a given (mesh, timeout) and
+# every rank makes the same calls in the same order (wrapping is identical on every rank), so
+# the creations match. The group is cached per (mesh ranks, timeout, backend), so a model of many
+# units uses one group (one NCCL communicator) per distinct timeout.
+
+_comm_groups: dict[tuple[tuple[int, ...], float, str], dist.ProcessGroup] = {}
+
+
+def comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
+    """The process group the units on ``mesh`` communicate on: the mesh's own group when
+    ``timeout`` is ``None`` or the mesh has one rank, else a group over the mesh's ranks with that
+    timeout (created once, then cached)."""
+    mesh_group = mesh.get_group()
+    if timeout is None or mesh.size() == 1:
+        return mesh_group
+    ranks = tuple(dist.get_process_group_ranks(mesh_group))
+    backend = str(dist.get_backend(mesh_group))
+    key = (ranks, timeout.total_seconds(), backend)
+    group = _comm_groups.get(key)
+    if group is not None and _group_alive(group):
+        return group
+    covers_world = len(ranks) == dist.get_world_size()
+    group = dist.new_group(
+        list(ranks),
+        timeout=timeout,
+        backend=None if backend == str(dist.get_backend()) else backend,
+        # A sub-mesh (e.g. mesh["dp"] of a 2-D mesh): only its members call new_group.
+        use_local_synchronization=not covers_world,
+        group_desc=f"megatron_fsdp_v2 (timeout {timeout.total_seconds():g}s)",
+    )
+    _comm_groups[key] = group
+    return group
+
+
+def _clear_comm_groups() -> None:
+    """Forget the cached groups, so the next ``fully_shard`` creates fresh ones (tests: after a
+    collective timed out, its group no longer matches across ranks and must not be reused)."""
+    _comm_groups.clear()
+
+
+# ---------------------------------------------------------------------- parameters
 
 @dataclass
 class ManagedParam:
@@ -65,6 +218,35 @@ def _is_wrapped(module: nn.Module) -> bool:
     return hasattr(module, "_mfsdp_state")
 
 
+def _check_ignored(module: nn.Module, ignored_params: Any) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if isinstance(ignored_params, torch.Tensor):
+        raise TypeError(
+            "ignored_params must be an iterable of parameters (e.g. [model.norm.weight]), got a "
+            "single tensor"
+        )
+    if isinstance(ignored_params, (str, bytes)) or not isinstance(ignored_params, Iterable):
+        raise TypeError(
+            "ignored_params must be an iterable of parameters (e.g. [model.norm.weight]), got "
+            f"{type(ignored_params).__name__}"
+        )
+    ignored = list(ignored_params)
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    for p in ignored:
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"ignored_params must contain parameters (tensors), got {type(p).__name__}"
+                + ("; pass module.get_parameter(name), not the name" if isinstance(p, str) else "")
+            )
+        if id(p) not in names:
+            raise ValueError(
+                f"ignored_params contains a parameter of shape {tuple(p.shape)} that is not in "
+                f"{type(module).__name__}; pass only parameters of the module being wrapped"
+            )
+    return {id(p) for p in ignored}
+
+
 def collect_managed_params(
     module: nn.Module,
     mesh: DeviceMesh,
@@ -72,18 +254,7 @@ def collect_managed_params(
 ) -> list[ManagedParam]:
     """The parameters ``module``'s unit will manage: its own and those of its submodules, minus
     ignored ones and those of already-wrapped submodules. Raises on anything unsupported."""
-    ignored = set(ignored_params or ())
-    for p in ignored:
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"ignored_params must contain parameters, got {type(p).__name__}")
-    all_params = {id(p) for p in module.parameters()}
-    for p in ignored:
-        if id(p) not in all_params:
-            raise ValueError(
-                f"ignored_params contains a parameter of shape {tuple(p.shape)} that is not in "
-                f"{type(module).__name__}; pass only parameters of the module being wrapped"
-            )
-    ignored_ids = {id(p) for p in ignored}
+    ignored_ids = _check_ignored(module, ignored_params)
     wrapped_children: list[str] = []
     managed: list[ManagedParam] = []
     seen: set[int] = set()
@@ -99,12 +270,24 @@ def collect_managed_params(
             fqn = f"{prefix}.{name}" if prefix else name
             seen.add(id(param))
             owner = getattr(param, COMPUTE_PARAM_ATTR, None)
-            if owner is not None or isinstance(param, DTensor):
+            if owner is None and hasattr(param, "_mfsdp_param_group"):
+                group = param._mfsdp_param_group
+                owner = f"'{group.fqns[param._mfsdp_index]}' of another unit"
+            if owner is not None:
                 raise ValueError(
-                    f"parameter '{fqn}' is already managed by another fully_shard unit"
-                    f"{f' ({owner})' if owner else ''}; a parameter shared between modules "
-                    "(e.g. tied weights) must be managed by one unit: wrap a common ancestor "
-                    "instead, or pass it in ignored_params"
+                    f"parameter '{fqn}' is already managed by another fully_shard unit ({owner}). "
+                    "A parameter shared between modules (e.g. tied embedding and output "
+                    "weights) must be managed by one unit: do not wrap the modules that share it "
+                    "separately, wrap a common ancestor (it manages the shared parameter once). "
+                    "Also wrap children before their parents: a parent's unit already manages "
+                    "its children's parameters"
+                )
+            if isinstance(param, DTensor):
+                raise ValueError(
+                    f"parameter '{fqn}' is already a DTensor on mesh {param.device_mesh} (e.g. "
+                    "from tensor parallelism or torch's fully_shard); fully_shard shards plain "
+                    "tensors only: pass it in ignored_params, or wrap the module before "
+                    "distributing its parameters otherwise"
                 )
             managed.append(ManagedParam(fqn, param))
     for m in managed:
@@ -112,12 +295,36 @@ def collect_managed_params(
         if p.dtype not in SUPPORTED_DTYPES:
             raise TypeError(
                 f"parameter '{m.fqn}' has dtype {p.dtype}; fully_shard supports "
-                f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}. Pass it in ignored_params"
+                f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}. Cast it (module.to(dtype)) or "
+                "pass it in ignored_params"
+            )
+        if p.layout is not torch.strided:
+            raise TypeError(
+                f"parameter '{m.fqn}' has layout {p.layout}; fully_shard supports dense "
+                "(strided) parameters only. Pass it in ignored_params"
             )
         if p.dim() == 0:
             raise ValueError(
                 f"parameter '{m.fqn}' is 0-dimensional, which cannot be sharded on dim 0; "
                 "give it shape (1,) or pass it in ignored_params"
+            )
+    devices = {m.param.device for m in managed}
+    if len(devices) > 1:
+        first = {}
+        for m in managed:
+            first.setdefault(str(m.param.device), m.fqn)
+        found = ", ".join(f"'{fqn}' on {device}" for device, fqn in sorted(first.items()))
+        raise ValueError(
+            f"the parameters of one fully_shard unit must be on one device, found {found}; "
+            "move the module with module.to(device) before fully_shard"
+        )
+    for m in managed:
+        p = m.param
+        if p.device.type == "meta":
+            raise ValueError(
+                f"parameter '{m.fqn}' is on the meta device (no data); materialize the module "
+                f"first, e.g. module.to_empty(device='{mesh.device_type}') and re-initialize "
+                "its parameters, then call fully_shard"
             )
         if p.device.type != mesh.device_type:
             raise ValueError(
@@ -125,25 +332,28 @@ def collect_managed_params(
                 f"move the module to {mesh.device_type} before fully_shard (or pass a mesh of "
                 "the parameters' device type)"
             )
-    devices = {m.param.device for m in managed}
-    if len(devices) > 1:
-        raise ValueError(
-            f"the parameters of one fully_shard unit must be on one device, found "
-            f"{sorted(str(d) for d in devices)}; move the module with .to(device) first"
-        )
+        break  # one device (checked above): the first parameter speaks for all
     return managed
 
 
+# ---------------------------------------------------------------------- cross-rank agreement
+
 def unit_signature(
     module: nn.Module, managed: list[ManagedParam], strategy: ShardingStrategy,
-    mp_policy: MixedPrecisionPolicy, scaling: float | None,
+    mp_policy: MixedPrecisionPolicy, scaling: float | None, *,
+    timeout: timedelta | None = None, max_padding_ratio: float | None = None, **extra: Any,
 ) -> list[str]:
-    """What every rank must agree on, one line per item, for :func:`check_ranks_agree`."""
+    """What every rank must agree on, one line per item, for :func:`check_ranks_agree`.
+    ``extra``: further ``fully_shard`` arguments that change which collectives run, or when."""
     lines = [
         f"module class: {type(module).__name__}",
         f"sharding_strategy: {strategy.value}",
         f"mp_policy: {mp_policy}",
         f"gradient_scaling_factor: {scaling}",
+        f"max_padding_ratio: {max_padding_ratio}",
+        f"timeout: {None if timeout is None else timeout.total_seconds()}",
+        *(f"{name}: {value}" for name, value in sorted(extra.items())),
+        f"number of managed parameters: {len(managed)}",
     ]
     lines += [
         f"parameter {m.fqn}: shape={tuple(m.param.shape)} dtype={m.param.dtype} "
@@ -153,9 +363,12 @@ def unit_signature(
     return lines
 
 
-def check_ranks_agree(lines: list[str], mesh: DeviceMesh) -> None:
-    """One 8-byte all-gather of a digest; on a mismatch, name the first differing line."""
-    group = mesh.get_group()
+def check_ranks_agree(
+    lines: list[str], mesh: DeviceMesh, group: dist.ProcessGroup | None = None
+) -> None:
+    """One 8-byte all-gather of a digest over ``group`` (default: the mesh's); on a mismatch,
+    name the first differing line."""
+    group = group if group is not None else mesh.get_group()
     world = mesh.size()
     if world == 1:
         return
@@ -178,5 +391,9 @@ def check_ranks_agree(lines: list[str], mesh: DeviceMesh) -> None:
                 raise ValueError(
                     f"ranks disagree on what fully_shard wraps: rank 0 has '{a}' but rank "
                     f"{rank} has '{b}'; every rank must wrap the same model with the same "
-                    "arguments"
+                    "arguments, in the same order"
                 )
+    raise ValueError(  # digests differ but the lines agree: a hash collision cannot do this
+        "ranks disagree on what fully_shard wraps (digest mismatch); every rank must wrap the "
+        "same model with the same arguments, in the same order"
+    )

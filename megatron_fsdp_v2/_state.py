@@ -82,6 +82,8 @@ class FSDPContext:
         self.states = states  # pre-order of the module tree: root first
         self.allocator = BucketAllocator()
         self.final_callback_queued = False
+        self.callback_failed = False  # the final callback raised: see recover()
+        self.unrecoverable: str | None = None  # why recover() failed; raised again on use
         self.overlap = root.overlap
         # [Note: prefetch order] Units in the order their forward ran in the first forward
         # pass (not registration order). Forward prefetches the next unit's gather, backward
@@ -139,6 +141,9 @@ class FSDPContext:
                 if state.is_last_backward:
                     for group in state.groups:
                         group.install_grads()
+        except BaseException:
+            self.callback_failed = True  # reductions may be half-waited: recover() next forward
+            raise
         finally:
             self.final_callback_queued = False
             for state in self.states:
@@ -147,6 +152,83 @@ class FSDPContext:
                 state.pending_post_backward = 0
                 state.needs_post_backward = False
                 state.backward_done = False
+
+    @property
+    def step_failed(self) -> bool:
+        """Whether the last forward or backward raised before finishing (checked at the root's
+        next pre-forward): a unit still in forward (its post-forward never ran), a backward whose
+        final callback never ran, or a final callback that raised."""
+        return (
+            self.final_callback_queued or self.callback_failed or self.unrecoverable is not None
+            or any(s.training_state is not TrainingState.IDLE for s in self.states)
+        )
+
+    def recover(self) -> None:
+        """Return every unit to the state a new step starts from, after a forward or backward
+        that raised (an exception or ``KeyboardInterrupt`` in user code or a hook). Requires that
+        every rank failed at the same point, so that in-flight collectives match.
+
+        * In-flight gathers and reductions are waited for (they are matched across ranks and
+          write into buffers about to be reused) and their results dropped; gathered ZeRO-3
+          weights are freed, so the next forward gathers afresh instead of reusing buffers that
+          may be half-gathered or stale (e.g. after an optimizer step in between).
+        * Hook state is reset: training states, pending post-backward counts, the queued final
+          callback, in-flight reduction bookkeeping; DTensor parameters are registered again.
+        * After a failed *backward*, every gradient not yet consumed by an optimizer step is
+          discarded, as ``zero_grad(set_to_none=True)`` would: the compute parameters' ``.grad``
+          of the failed backward, the main gradients (including micro-batches accumulated earlier
+          in the window, whose sums cannot be separated from the failed one's) and installed
+          ``.grad`` s. A failed *forward* wrote no gradient and leaves gradients untouched.
+
+        Raises ``RuntimeError`` if waiting for an in-flight collective fails (e.g. the ranks
+        failed at different points and their collectives no longer match): the process group
+        is then unusable and the job must restart; every later forward raises it again.
+
+        Runs at once when an exception leaves the root's forward (an ``always_call`` forward
+        hook), else lazily: at the root's next pre-forward, or before ``state_dict()`` /
+        ``load_state_dict()`` of any unit (a ``KeyboardInterrupt``, or a failed backward).
+        """
+        if self.unrecoverable is not None:
+            raise RuntimeError(self.unrecoverable)
+        discard_grads = self.final_callback_queued or self.callback_failed or any(
+            s.training_state is TrainingState.PRE_BACKWARD for s in self.states
+        )
+        error: BaseException | None = None
+        for state in self.states:
+            for group in state.groups:
+                if error is None:
+                    try:
+                        group.wait_for_unshard()
+                        group.wait_for_reduction()
+                    except Exception as e:  # noqa: BLE001 - reported below, after the reset
+                        error = e
+                if error is not None:
+                    # The group is broken: free no buffer a collective may still write into
+                    # (and wait for no further one: each could take the whole timeout).
+                    continue
+                group.reshard()
+                for param in group.params:
+                    param.grad = None
+                if discard_grads:
+                    group.zero_grad(set_to_none=True)
+        self.reducing.clear()
+        self.final_callback_queued = False
+        self.callback_failed = False
+        for state in self.states:
+            state.register_dist_params()
+            state.training_state = TrainingState.IDLE
+            state.pending_post_backward = 0
+            state.needs_post_backward = False
+            state.backward_done = False
+        if error is not None:
+            self.unrecoverable = (
+                "fully_shard cannot recover from the failed forward/backward: a collective it "
+                f"left in flight did not complete ({type(error).__name__}: {error}). The ranks "
+                "most likely failed at different points, so their collectives no longer match "
+                "and the process group is unusable; restart the job (e.g. from the last "
+                "checkpoint)"
+            )
+            raise RuntimeError(self.unrecoverable) from error
 
 
 class FSDPState:
@@ -172,6 +254,36 @@ class FSDPState:
         self._cast_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
+        # See FSDPContext.recover: recover at once when the root's forward raises, and before
+        # a state dict is read or written after a failure the forward hook could not see.
+        module.register_forward_hook(self._forward_raised, always_call=True)
+        module.register_state_dict_pre_hook(self._recover_if_failed)
+        module.register_load_state_dict_pre_hook(self._recover_if_failed)
+
+    def _forward_raised(self, module: nn.Module, args: Any, output: Any) -> None:
+        """``always_call`` forward hook; after a successful forward nothing is left to do. Never
+        raises (torch would only warn): an unrecoverable state is raised by the next forward,
+        after the forward's own error has propagated."""
+        ctx = self.ctx
+        if (
+            ctx is not None and ctx.root is self and not _in_backward()
+            and ctx.unrecoverable is None and ctx.step_failed
+        ):
+            try:
+                ctx.recover()
+            except RuntimeError:
+                pass
+
+    def _recover_if_failed(self, *args: Any) -> None:
+        """State-dict pre-hooks. Never raises: even when the collectives cannot recover, the
+        hook state is reset (DTensor parameters registered), so a checkpoint can still be
+        written from the main weights; the next forward raises the error."""
+        ctx = self.ctx
+        if ctx is not None and ctx.unrecoverable is None and ctx.step_failed:
+            try:
+                ctx.recover()
+            except RuntimeError:
+                pass
 
     @property
     def module(self) -> nn.Module:
@@ -281,9 +393,9 @@ class FSDPState:
 
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
-        if self.ctx.final_callback_queued:
-            # A backward that never ran its final callback (e.g. an exception inside it).
-            self.ctx.final_callback()
+        if self.ctx.step_failed:
+            # The last forward or backward raised before finishing (see FSDPContext.recover).
+            self.ctx.recover()
         for group in self.ctx.groups:
             group.sweep_cleared_grads()
         if self.ctx.overlap:

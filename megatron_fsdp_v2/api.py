@@ -117,6 +117,11 @@ class MixedPrecisionPolicy:
         for name in ("param_dtype", "reduce_dtype", "main_params_dtype", "main_grads_dtype",
                      "grad_comm_dtype"):
             _check_dtype(name, getattr(self, name))
+        if not isinstance(self.cast_forward_inputs, bool):
+            raise TypeError(
+                "MixedPrecisionPolicy.cast_forward_inputs must be a bool, got "
+                f"{type(self.cast_forward_inputs).__name__}"
+            )
         if (
             self.reduce_dtype is not None
             and self.grad_comm_dtype is not None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from datetime import timedelta
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,13 +21,18 @@ from torch.optim.optimizer import (
 from ._allocator import BucketAllocator
 from ._init import (
     COMPUTE_PARAM_ATTR,
+    DEFAULT_TIMEOUT,
+    check_module,
     check_ranks_agree,
     collect_managed_params,
+    comm_group,
     unit_signature,
     validate_mesh,
+    validate_options,
 )
 from ._layout import build_layout, plan_buckets
 from ._param_group import ParamGroup
+from . import _state_dict
 from ._state import FSDPState, get_state
 from .api import MixedPrecisionPolicy, ShardingStrategy
 
@@ -142,6 +148,7 @@ def fully_shard(
     max_padding_ratio: float = 0.01,
     check_ranks: bool = True,
     overlap: bool = True,
+    timeout: timedelta | float | None = DEFAULT_TIMEOUT,
 ) -> FSDPModule:
     """Shard ``module``'s parameters, gradients and/or optimizer state over a data-parallel mesh.
 
@@ -173,9 +180,16 @@ def fully_shard(
             of forward, and run gradient reductions in the background. ``False`` runs every
             collective synchronously (same numbers, for debugging). The root's value applies
             to the whole tree.
+        timeout: limit of each of the library's collectives (``timedelta`` or seconds; default
+            5 minutes): if a rank fails and leaves the others waiting in a collective, they raise
+            after this long instead of hanging. They run on a process group over the mesh's
+            ranks created with this timeout (one per distinct value). ``None``: the mesh's own
+            group and its timeout.
+
+    Invalid arguments raise ``TypeError``/``ValueError`` before any collective, leaving
+    ``module`` untouched.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"fully_shard expects an nn.Module, got {type(module).__name__}")
+    check_module(module)
     if isinstance(module, FSDPModule) or get_state(module) is not None:
         raise ValueError(
             f"{type(module).__name__} is already wrapped by fully_shard; wrap each module once "
@@ -185,15 +199,18 @@ def fully_shard(
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
-    if gradient_scaling_factor is not None and not isinstance(gradient_scaling_factor, (int, float)):
-        raise TypeError("gradient_scaling_factor must be a number or None")
+    timeout = validate_options(gradient_scaling_factor, max_padding_ratio, timeout)
     mesh = validate_mesh(mesh)
     managed = collect_managed_params(module, mesh, ignored_params)
     dtypes_by_param = [mp_policy.resolve(m.param.dtype) for m in managed]
+    # The first collectives: create (once) the timeout group, then agree across ranks.
+    process_group = comm_group(mesh, timeout)
     if check_ranks:
-        check_ranks_agree(
-            unit_signature(module, managed, strategy, mp_policy, gradient_scaling_factor), mesh
+        signature = unit_signature(
+            module, managed, strategy, mp_policy, gradient_scaling_factor, timeout=timeout,
+            max_padding_ratio=max_padding_ratio, overlap=overlap,
         )
+        check_ranks_agree(signature, mesh, process_group)
 
     world_size = mesh.size()
     pre_scale = (
@@ -216,6 +233,7 @@ def fully_shard(
                     fqns=[managed[i].fqn for i in indices],
                     layout=build_layout([managed[i].param.shape for i in indices], world_size),
                     mesh=mesh,
+                    process_group=process_group,
                     strategy=strategy,
                     dtypes=dtypes_by_param[indices[0]],
                     grad_pre_scale=pre_scale,
@@ -224,14 +242,19 @@ def fully_shard(
             )
     owner = f"{type(module).__name__} at 0x{id(module):x}"
     for group in groups:
-        for param in group.params:
-            setattr(param, COMPUTE_PARAM_ATTR, owner)
+        for param, fqn in zip(group.params, group.fqns):
+            setattr(param, COMPUTE_PARAM_ATTR, f"'{fqn}' of {owner}")
     state = FSDPState(module, groups, mp_policy, allocator)
     state.overlap = overlap
     module._mfsdp_state = state  # type: ignore[assignment]
     state.register_dist_params()
     module.register_load_state_dict_post_hook(_mark_loaded)
+    # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.
+    module.register_state_dict_post_hook(_state_dict.state_dict_post_hook)
+    module.register_load_state_dict_pre_hook(_state_dict.load_state_dict_pre_hook)
     module.__class__ = _fsdp_class(type(module))
+    global _wrap_generation
+    _wrap_generation += 1  # optimizers cached before this wrap are checked again
     return module  # type: ignore[return-value]
 
 
@@ -248,9 +271,13 @@ def _mark_loaded(module: nn.Module, incompatible_keys: Any) -> None:
 # replicated-buffer refresh (see [Note: replicated-buffer refresh]). It also catches optimizers
 # built before wrapping, which would silently update the compute views instead.
 
+_wrap_generation = 0
+
+
 @dataclass
 class _OptimizerGroups:
     param_count: int
+    generation: int
     groups: list[ParamGroup] = field(default_factory=list)
     stale_params: list[str] = field(default_factory=list)
 
@@ -263,9 +290,12 @@ _optimizer_cache: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerGro
 def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     cached = _optimizer_cache.get(optimizer)
-    if cached is not None and cached.param_count == len(params):
+    if (
+        cached is not None and cached.param_count == len(params)
+        and cached.generation == _wrap_generation
+    ):
         return cached
-    info = _OptimizerGroups(len(params))
+    info = _OptimizerGroups(len(params), _wrap_generation)
     seen: set[int] = set()
     for p in params:
         group = getattr(p, "_mfsdp_param_group", None)
@@ -274,7 +304,7 @@ def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
             info.groups.append(group)
         owner = getattr(p, COMPUTE_PARAM_ATTR, None)
         if owner is not None:
-            info.stale_params.append(f"shape {tuple(p.shape)} (managed by {owner})")
+            info.stale_params.append(f"{owner}, shape {tuple(p.shape)}")
     _optimizer_cache[optimizer] = info
     return info
 
@@ -284,9 +314,14 @@ def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     if info.stale_params:
         raise RuntimeError(
             f"{type(optimizer).__name__} holds parameters that fully_shard replaced "
-            f"({len(info.stale_params)}, first: {info.stale_params[0]}); the optimizer was "
-            "built before wrapping. Build it after fully_shard, from model.parameters()"
+            f"({len(info.stale_params)}, first: {info.stale_params[0]}): the optimizer was "
+            "built before wrapping, so it would update stale copies and never see gradients. "
+            "Build the optimizer after fully_shard (after wrapping the root), from "
+            "model.parameters()"
         )
+    # Marked before the step too: a step that raises half-way has still changed main weights.
+    for group in info.groups:
+        group.mark_main_weights_updated()
 
 
 def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -93,11 +93,18 @@ step "bench_kernels --device cuda" 120 \
 # ---------------------------------------------------------------------------
 # 4. EXTENSION POINT: later training / overlap checks
 # ---------------------------------------------------------------------------
-# Append checks inside later_checks() as further `step NAME LIMIT_S CMD...` lines,
-# e.g. `step "train_toy 1 GPU" 120 torchrun --nproc_per_node=1 examples/train_toy.py`.
 # Keep each limit small: the whole script must fit in MFSDP_GPU_CHECK_BUDGET_S.
 later_checks() {
-  :  # nothing yet
+  # fully_shard on CUDA/NCCL: side-stream overlap == synchronous schedule, parity, bf16.
+  step "pytest -m gpu tests/distributed (CUDA streams)" 150 \
+    "${PYTHON}" -m pytest -m gpu tests/distributed -q -p no:cacheprovider -s
+  # The training example on one GPU (NCCL), every strategy.
+  local strategy
+  for strategy in no_shard optim optim_grads optim_grads_params; do
+    step "examples/train.py 1 GPU ${strategy}" 60 \
+      "${PYTHON}" -m torch.distributed.run --standalone --nproc_per_node=1 \
+      examples/train.py --strategy "${strategy}" --steps 10
+  done
 }
 later_checks
 

@@ -37,7 +37,10 @@ def clip_grad_norm_(
     for p in params:
         grad = p.grad
         if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
-            group = p.device_mesh.get_group()
+            # The library's own group for fully_shard parameters (it carries the collective
+            # timeout, see fully_shard's ``timeout``); the mesh's group otherwise.
+            owner = getattr(p, "_mfsdp_param_group", None)
+            group = owner.process_group if owner is not None else p.device_mesh.get_group()
             entry = sharded.setdefault(id(group), (group, []))
             if grad is not None:
                 entry[1].append(grad.to_local())

@@ -8,6 +8,7 @@ from .api import MixedPrecisionPolicy, ShardingStrategy
 from .fully_shard import FSDPModule, MemoryReport, UnshardHandle, fully_shard, memory_report
 from .ops import build_info
 from .utils import clip_grad_norm_
+from . import checkpoint
 
 __all__ = [
     "FSDPModule",
@@ -16,6 +17,7 @@ __all__ = [
     "ShardingStrategy",
     "UnshardHandle",
     "build_info",
+    "checkpoint",
     "clip_grad_norm_",
     "fully_shard",
     "memory_report",

@@ -1,0 +1,401 @@
+"""State-dict plumbing behind ``checkpoint.py``: chunk metadata for uneven ``Shard(0)`` DTensors,
+the ``state_dict``/``load_state_dict`` hooks every unit registers, shape/key validation, and the
+gather of full (unsharded) main weights.
+
+[Note: uneven shards in state dicts]
+A unit's DTensor parameters are ``Shard(0)`` over rows that follow the flat-buffer layout, not
+``torch.chunk``: rank ``r`` holds rows ``group.local_row_range(i)`` of parameter ``i``, possibly
+none. DTensor's own offset math (``compute_local_shape_and_global_offset``) would assume
+``torch.chunk`` rows, so a DCP save or load through it would write or read the wrong rows
+silently. ``torch.distributed.checkpoint`` asks a DTensor's *local tensor* for
+``__create_chunk_list__`` / ``__create_write_items__`` first, so we attach those to the local
+tensor of every such DTensor in a state dict (:func:`attach_chunk_metadata`): one chunk at row
+offset ``lo``, or no chunk at all for an empty shard (an empty chunk inside another rank's range
+would trip DCP's overlap check). ``Replicate()`` DTensors (``no_shard``) need nothing: DTensor's
+default (one full chunk at offset 0, deduplicated on save) is right.
+
+Only state-dict tensors are marked, never live parameters or optimizer states (state dicts hold
+detached aliases; :func:`strip_metadata` cleans what an optimizer adopts on load). The attached
+callables are module-level classes, so a state dict stays picklable; DCP detaches tensors before
+serializing them, so nothing of ours reaches the files.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from ._param_group import ParamGroup
+from ._state import get_state
+
+__all__ = [
+    "ROWS_ATTR",
+    "attach_chunk_metadata",
+    "dist_param_slots",
+    "expected_entries",
+    "first_mismatch",
+    "gather_full_params",
+    "load_state_dict_pre_hook",
+    "local_rows_dtensor",
+    "param_slot",
+    "mark_all_loaded",
+    "raise_if_any_rank",
+    "skip_on_save",
+    "strip_metadata",
+    "state_dict_post_hook",
+]
+
+# Set on the local tensor of a state-dict DTensor: the global rows (lo, hi) it holds.
+ROWS_ATTR = "_mfsdp_rows"
+
+
+# ---------------------------------------------------------------------- chunk metadata
+
+class _ChunkList:
+    """``__create_chunk_list__`` of a local tensor holding rows ``[offsets[0], +sizes[0])``."""
+
+    def __init__(self, offsets: tuple[int, ...], sizes: tuple[int, ...]) -> None:
+        self.offsets = offsets
+        self.sizes = sizes
+
+    def __call__(self) -> list[ChunkStorageMetadata]:
+        if self.sizes[0] == 0:
+            return []
+        offsets, sizes = torch.Size(self.offsets), torch.Size(self.sizes)
+        return [ChunkStorageMetadata(offsets=offsets, sizes=sizes)]
+
+
+class _WriteItems(_ChunkList):
+    """``__create_write_items__(fqn, dtensor)``: one shard write item at the true row offset."""
+
+    def __call__(self, fqn: str, obj: Any) -> list[WriteItem]:  # type: ignore[override]
+        if self.sizes[0] == 0:
+            return []
+        offsets, sizes = torch.Size(self.offsets), torch.Size(self.sizes)
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                    properties=TensorProperties.create_from_tensor(obj.to_local()),
+                    size=obj.size(),
+                ),
+            )
+        ]
+
+
+class _NoWriteItems:
+    """``__create_write_items__`` of a tensor this rank must not write (see
+    :func:`skip_on_save`)."""
+
+    def __call__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return []
+
+
+def skip_on_save(value: torch.Tensor) -> None:
+    """Make ``dcp.save`` skip this rank's copy of a plain (replicated) tensor; it still loads."""
+    value.__create_write_items__ = _NoWriteItems()  # type: ignore[attr-defined]
+
+
+_METADATA_ATTRS = ("__create_chunk_list__", "__create_write_items__", ROWS_ATTR)
+
+
+def strip_metadata(tensors: Any) -> None:
+    """Remove what this module attached from every tensor (and DTensor's local tensor) in a
+    nested container, e.g. an optimizer's ``state`` after it adopted loaded tensors, so live
+    tensors never carry our attributes (which ``torch.load(weights_only=True)`` would reject)."""
+    if isinstance(tensors, dict):
+        for value in tensors.values():
+            strip_metadata(value)
+    elif isinstance(tensors, (list, tuple)):
+        for value in tensors:
+            strip_metadata(value)
+    elif isinstance(tensors, torch.Tensor):
+        targets = [tensors] + ([tensors._local_tensor] if isinstance(tensors, DTensor) else [])
+        for target in targets:
+            for attr in _METADATA_ATTRS:
+                if attr in target.__dict__:
+                    delattr(target, attr)
+
+
+def _is_row_sharded(group: ParamGroup) -> bool:
+    return group.strategy.shards_main_weights
+
+
+def attach_chunk_metadata(value: DTensor, group: ParamGroup, index: int, key: str) -> None:
+    """Give ``value`` (a ``Shard(0)`` DTensor shaped like parameter ``index`` of ``group`` in its
+    first dimension) chunk metadata at this rank's true row offset. No-op for ``Replicate()``."""
+    if not _is_row_sharded(group) or not any(isinstance(p, Shard) for p in value.placements):
+        return
+    shape = group.layout.items[index].shape
+    lo, hi = group.local_row_range(index)
+    local = value._local_tensor
+    if (
+        value.placements != (Shard(0),)
+        or value.dim() == 0
+        or value.shape[0] != shape[0]
+        or local.dim() != value.dim()
+        or local.shape[0] != hi - lo
+    ):
+        raise ValueError(
+            f"state-dict entry '{key}' is a DTensor of shape {tuple(value.shape)} (local "
+            f"{tuple(local.shape)}, placements {value.placements}) that does not follow the "
+            f"row sharding of its parameter (shape {tuple(shape)}, local rows {lo}..{hi}); "
+            "megatron_fsdp_v2 can only checkpoint optimizer states shaped like their parameter "
+            "in the first dimension"
+        )
+    offsets = (lo,) + (0,) * (value.dim() - 1)
+    sizes = tuple(local.shape)
+    local.__create_chunk_list__ = _ChunkList(offsets, sizes)  # type: ignore[attr-defined]
+    local.__create_write_items__ = _WriteItems(offsets, sizes)  # type: ignore[attr-defined]
+    setattr(local, ROWS_ATTR, (lo, hi))
+
+
+def param_slot(param: nn.Parameter) -> tuple[ParamGroup, int]:
+    """The parameter group and index behind a managed DTensor parameter."""
+    return param._mfsdp_param_group, param._mfsdp_index  # type: ignore[attr-defined]
+
+
+def dist_param_slots(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Every name (tied parameters under each of theirs) of a DTensor parameter managed by a
+    unit, relative to ``module``. Outside forward/backward, where the DTensors are registered."""
+    return {
+        name: param
+        for name, param in module.named_parameters(remove_duplicate=False)
+        if getattr(param, "_mfsdp_param_group", None) is not None
+    }
+
+
+# ---------------------------------------------------------------------- module hooks
+
+def state_dict_post_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    """``module.state_dict()`` holds detached DTensor views of the main weights: attach the chunk
+    metadata of this unit's parameters, so the result can go straight to ``dcp.save``."""
+    state = get_state(module)
+    if state is None:
+        return
+    own = {id(g) for g in state.groups}
+    for name, param in dist_param_slots(module).items():
+        group, index = param_slot(param)
+        value = state_dict.get(prefix + name)
+        # keep_vars=True returns the live parameters: leave them alone (see strip_metadata).
+        if id(group) in own and isinstance(value, DTensor) and not isinstance(value, nn.Parameter):
+            attach_chunk_metadata(value, group, index, prefix + name)
+
+
+def expected_entries(module: nn.Module, prefix: str = "") -> dict[str, torch.Size | None]:
+    """What ``module.state_dict()`` holds, keyed like it: the global shape of each tensor entry
+    (tied parameters under each name), ``None`` for a non-tensor one (``_extra_state``)."""
+    return {
+        key: value.shape if isinstance(value, torch.Tensor) else None
+        for key, value in module.state_dict(prefix=prefix, keep_vars=True).items()
+    }
+
+
+def first_mismatch(
+    expected: Mapping[str, torch.Size | None],
+    found: Mapping[str, torch.Size | None],
+    *,
+    strict: bool,
+    what: str = "checkpoint",
+) -> str | None:
+    """The first problem between the model's entries and a checkpoint's, in model order:
+    a shape mismatch, then (strict) a missing key, then (strict) an unexpected key.
+    ``found[key] is None`` marks a non-tensor entry where a tensor is expected."""
+    for key, shape in expected.items():
+        if key not in found:
+            if strict:
+                wanted = f" (the model expects shape {tuple(shape)})" if shape is not None else ""
+                return (
+                    f"{what} has no entry '{key}'{wanted}; was it saved from a different model? "
+                    "(strict=False skips missing entries)"
+                )
+            continue
+        if shape is None:  # a non-tensor entry: presence is all we can check
+            continue
+        got = found[key]
+        if got is None:
+            return f"{what} entry '{key}' is not a tensor; the model expects shape {tuple(shape)}"
+        if tuple(got) != tuple(shape):
+            return (
+                f"{what} entry '{key}' has shape {tuple(got)} but the model expects "
+                f"{tuple(shape)}"
+            )
+    if strict:
+        for key in found:
+            if key not in expected:
+                return f"{what} has an unexpected entry '{key}' that the model does not have"
+    return None
+
+
+def _tensor_shape(value: Any) -> torch.Size | None:
+    return value.shape if isinstance(value, torch.Tensor) else None
+
+
+def local_rows_dtensor(param: nn.Parameter, full: torch.Tensor, copy: bool = False) -> DTensor:
+    """This rank's part of ``full`` (a whole, unsharded tensor shaped like ``param``) as a DTensor
+    with ``param``'s placements and layout, ready for ``param.copy_``; ``copy``: own its rows
+    instead of viewing ``full``."""
+    group, index = param_slot(param)
+    dparam: DTensor = param  # type: ignore[assignment]
+    local = dparam._local_tensor
+    if _is_row_sharded(group):
+        lo, hi = group.local_row_range(index)
+        rows = full[lo:hi]
+    else:
+        lo, hi = 0, full.shape[0]
+        rows = full
+    rows = rows.to(device=local.device, copy=copy)
+    out = DTensor.from_local(
+        rows, dparam.device_mesh, dparam.placements, run_check=False, shape=dparam.shape,
+        stride=dparam.stride(),
+    )
+    setattr(out._local_tensor, ROWS_ATTR, (lo, hi))
+    return out
+
+
+def _incoming_rows(value: DTensor) -> tuple[int, int]:
+    """The global rows a ``Shard(0)`` DTensor's local tensor holds: ours when it carries our chunk
+    metadata, else DTensor's own (``torch.chunk``) layout."""
+    rows = getattr(value._local_tensor, ROWS_ATTR, None)
+    if rows is not None:
+        return rows
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(
+        value.shape, value.device_mesh, value.placements
+    )
+    return offsets[0], offsets[0] + sizes[0]
+
+
+def _convert_for_load(key: str, param: nn.Parameter, value: Any) -> Any:
+    """Turn a full tensor, or a DTensor laid out differently but convertible without
+    communication, into a DTensor with ``param``'s exact layout."""
+    group, index = param_slot(param)
+    dparam: DTensor = param  # type: ignore[assignment]
+    if not isinstance(value, DTensor):
+        return local_rows_dtensor(param, value.detach())
+    if value.device_mesh != dparam.device_mesh:
+        raise ValueError(
+            f"state-dict entry '{key}' is a DTensor on mesh {value.device_mesh}, but the model's "
+            f"parameter lives on {dparam.device_mesh}; load sharded checkpoints of another "
+            "layout through megatron_fsdp_v2.checkpoint.load (torch.distributed.checkpoint)"
+        )
+    if all(isinstance(p, Replicate) for p in value.placements):
+        return local_rows_dtensor(param, value._local_tensor.detach())
+    lo, hi = group.local_row_range(index) if _is_row_sharded(group) else (0, dparam.shape[0])
+    if value.placements == dparam.placements and _incoming_rows(value) == (lo, hi):
+        return value
+    raise ValueError(
+        f"state-dict entry '{key}' is a DTensor sharded as {value.placements} with rows "
+        f"{_incoming_rows(value)} on this rank, but the model holds rows {lo}..{hi} "
+        f"({dparam.placements}); a sharded state dict of another world size or layout must be "
+        "loaded through megatron_fsdp_v2.checkpoint.load (torch.distributed.checkpoint), or "
+        "exported with get_full_state_dict and loaded with load_full_state_dict"
+    )
+
+
+def load_state_dict_pre_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+    strict: bool, missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str],
+) -> None:
+    """Before ``load_state_dict`` writes anything into this unit's subtree: check the shape of
+    every entry (a ``ValueError`` naming the first mismatching key), then make the entries of
+    this unit's parameters loadable in place (full tensors and ``Replicate()`` DTensors become
+    this rank's rows). The root unit runs first and sees every key, so a bad state dict is
+    rejected before any parameter is touched. Missing/unexpected keys are left to
+    ``load_state_dict``'s own ``strict`` handling."""
+    if local_metadata.get("assign_to_params_buffers", False):
+        raise ValueError(
+            "load_state_dict(assign=True) would replace the DTensor parameters that view "
+            "fully_shard's flat buffers; load with assign=False"
+        )
+    if torch.__future__.get_swap_module_params_on_conversion():
+        raise ValueError(
+            "load_state_dict with torch.__future__.set_swap_module_params_on_conversion(True) "
+            "would swap out the DTensor parameters that view fully_shard's flat buffers; "
+            "turn it off around the load"
+        )
+    found = {k: _tensor_shape(v) for k, v in state_dict.items() if k.startswith(prefix)}
+    expected = expected_entries(module, prefix)
+    error = first_mismatch(expected, found, strict=False, what="state dict")
+    if error is not None:
+        raise ValueError(error)
+    state = get_state(module)
+    if state is None:
+        return
+    own = {id(g) for g in state.groups}
+    for name, param in dist_param_slots(module).items():
+        key = prefix + name
+        if key in state_dict and id(param_slot(param)[0]) in own:
+            state_dict[key] = _convert_for_load(key, param, state_dict[key])
+
+
+def mark_all_loaded(module: nn.Module) -> None:
+    """Every unit in ``module``'s tree refreshes its compute weights before the next use."""
+    for m in module.modules():
+        state = get_state(m)
+        if state is not None:
+            for group in state.groups:
+                group.mark_main_weights_updated()
+
+
+# ---------------------------------------------------------------------- cross-rank agreement
+
+def raise_if_any_rank(error: str | None, group: dist.ProcessGroup | None = None) -> None:
+    """Raise ``ValueError`` on every rank when any rank found ``error`` (the lowest such rank's
+    message), so a check that fails on some ranks cannot leave the others in a collective."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        errors: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise ValueError(error)
+
+
+# ---------------------------------------------------------------------- full weights
+
+def _unique_groups(params: Iterator[nn.Parameter]) -> list[ParamGroup]:
+    seen: dict[int, ParamGroup] = {}
+    for p in params:
+        group = getattr(p, "_mfsdp_param_group", None)
+        if group is not None and id(group) not in seen:
+            seen[id(group)] = group
+    return list(seen.values())
+
+
+def gather_full_params(
+    module: nn.Module, *, keep: bool, cpu_offload: bool
+) -> dict[tuple[int, int], torch.Tensor]:
+    """Full main weights of every managed parameter, keyed by ``(id(group), index)``: one
+    all-gather of each group's main-weight shard (none for ``no_shard``), one group at a time.
+    Every rank must call it; ``keep=False`` ranks take part but return nothing."""
+    out: dict[tuple[int, int], torch.Tensor] = {}
+    for group in _unique_groups(module.parameters()):
+        main = group.main_weight.detach()
+        if _is_row_sharded(group):
+            flat = torch.empty(group.layout.total_numel, dtype=main.dtype, device=main.device)
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            gather(flat, main.contiguous(), group=group.process_group)
+        else:
+            flat = main
+        if not keep:
+            continue
+        for index, item in enumerate(group.layout.items):
+            full = flat[item.offset : item.end].view(item.shape)
+            out[(id(group), index)] = full.to("cpu", copy=True) if cpu_offload else full.clone()
+    return out

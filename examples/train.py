@@ -1,0 +1,170 @@
+"""Train a small GPT on synthetic tokens with megatron_fsdp_v2.
+
+    torchrun --nproc_per_node=4 examples/train.py --strategy optim_grads
+
+Runs on CPU over gloo by default, and on GPUs over NCCL (one GPU per local rank) when CUDA is
+available. Every step rank 0 prints the loss (mean over ranks), throughput, the bytes this rank
+communicated, and memory per rank.
+
+Bytes communicated are counted by ``comm_counter.CommCounter``, a ``TorchDispatchMode`` that
+sees every ``c10d`` collective at the dispatcher (the flat all-gathers and reduce-scatters of
+fully_shard, the all-reduce of clip_grad_norm_), and reports ring-algorithm bytes sent per rank:
+``2(N-1)/N * S`` for an all-reduce of S bytes, ``(N-1)/N * S`` for an all-gather or
+reduce-scatter whose full buffer is S bytes. The per-step logging collectives run outside it.
+
+Memory per rank: ``memory_report`` (bytes of fully_shard's buffers: compute weights, main
+weights, main grads, peak temporary buckets) and the process peak: resident-set high-water
+mark on CPU, ``torch.cuda.max_memory_allocated`` on GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from comm_counter import CommCounter  # noqa: E402
+from model import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
+
+import megatron_fsdp_v2 as mfsdp  # noqa: E402
+
+MiB = 1 << 20
+# torch 2.14 renamed all_gather_into_tensor to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--strategy", default="optim_grads_params",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--micro-batches", type=int, default=2, help="gradient-accumulation micro-batches per step")
+    p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch per rank")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16 compute weights, fp32 main weights and gradients")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def setup_distributed() -> torch.device:
+    if "RANK" not in os.environ:
+        raise SystemExit("launch with torchrun, e.g. `torchrun --nproc_per_node=4 examples/train.py`")
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        return torch.device("cuda", local_rank)
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Process peak: CUDA allocator high-water mark on GPU, resident-set high-water mark on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def fmt_ranks(values: list[float]) -> str:
+    return "[" + " ".join(f"{v:.1f}" for v in values) + "]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = setup_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, layers=args.layers,
+                    heads=args.heads)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank
+    model = GPT(cfg).to(device)
+    num_params = model.num_params()
+
+    mp_policy = (mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
+                 if args.bf16 else None)
+    for block in model.blocks:
+        mfsdp.fully_shard(block, sharding_strategy=args.strategy, mp_policy=mp_policy)
+    mfsdp.fully_shard(model, sharding_strategy=args.strategy, mp_policy=mp_policy)
+    # Built after wrapping, on the sharded (DTensor) parameters.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+    tokens_per_step = world * args.micro_batches * args.batch_size * args.seq_len
+    if rank == 0:
+        print(f"GPT {num_params / 1e6:.2f}M params (dim={cfg.dim} layers={cfg.layers} heads={cfg.heads} "
+              f"vocab={cfg.vocab} seq={cfg.seq_len}) | strategy={args.strategy} world={world} "
+              f"device={device.type} backend={dist.get_backend()} | {args.micro_batches} micro-batches x "
+              f"{args.batch_size} seqs/rank = {tokens_per_step} tokens/step | "
+              f"{'bf16 compute, fp32 main' if args.bf16 else 'fp32'}", flush=True)
+        print("comm = ring-algorithm bytes sent by this rank, counted by a TorchDispatchMode over c10d ops; "
+              f"peak = {'torch.cuda.max_memory_allocated' if device.type == 'cuda' else 'RSS high-water mark'}",
+              flush=True)
+
+    counter = CommCounter()
+    step_times: list[float] = []
+    for step in range(args.steps):
+        batches = [synthetic_batch(args.batch_size, args.seq_len, args.vocab, seed=args.seed, step=step,
+                                   micro=i, rank=rank, device=device) for i in range(args.micro_batches)]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with counter:
+            loss_sum = torch.zeros((), device=device)
+            for i, tokens in enumerate(batches):
+                model.set_is_last_backward(i == args.micro_batches - 1)
+                loss = lm_loss(model, tokens) / args.micro_batches
+                loss.backward()
+                loss_sum += loss.detach()
+            if args.clip > 0:
+                mfsdp.clip_grad_norm_(model.parameters(), args.clip)
+            optimizer.step()
+            optimizer.zero_grad()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        step_times.append(elapsed)
+        comm = counter.reset()
+
+        # Logging (not counted): every rank's loss, buffer bytes and peak memory.
+        report = mfsdp.memory_report(model)
+        mine = torch.tensor([loss_sum.item(), report.total, peak_memory_bytes(device)],
+                            dtype=torch.float64, device=device)
+        everyone = torch.empty(world * 3, dtype=torch.float64, device=device)
+        _all_gather_single(everyone, mine)
+        everyone = everyone.view(world, 3).cpu()
+        if rank == 0:
+            print(f"step {step + 1:3d}/{args.steps} | loss {everyone[:, 0].mean():.4f} | "
+                  f"{tokens_per_step / elapsed:9,.0f} tok/s | {elapsed * 1e3:6.0f} ms | "
+                  f"comm {comm.total_wire_bytes / MiB:7.2f} MiB/rank ({comm.summary()}) | "
+                  f"buffers MiB {fmt_ranks((everyone[:, 1] / MiB).tolist())} | "
+                  f"peak MiB {fmt_ranks((everyone[:, 2] / MiB).tolist())}", flush=True)
+
+    reports = [None] * world
+    dist.all_gather_object(reports, str(mfsdp.memory_report(model)))
+    if rank == 0:
+        steady = sorted(step_times[1:] or step_times)
+        median = steady[len(steady) // 2]
+        print(f"done: median step {median * 1e3:.0f} ms, {tokens_per_step / median:,.0f} tok/s "
+              f"(step 1 excluded)")
+        for r, text in enumerate(reports):
+            print(f"memory_report rank {r}: {text}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

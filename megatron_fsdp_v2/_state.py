@@ -95,7 +95,7 @@ class FSDPContext:
         self.recording_order = True
         # Units whose gradient collectives may still be in flight, oldest first.
         self.reducing: deque[FSDPState] = deque()
-        self.max_inflight_reductions = 2
+        self.max_inflight_reductions = 1
         # Debug/test event log of (event, unit fqn); None disables logging.
         self.events: list[tuple[str, str]] | None = None
 

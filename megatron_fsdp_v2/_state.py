@@ -147,11 +147,7 @@ class FSDPContext:
         finally:
             self.final_callback_queued = False
             for state in self.states:
-                state.register_dist_params()
-                state.training_state = TrainingState.IDLE
-                state.pending_post_backward = 0
-                state.needs_post_backward = False
-                state.backward_done = False
+                state.reset_to_idle()
 
     @property
     def step_failed(self) -> bool:
@@ -215,11 +211,7 @@ class FSDPContext:
         self.final_callback_queued = False
         self.callback_failed = False
         for state in self.states:
-            state.register_dist_params()
-            state.training_state = TrainingState.IDLE
-            state.pending_post_backward = 0
-            state.needs_post_backward = False
-            state.backward_done = False
+            state.reset_to_idle()
         if error is not None:
             self.unrecoverable = (
                 "fully_shard cannot recover from the failed forward/backward: a collective it "
@@ -308,6 +300,14 @@ class FSDPState:
                 compute.setdefault(key, (submodule._parameters, {}))[1][name] = compute_param
                 dist.setdefault(key, (submodule._parameters, {}))[1][name] = dist_param
         return list(compute.values()), list(dist.values())
+
+    def reset_to_idle(self) -> None:
+        """Between steps: DTensor parameters registered, no backward bookkeeping pending."""
+        self.register_dist_params()
+        self.training_state = TrainingState.IDLE
+        self.pending_post_backward = 0
+        self.needs_post_backward = False
+        self.backward_done = False
 
     def register_dist_params(self) -> None:
         for parameters, mapping in self._dist_registration:

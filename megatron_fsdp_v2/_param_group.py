@@ -159,15 +159,9 @@ class ParamGroup:
         if self.strategy.shards_model_weights:
             self.model_weight = torch.zeros(layout.shard_numel, dtype=dtypes.model, device=device)
             self._copy_params_into(self.model_weight, self._shard_start, self._shard_end)
-            # Views can only be taken while the storage exists; it is freed below, after binding.
-            unsharded = self.allocator.allocate(
-                self._unshard_key, layout.total_numel, dtypes.model, device
-            )
         else:
             self.model_weight = torch.zeros(layout.total_numel, dtype=dtypes.model, device=device)
             self._copy_params_into(self.model_weight, 0, layout.total_numel)
-            unsharded = self.model_weight
-        self.unsharded_model_weight = unsharded
         if self._separate_main:
             self.main_weight = torch.zeros(
                 self._local_end - self._local_start, dtype=dtypes.main, device=device
@@ -177,13 +171,21 @@ class ParamGroup:
             self.main_weight = self.model_weight
         else:
             self.main_weight = self.model_weight[self._local_start : self._local_end]
-        # Bind the compute parameters to their zero-copy views; the original storage is released.
+        # Compute parameters become zero-copy views of the unsharded weights, which releases
+        # their original storage. A ZeRO-3 group has no unsharded bucket until its first gather
+        # (so wrapping never holds a full-size copy): until then they hold an empty placeholder.
+        self._views_bound = not self.strategy.shards_model_weights
+        if self._views_bound:
+            self._bind_compute_views(self.model_weight)
+        else:
+            with torch.no_grad():
+                for param in self.params:
+                    param.data = torch.empty(0, dtype=dtypes.model, device=device)
+
+    def _bind_compute_views(self, unsharded_model_weight: torch.Tensor) -> None:
         with torch.no_grad():
-            for param, item in zip(self.params, layout.items):
-                param.data = unsharded[item.offset : item.end].view(item.shape)
-        if self.strategy.shards_model_weights:
-            self.allocator.free(self._unshard_key)
-            self.allocator.reset_peak()
+            for param, item in zip(self.params, self.layout.items):
+                param.data = unsharded_model_weight[item.offset : item.end].view(item.shape)
 
     def _local_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         """Item ``index``'s local rows in ``buffer``, which holds [_local_start, _local_end)."""
@@ -248,6 +250,9 @@ class ParamGroup:
             output = self.allocator.allocate(
                 self._unshard_key, self.layout.total_numel, self.dtypes.model, self.device
             )
+            if not self._views_bound:  # views stay valid across storage freeing from now on
+                self._bind_compute_views(output)
+                self._views_bound = True
             shard, group = self.model_weight, self.process_group
             self._unshard_handle = self.streams.run(
                 lambda a: comm.all_gather_into(output, shard, group, a),

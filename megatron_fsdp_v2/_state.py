@@ -93,7 +93,8 @@ class FSDPContext:
         self.forward_order: list[FSDPState] = []
         self._order_index: dict[int, int] = {}
         self.recording_order = True
-        # Units whose gradient collectives may still be in flight, oldest first.
+        # Units whose gradient collectives may still be in flight, oldest first. At most
+        # ``max_inflight_reductions`` units' reduction buckets are alive at once.
         self.reducing: deque[FSDPState] = deque()
         self.max_inflight_reductions = 1
         # Debug/test event log of (event, unit fqn); None disables logging.
@@ -489,6 +490,9 @@ class FSDPState:
         assert ctx is not None
         if self.reshard():
             ctx.log("reshard", self)
+        # Finish older reductions *before* staging new ones: they overlapped this unit's
+        # backward, and their buckets are freed before this unit's are allocated.
+        ctx.drain_reductions(ctx.max_inflight_reductions - 1)
         reduced = False
         for group in self.groups:
             reduced |= group.reduce_grads(self.is_last_backward, async_op=ctx.overlap)
@@ -496,6 +500,5 @@ class FSDPState:
             ctx.log("reduce", self)
             if ctx.overlap:
                 ctx.reducing.append(self)
-                ctx.drain_reductions(ctx.max_inflight_reductions)
         self.backward_done = True
         self.training_state = TrainingState.IDLE

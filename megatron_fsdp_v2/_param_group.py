@@ -9,7 +9,7 @@ Every group owns up to three persistent flat buffers, laid out identically (see
   ``no_shard``/``optim``/``optim_grads``; this rank's shard for ``optim_grads_params``, which
   gathers into a temporary ``unsharded_model_weight`` bucket around forward and backward.
   Compute parameters (the module's original ``nn.Parameter`` objects) are views into the
-  unsharded buffer, bound once at wrap time.
+  unsharded buffer, bound once: at wrap time, or at the first gather for ZeRO-3.
 * ``main_weight``: what the optimizer updates, exposed as DTensor parameters whose local tensors
   are views into it. Sharded except for ``no_shard``. It is a separate buffer only when the main
   dtype differs from the compute dtype; otherwise it *is* this rank's part of ``model_weight``.

@@ -121,8 +121,7 @@ class ParamGroup:
 
         # Gradient state (see GradState). main_grad is created lazily.
         self.grad_state = GradState.EMPTY
-        self._main_grad: torch.Tensor | None = None
-        self._main_grad_allocated = False
+        self._main_grad: torch.Tensor | None = None  # storage freed while EMPTY
         self._grad_dtensors: list[DTensor | None] | None = None
         self._grads_installed = False
         self._pending_reductions: list[tuple[comm.CommHandle | None, Callable[[], None]]] = []
@@ -299,13 +298,15 @@ class ParamGroup:
         return self.layout.shard_numel if self.strategy.shards_grads else self.layout.total_numel
 
     def _ensure_main_grad(self) -> torch.Tensor:
-        if self._main_grad is None:
-            self._main_grad = torch.empty(self.main_grad_numel, dtype=self.dtypes.grad, device=self.device)
-            self._main_grad_allocated = True
-        elif not self._main_grad_allocated:
-            self._main_grad.untyped_storage().resize_(self._main_grad.numel() * self._main_grad.element_size())
-            self._main_grad_allocated = True
-        return self._main_grad
+        """``main_grad`` with its storage allocated (one tensor object for life, so cached
+        gradient views stay valid; see [Note: storage-freeing buckets])."""
+        main_grad = self._main_grad
+        if main_grad is None:
+            main_grad = torch.empty(self.main_grad_numel, dtype=self.dtypes.grad, device=self.device)
+            self._main_grad = main_grad
+        elif main_grad.untyped_storage().nbytes() == 0:
+            main_grad.untyped_storage().resize_(main_grad.numel() * main_grad.element_size())
+        return main_grad
 
     def _main_grad_local(self) -> torch.Tensor:
         """The part of ``main_grad`` behind the optimizer-facing gradients."""
@@ -315,9 +316,8 @@ class ParamGroup:
         return main_grad
 
     def release_grad_storage(self) -> None:
-        if self._main_grad is not None and self._main_grad_allocated:
+        if self._main_grad is not None:
             self._main_grad.untyped_storage().resize_(0)
-            self._main_grad_allocated = False
         self.grad_state = GradState.EMPTY
 
     def _stage(self, grads: Sequence[torch.Tensor | None], full_buffer: torch.Tensor,
@@ -352,12 +352,6 @@ class ParamGroup:
         delayed = not self.strategy.shards_grads and self.grad_state is not GradState.REDUCED
         if not has_new and not (is_last_backward and self.grad_state is GradState.ACCUMULATING):
             return False
-        for grad, param in zip(grads, self.params):
-            if grad is not None and grad.shape != param.shape:
-                raise RuntimeError(
-                    f"gradient of {self.fqns[self.params.index(param)]} has shape "
-                    f"{tuple(grad.shape)}, expected {tuple(param.shape)}"
-                )
         if delayed:
             main_grad = self._ensure_main_grad()
             if has_new:

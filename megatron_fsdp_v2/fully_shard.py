@@ -288,14 +288,16 @@ _optimizer_cache: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerGro
 
 
 def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # Runs twice per step: the cache check must not walk the parameters.
+    param_count = sum(len(g["params"]) for g in optimizer.param_groups)
     cached = _optimizer_cache.get(optimizer)
     if (
-        cached is not None and cached.param_count == len(params)
+        cached is not None and cached.param_count == param_count
         and cached.generation == _wrap_generation
     ):
         return cached
-    info = _OptimizerGroups(len(params), _wrap_generation)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    info = _OptimizerGroups(param_count, _wrap_generation)
     seen: set[int] = set()
     for p in params:
         group = getattr(p, "_mfsdp_param_group", None)

@@ -35,7 +35,10 @@ class BucketAllocator:
         """The 1-D bucket for ``key``, with its storage allocated (contents undefined)."""
         bucket = self._buckets.get(key)
         if bucket is None or bucket.numel() != numel or bucket.dtype != dtype:
-            bucket = torch.empty(numel, dtype=dtype, device=device)
+            # Never an inference tensor (it lives for the whole run), even when first needed
+            # inside ``torch.inference_mode()``.
+            with torch.inference_mode(False):
+                bucket = torch.empty(numel, dtype=dtype, device=device)
             self._buckets[key] = bucket
         elif key not in self._live:
             bucket.untyped_storage().resize_(numel * bucket.element_size())

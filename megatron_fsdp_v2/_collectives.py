@@ -1,4 +1,4 @@
-"""The only module that issues collectives. Every collective runs on a flat 1-D buffer through
+"""The collectives of the training step (and the wrap-time broadcast). Every collective runs on a flat 1-D buffer through
 ``torch.distributed`` (NCCL on GPUs, gloo on CPU).
 
 [Note: asynchronous collectives]
@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -25,6 +26,7 @@ from torch.distributed import ProcessGroup
 
 __all__ = [
     "CommHandle", "CommStreams", "all_gather_into", "reduce_scatter_into", "all_reduce_inplace",
+    "broadcast_from_first", "check_collective_order",
 ]
 
 Work = dist.Work
@@ -60,6 +62,37 @@ def all_reduce_inplace(
     return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+def broadcast_from_first(buffer: torch.Tensor, group: ProcessGroup) -> None:
+    """Overwrite ``buffer`` with its value on the group's first rank (wrap time: replicas start
+    from the same weights, as with DDP)."""
+    dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
+
+
+def check_collective_order(group: ProcessGroup, description: str, device: torch.device) -> None:
+    """Debug check (``MFSDP_DEBUG_COLLECTIVES=1``): before a collective, make sure every rank of
+    ``group`` is about to issue the same one. One 8-byte all-gather of a digest of
+    ``description``; on a mismatch every rank raises, naming what each rank issues.
+
+    Without the check, ranks that run different units (data-dependent control flow) pair up
+    unrelated collectives: equal-sized buckets silently exchange the wrong data, others abort.
+    """
+    digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:7], "little")
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
+    _all_gather_single(everyone, mine, group=group)
+    if bool((everyone == mine).all()):
+        return
+    descriptions: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(descriptions, description, group=group)
+    issued = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
+    raise RuntimeError(
+        f"ranks issue different collectives ({issued}). Every rank must run the same "
+        "fully_shard units, in the same order, with the same micro-batch marking, in every "
+        "iteration: make data-dependent control flow agree across ranks (e.g. decide it from an "
+        "all-reduced flag), or run the skipped unit with an empty input"
+    )
+
+
 class CommHandle(Protocol):
     def wait(self) -> None: ...
 
@@ -75,13 +108,14 @@ class _WorkHandle:
 
 
 class _EventHandle:
-    __slots__ = ("event",)
+    __slots__ = ("event", "device")
 
-    def __init__(self, event: torch.cuda.Event) -> None:
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
         self.event = event
+        self.device = device
 
     def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 Launch = Callable[[bool], "Work | None"]
@@ -91,6 +125,7 @@ class CommStreams:
     """Where collectives of one device run. See [Note: asynchronous collectives]."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
             self.all_gather_stream = torch.cuda.Stream(device, priority=-1)
@@ -106,12 +141,13 @@ class CommStreams:
             work = launch(True)
             return _WorkHandle(work) if work is not None else None
         stream = self.reduce_stream if reduce else self.all_gather_stream
-        stream.wait_stream(torch.cuda.current_stream())
+        # The parameters' device, not the current one: they may differ.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             launch(False)
             event = torch.cuda.Event()
             event.record(stream)
-        return _EventHandle(event)
+        return _EventHandle(event, self.device)
 
 
 _streams: dict[torch.device, CommStreams] = {}

@@ -2,12 +2,13 @@
 (with its collective timeout), collecting and validating the parameters a unit manages, and the
 cross-rank consistency check. Everything that can reject a call runs before any collective and
 before any buffer is built, so a bad call leaves the module untouched (see
-``notes/failures_design.md``)."""
+design.md §8)."""
 
 from __future__ import annotations
 
 import hashlib
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -19,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from ._layout import BufferLayout
 from .api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 
 __all__ = [
@@ -29,7 +31,9 @@ __all__ = [
     "collect_managed_params",
     "comm_group",
     "default_mesh",
+    "raise_on_every_rank",
     "validate_options",
+    "warn_if_padded",
 ]
 
 # Default timeout of the library's collectives (see ``comm_group``): well under torch's default
@@ -363,11 +367,25 @@ def unit_signature(
     return lines
 
 
+# A signature line that carries a wrap-time error instead of a description (see
+# raise_on_every_rank): "<marker><exception class name>: <message>".
+_ERROR_MARKER = "\x00fully_shard error on this rank\x00"
+
+
+def raise_on_every_rank(
+    error: TypeError | ValueError, mesh: DeviceMesh, group: dist.ProcessGroup | None = None
+) -> None:
+    """A check failed on this rank: take part in the cross-rank check with the error instead of
+    a signature, so that every rank (this one included) raises it at once. Never returns."""
+    check_ranks_agree([f"{_ERROR_MARKER}{type(error).__name__}: {error}"], mesh, group)
+    raise error  # only reached on a 1-rank mesh
+
+
 def check_ranks_agree(
     lines: list[str], mesh: DeviceMesh, group: dist.ProcessGroup | None = None
 ) -> None:
     """One 8-byte all-gather of a digest over ``group`` (default: the mesh's); on a mismatch,
-    name the first differing line."""
+    name the first differing line, or raise the error a rank reported instead of its lines."""
     group = group if group is not None else mesh.get_group()
     world = mesh.size()
     if world == 1:
@@ -381,6 +399,13 @@ def check_ranks_agree(
         return
     all_lines: list[list[str] | None] = [None] * world
     dist.all_gather_object(all_lines, lines, group=group)
+    for rank, other in enumerate(all_lines):
+        if other and other[0].startswith(_ERROR_MARKER):
+            kind, _, message = other[0][len(_ERROR_MARKER):].partition(": ")
+            exc_type = TypeError if kind == "TypeError" else ValueError
+            raise exc_type(
+                f"{message} [fully_shard: raised on rank {rank}; every rank raises this error]"
+            )
     reference = all_lines[0] or []
     for rank, other in enumerate(all_lines):
         other = other or []
@@ -396,4 +421,33 @@ def check_ranks_agree(
     raise ValueError(  # digests differ but the lines agree: a hash collision cannot do this
         "ranks disagree on what fully_shard wraps (digest mismatch); every rank must wrap the "
         "same model with the same arguments, in the same order"
+    )
+
+
+# ---------------------------------------------------------------------- padding
+
+# Below this many padding elements a bucket is not worth a warning (tiny groups, e.g. a bias
+# smaller than the world size, always pad by a large ratio and a few elements).
+_PADDING_WARNING_MIN_ELEMENTS = 1 << 16
+
+
+def warn_if_padded(layout: BufferLayout, fqns: list[str], max_padding_ratio: float) -> None:
+    """Warn, naming the parameter, when a bucket pads by more than ``max_padding_ratio`` (a
+    parameter whose rows are so large that splitting buckets cannot help, e.g. (1, 100000))."""
+    if (
+        layout.padding_ratio <= max_padding_ratio
+        or layout.padding_numel < _PADDING_WARNING_MIN_ELEMENTS
+    ):
+        return
+    worst = max(range(len(layout.items)), key=lambda i: layout.items[i].row_numel)
+    item = layout.items[worst]
+    warnings.warn(
+        f"fully_shard: parameter '{fqns[worst]}' of shape {tuple(item.shape)} has rows of "
+        f"{item.row_numel} elements and no shard boundary may cut a row, so its bucket is "
+        f"padded by {layout.padding_ratio:.0%} ({layout.padding_numel} elements) at world size "
+        f"{layout.world_size}, although max_padding_ratio is {max_padding_ratio:g}. Give it "
+        "more, smaller rows (e.g. store a (1, N) parameter as (N,)), pass it in "
+        "ignored_params, or raise max_padding_ratio to accept the padding",
+        UserWarning,
+        stacklevel=3,
     )

@@ -30,7 +30,9 @@ own slot of ``model_weight`` (``refresh_from_shard_``) and runs one in-place
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+import os
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,7 +46,7 @@ from ._allocator import BucketAllocator
 from ._layout import BufferLayout
 from .api import ResolvedDtypes, ShardingStrategy
 
-__all__ = ["GradState", "ParamGroup"]
+__all__ = ["GradState", "ParamGroup", "finalize_unsynchronized"]
 
 
 class GradState(enum.Enum):
@@ -84,7 +86,12 @@ class ParamGroup:
         dtypes: ResolvedDtypes,
         grad_pre_scale: float,
         allocator: BucketAllocator,
+        sync_from_rank0: bool = False,
     ) -> None:
+        """Builds the buffers but leaves the module's parameters untouched: :meth:`bind`
+        turns them into views of the buffers once every group of the unit was built (so a
+        failure half-way changes nothing). ``sync_from_rank0``: start from the mesh rank 0's
+        values (one broadcast), as DDP does."""
         self.group_id = group_id
         self.params = list(params)  # compute parameters (the module's original objects)
         self.fqns = list(fqns)
@@ -102,6 +109,10 @@ class ParamGroup:
         self.streams = comm.streams_for(params[0].device)
         self.requires_grad = self.params[0].requires_grad
         self.device = self.params[0].device
+        # Names this group in errors and in the collective-order check; the root's lazy init
+        # replaces it with the unit's fully qualified name.
+        self.name = f"group of {self.fqns[0]!r}" + (f" (+{len(self.fqns) - 1})" if len(self.fqns) > 1 else "")
+        self.debug_collectives = os.environ.get("MFSDP_DEBUG_COLLECTIVES", "0") == "1"
 
         self._offsets = [item.offset for item in layout.items]
         self._uncovered = layout.uncovered_ranges()
@@ -116,73 +127,83 @@ class ParamGroup:
         self._rs_key = (group_id, "reduce_scatter_input")
         self._comm_key = (group_id, "grad_comm")
 
-        self._build_weight_buffers()
+        self._build_weight_buffers(self._initial_flat(sync_from_rank0))
         self.dist_params = self._build_dist_params()
 
         # Gradient state (see GradState). main_grad is created lazily.
         self.grad_state = GradState.EMPTY
         self._main_grad: torch.Tensor | None = None  # storage freed while EMPTY
-        self._grad_dtensors: list[DTensor | None] | None = None
+        # [Note: gradients the optimizer sees] DTensor views of main_grad, one per parameter
+        # (None: empty local shard), built once so optimizers keyed on gradient identity see
+        # stable objects; ``_installed[i]`` is the view currently exposed as ``.grad`` (None: the
+        # parameter has no gradient, as in torch when nothing flowed into it).
+        self._grad_views: list[DTensor | None] | None = None
+        self._installed: list[DTensor | None] = [None] * len(self.params)
         self._grads_installed = False
+        # Parameters that received a gradient on this rank since the last install, and whether
+        # anything was staged or reduced that the optimizer has not been shown yet.
+        self._received_grad = [False] * len(self.params)
+        self._uninstalled = False
         self._pending_reductions: list[tuple[comm.CommHandle | None, Callable[[], None]]] = []
 
         self._weights_stale = False  # see [Note: replicated-buffer refresh]
+        self._main_version = self._dist_param_version()
         self._unsharded = not strategy.shards_model_weights
         self._unshard_handle: comm.CommHandle | None = None
 
     # ------------------------------------------------------------------ construction
 
-    def _local_pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
-        """(item index, item-relative start, flat start) of each item's part in [start, end)."""
-        pieces = []
-        for index, item in enumerate(self.layout.items):
-            lo, hi = self.layout.local_item_range(index, start, end)
-            if hi > lo:
-                pieces.append((index, lo - item.offset, lo))
-        return pieces
+    def _initial_flat(self, sync_from_rank0: bool) -> torch.Tensor:
+        """The parameters' current values packed into one full flat buffer of their own dtype
+        (padding zeroed), broadcast from mesh rank 0 when ``sync_from_rank0``. Temporary: it
+        lives while the group is built, like the parameters themselves."""
+        dtype = self.params[0].dtype
+        flat = torch.zeros(self.layout.total_numel, dtype=dtype, device=self.device)
+        ops.pack_(
+            # copies only the rare non-contiguous parameter (e.g. a strided view)
+            [p.detach().contiguous().view(-1) for p in self.params], self._offsets, flat,
+        )
+        if sync_from_rank0 and self.world_size > 1:
+            comm.broadcast_from_first(flat, self.process_group)
+        return flat
 
-    def _copy_params_into(self, buffer: torch.Tensor, start: int, end: int) -> None:
-        """Copy (casting) this group's original parameter values in [start, end) into ``buffer``,
-        which holds exactly that span."""
-        pieces = self._local_pieces(start, end)
-        inputs, offsets = [], []
-        for index, item_start, flat_start in pieces:
-            lo, hi = self.layout.local_item_range(index, start, end)
-            flat_param = self.params[index].detach().reshape(-1)
-            inputs.append(flat_param[item_start : item_start + (hi - lo)])
-            offsets.append(flat_start - start)
-        ops.pack_(inputs, offsets, buffer)
-
-    def _build_weight_buffers(self) -> None:
+    def _build_weight_buffers(self, initial: torch.Tensor) -> None:
         layout, dtypes, device = self.layout, self.dtypes, self.device
         if self.strategy.shards_model_weights:
-            self.model_weight = torch.zeros(layout.shard_numel, dtype=dtypes.model, device=device)
-            self._copy_params_into(self.model_weight, self._shard_start, self._shard_end)
+            model_span = (self._shard_start, self._shard_end)
         else:
-            self.model_weight = torch.zeros(layout.total_numel, dtype=dtypes.model, device=device)
-            self._copy_params_into(self.model_weight, 0, layout.total_numel)
+            model_span = (0, layout.total_numel)
+        self.model_weight = torch.empty(
+            model_span[1] - model_span[0], dtype=dtypes.model, device=device
+        )
+        ops.pack_([initial[model_span[0] : model_span[1]]], [0], self.model_weight)
         if self._separate_main:
-            self.main_weight = torch.zeros(
+            self.main_weight = torch.empty(
                 self._local_end - self._local_start, dtype=dtypes.main, device=device
             )
-            self._copy_params_into(self.main_weight, self._local_start, self._local_end)
+            ops.pack_([initial[self._local_start : self._local_end]], [0], self.main_weight)
         elif self.strategy.shards_model_weights:
             self.main_weight = self.model_weight
         else:
             self.main_weight = self.model_weight[self._local_start : self._local_end]
-        # Compute parameters become zero-copy views of the unsharded weights, which releases
-        # their original storage. A ZeRO-3 group has no unsharded bucket until its first gather
-        # (so wrapping never holds a full-size copy): until then they hold an empty placeholder.
-        self._views_bound = not self.strategy.shards_model_weights
-        if self._views_bound:
+        self._views_bound = False
+
+    def bind(self) -> None:
+        """Make the compute parameters zero-copy views of the unsharded weights, which releases
+        their original storage. A ZeRO-3 group has no unsharded bucket until its first gather
+        (so wrapping never holds a full-size copy): until then they hold an empty placeholder.
+        With ``sync_from_rank0`` this is also where replicas start agreeing."""
+        if not self.strategy.shards_model_weights:
             self._bind_compute_views(self.model_weight)
+            self._views_bound = True
         else:
             with torch.no_grad():
                 for param in self.params:
-                    param.data = torch.empty(0, dtype=dtypes.model, device=device)
+                    param.data = torch.empty(0, dtype=self.dtypes.model, device=self.device)
 
     def _bind_compute_views(self, unsharded_model_weight: torch.Tensor) -> None:
-        with torch.no_grad():
+        # Outside inference mode: a view made inside it could never be updated in place again.
+        with torch.no_grad(), torch.inference_mode(False):
             for param, item in zip(self.params, self.layout.items):
                 param.data = unsharded_model_weight[item.offset : item.end].view(item.shape)
 
@@ -237,9 +258,49 @@ class ParamGroup:
         ):
             self._weights_stale = True
 
+    def _dist_param_version(self) -> int:
+        return sum(p._version for p in self.dist_params)
+
+    def detect_main_weight_edits(self) -> None:
+        """Mark the group stale when an in-place op on an optimizer-facing parameter (e.g.
+        ``nn.init.normal_(p)``, ``p.copy_(x)``) bumped its version counter since the last look.
+        See [Note: replicated-buffer refresh] for what this does not see."""
+        version = self._dist_param_version()
+        if version != self._main_version:
+            self._main_version = version
+            self.mark_main_weights_updated()
+
+    def sync_requires_grad(self) -> None:
+        """Follow ``requires_grad_`` calls on the optimizer-facing parameters after wrapping:
+        the compute parameters autograd sees must agree with them."""
+        changed = False
+        for param, dist_param in zip(self.params, self.dist_params):
+            if param.requires_grad != dist_param.requires_grad:
+                param.requires_grad_(dist_param.requires_grad)
+                changed = True
+        if changed:
+            self.requires_grad = any(p.requires_grad for p in self.dist_params)
+            self._grad_views = None  # rebuilt: views exist only for parameters that train
+
+    def _launch(
+        self, what: str, launch: comm.Launch, *, async_op: bool, reduce: bool
+    ) -> comm.CommHandle | None:
+        """Issue one of this group's collectives (see [Note: asynchronous collectives])."""
+        if self.debug_collectives:
+            comm.check_collective_order(
+                self.process_group, f"{what} of {self.name} ({self.layout.total_numel} elements)",
+                self.device,
+            )
+        return self.streams.run(launch, async_op=async_op, reduce=reduce)
+
     def unshard(self, async_op: bool = False) -> bool:
         """Make the full compute weights available (possibly asynchronously; see
         :meth:`wait_for_unshard`). Returns whether a collective was issued."""
+        # Buckets and views made under inference mode could never be updated in place again.
+        with torch.inference_mode(False):
+            return self._unshard(async_op)
+
+    def _unshard(self, async_op: bool) -> bool:
         if self.strategy.shards_model_weights:
             if self._unsharded:
                 return False
@@ -253,8 +314,8 @@ class ParamGroup:
                 self._bind_compute_views(output)
                 self._views_bound = True
             shard, group = self.model_weight, self.process_group
-            self._unshard_handle = self.streams.run(
-                lambda a: comm.all_gather_into(output, shard, group, a),
+            self._unshard_handle = self._launch(
+                "all-gather", lambda a: comm.all_gather_into(output, shard, group, a),
                 async_op=async_op, reduce=False,
             )
             self._unsharded = True
@@ -266,8 +327,8 @@ class ParamGroup:
         if self.strategy.shards_main_weights:
             output, group = self.model_weight, self.process_group
             own_slot = output[self._shard_start : self._shard_end]
-            self._unshard_handle = self.streams.run(
-                lambda a: comm.all_gather_into(output, own_slot, group, a),
+            self._unshard_handle = self._launch(
+                "refresh all-gather", lambda a: comm.all_gather_into(output, own_slot, group, a),
                 async_op=async_op, reduce=False,
             )
         self._weights_stale = False
@@ -279,10 +340,12 @@ class ParamGroup:
             handle.wait()
 
     def reshard(self) -> bool:
-        """Free the gathered weights of a sharded-weight group; returns whether it did."""
+        """Free the gathered weights of a sharded-weight group; returns whether it did. Waits
+        for an in-flight gather or refresh first (one launched for a unit that control flow
+        then skipped must finish before its buffer is reused or overwritten)."""
+        self.wait_for_unshard()
         if not self.strategy.shards_model_weights or not self._unsharded:
             return False
-        self.wait_for_unshard()
         self.allocator.free(self._unshard_key)
         self._unsharded = False
         return True
@@ -319,6 +382,8 @@ class ParamGroup:
         if self._main_grad is not None:
             self._main_grad.untyped_storage().resize_(0)
         self.grad_state = GradState.EMPTY
+        self._installed = [None] * len(self.params)
+        self._grads_installed = False
 
     def _stage(self, grads: Sequence[torch.Tensor | None], full_buffer: torch.Tensor,
                accumulate: bool) -> None:
@@ -347,8 +412,13 @@ class ParamGroup:
         """
         if not self.requires_grad:
             return False
+        # Gradients the optimizer cleared since they were installed must not be added to.
+        self.sweep_cleared_grads()
         grads = [param.grad for param in self.params]
-        has_new = any(grad is not None for grad in grads)
+        has_new = False
+        for index, grad in enumerate(grads):
+            if grad is not None:
+                has_new = self._received_grad[index] = True
         delayed = not self.strategy.shards_grads and self.grad_state is not GradState.REDUCED
         if not has_new and not (is_last_backward and self.grad_state is GradState.ACCUMULATING):
             return False
@@ -361,6 +431,7 @@ class ParamGroup:
                 self._reduce_accumulated(async_op)
         else:
             self._reduce_micro_batch(grads, async_op)
+        self._uninstalled = True
         for param in self.params:
             param.grad = None
         return True
@@ -377,7 +448,8 @@ class ParamGroup:
                 launch = lambda a: comm.all_reduce_inplace(main_grad, group, a)  # noqa: E731
             else:
                 launch = lambda a: comm.reduce_scatter_into(main_grad[shard], main_grad, group, a)  # noqa: E731
-            self._track(self.streams.run(launch, async_op=async_op, reduce=True), lambda: None)
+            what = "all-reduce" if reduce_all else "reduce-scatter"
+            self._track(self._launch(what, launch, async_op=async_op, reduce=True), lambda: None)
         else:
             workspace = self.allocator.allocate(
                 self._comm_key, self.layout.total_numel, self.dtypes.comm, self.device
@@ -394,7 +466,8 @@ class ParamGroup:
                 ops.reduce_scatter_copy_out_(reduced, target)
                 self.allocator.free(self._comm_key)
 
-            self._track(self.streams.run(launch, async_op=async_op, reduce=True), finish)
+            what = "all-reduce" if reduce_all else "reduce-scatter"
+            self._track(self._launch(what, launch, async_op=async_op, reduce=True), finish)
         self.grad_state = GradState.REDUCED
 
     def _reduce_micro_batch(self, grads: Sequence[torch.Tensor | None], async_op: bool) -> None:
@@ -424,7 +497,8 @@ class ParamGroup:
                 ops.reduce_scatter_copy_out_(reduced, target, accumulate=accumulate)
             self.allocator.free(self._rs_key)
 
-        self._track(self.streams.run(launch, async_op=async_op, reduce=True), finish)
+        what = "all-reduce" if self.strategy is ShardingStrategy.NO_SHARD else "reduce-scatter"
+        self._track(self._launch(what, launch, async_op=async_op, reduce=True), finish)
         self.grad_state = GradState.REDUCED
 
     def _track(self, handle: comm.CommHandle | None, finish: Callable[[], None]) -> None:
@@ -432,6 +506,11 @@ class ParamGroup:
             finish()
         else:
             self._pending_reductions.append((handle, finish))
+
+    @property
+    def awaits_last_reduction(self) -> bool:
+        """Locally accumulated micro-batches wait for the delayed collective of the last one."""
+        return self.grad_state is GradState.ACCUMULATING and self._uninstalled
 
     @property
     def has_pending_reduction(self) -> bool:
@@ -445,24 +524,58 @@ class ParamGroup:
                 handle.wait()
             finish()
 
+    def _grad_view(self, index: int) -> DTensor | None:
+        """The DTensor view of parameter ``index``'s gradient in ``main_grad`` (None when its local
+        shard is empty or it does not train). See [Note: gradients the optimizer sees]."""
+        if self._grad_views is None:
+            local = self._main_grad_local()
+            self._grad_views = []
+            for i, param in enumerate(self.dist_params):
+                view = self._local_view(local, i)
+                self._grad_views.append(
+                    self._to_dtensor(view, i) if view.numel() > 0 and param.requires_grad else None
+                )
+        return self._grad_views[index]
+
     def install_grads(self) -> None:
         """Expose reduced gradients as DTensor ``.grad`` of the optimizer-facing parameters.
-        Empty local shards get ``grad=None`` (fused optimizers mishandle zero-size tensors)."""
+
+        A parameter gets ``grad=None``, as in single-process torch, when it has no gradient:
+        nothing flowed into it since its gradient was last cleared. Locally that is known; for
+        the other ranks the reduced values tell (a parameter some rank used has a non-zero
+        reduced gradient in general), so a parameter unused here whose local reduced gradient
+        is exactly zero gets None. Empty local shards always get None (fused optimizers
+        mishandle zero-size tensors)."""
         if self.grad_state is not GradState.REDUCED:
             return
-        if self._grad_dtensors is None:
-            local = self._main_grad_local()
-            self._grad_dtensors = []
-            for index, param in enumerate(self.dist_params):
-                view = self._local_view(local, index)
-                self._grad_dtensors.append(
-                    self._to_dtensor(view, index) if view.numel() > 0 and param.requires_grad else None
-                )
-        else:
-            self._ensure_main_grad()
-        for param, grad in zip(self.dist_params, self._grad_dtensors):
-            param.grad = grad
-        self._grads_installed = True
+        self._ensure_main_grad()
+        any_installed = False
+        for index, param in enumerate(self.dist_params):
+            view = self._grad_view(index)
+            if view is not None and not (
+                self._received_grad[index] or self._installed[index] is not None
+            ):
+                if not bool(view._local_tensor.any()):
+                    view = None
+            param.grad = view
+            self._installed[index] = view
+            any_installed |= view is not None
+        self._received_grad = [False] * len(self.params)
+        self._uninstalled = False
+        self._grads_installed = any_installed
+        if not any_installed:  # nothing to show: all zeros, start the next window afresh
+            self.release_grad_storage()
+
+    def finalize_unsynchronized_grads(self) -> bool:
+        """Reduce and install gradients that no backward marked as the last of its window
+        (``set_is_last_backward(False)`` throughout). Returns whether there were any."""
+        if not self._uninstalled:
+            return False
+        if self.grad_state is GradState.ACCUMULATING:
+            self._reduce_accumulated(async_op=False)
+        self.wait_for_reduction()
+        self.install_grads()
+        return True
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for param in self.dist_params:
@@ -470,9 +583,10 @@ class ParamGroup:
                 param.grad = None
         for param in self.params:
             param.grad = None
+        self._received_grad = [False] * len(self.params)
+        self._uninstalled = False
         if set_to_none or self.grad_state is GradState.EMPTY:
             self.release_grad_storage()
-            self._grads_installed = False
             return
         self._ensure_main_grad().zero_()
         # Zeros are valid local partial sums: no_shard/optim go back to the cheap delayed path.
@@ -481,13 +595,47 @@ class ParamGroup:
         )
 
     def sweep_cleared_grads(self) -> None:
-        """If the optimizer cleared every gradient this group installed (``optimizer.zero_grad()``),
-        forget them and free the storage, so the next backward starts fresh."""
+        """Take in what the user did to the installed gradients since the optimizer step:
+
+        * all set to ``None`` (``optimizer.zero_grad()``): free the storage, start afresh;
+        * some set to ``None`` (an optimizer over part of the parameters): zero those, so the
+          next backward starts them from zero while the others accumulate, as torch does;
+        * replaced by another tensor: adopt its values;
+        * zeroed in place (``zero_grad(set_to_none=False)``), ``no_shard``/``optim``: the zeros
+          are valid local partial sums, so the next window takes the delayed path (one
+          collective) again.
+        """
         if not self._grads_installed:
             return
-        if all(param.grad is None for param in self.dist_params):
+        live = False
+        cleared = []
+        for index, param in enumerate(self.dist_params):
+            view = self._installed[index]
+            if view is None:
+                continue
+            grad = param.grad
+            if grad is view:
+                live = True
+            elif grad is None:
+                cleared.append(index)
+                self._installed[index] = None
+            else:
+                with torch.no_grad():
+                    local = grad.to_local() if isinstance(grad, DTensor) else grad
+                    view._local_tensor.copy_(local)
+                param.grad = view
+                live = True
+        if not live:
             self.release_grad_storage()
-            self._grads_installed = False
+            return
+        for index in cleared:
+            view = self._grad_view(index)
+            assert view is not None
+            view._local_tensor.zero_()
+        if not self.strategy.shards_grads and self.grad_state is GradState.REDUCED:
+            if not bool(self._main_grad_local().any()):
+                self._ensure_main_grad().zero_()
+                self.grad_state = GradState.ACCUMULATING
 
     # ------------------------------------------------------------------ accounting
 
@@ -507,3 +655,19 @@ class ParamGroup:
             "main_grads": grad,
             "padding": padding_elems * self.dtypes.model.itemsize,
         }
+
+
+def finalize_unsynchronized(groups: Iterable[ParamGroup], where: str) -> None:
+    """Reduce and expose gradients that no backward marked as the last of its window, so that
+    ``where`` (the optimizer step, clipping) never silently works on missing gradients."""
+    finalized = [group for group in groups if group.finalize_unsynchronized_grads()]
+    if finalized:
+        warnings.warn(
+            f"{where} found gradients that were never synchronized across ranks: every backward "
+            "since the last step ran with set_is_last_backward(False) (or inside no_sync()). "
+            "fully_shard reduced them now, without overlap; call "
+            "model.set_is_last_backward(True) before the last micro-batch's backward (or leave "
+            "the no_sync() context for it) so the reduction overlaps backward",
+            UserWarning,
+            stacklevel=3,
+        )

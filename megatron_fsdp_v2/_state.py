@@ -132,7 +132,11 @@ class FSDPContext:
         """End of backward: reduce what no post-backward hook reduced, then finish reductions."""
         try:
             for state in reversed(self.states):
-                if state.needs_post_backward:
+                # Also units that accumulated earlier micro-batches of the window but did not
+                # run in this one: the last backward must still reduce what they hold.
+                if state.needs_post_backward or (
+                    state.is_last_backward and any(g.awaits_last_reduction for g in state.groups)
+                ):
                     state.run_post_backward()
             self.reducing.clear()
             for state in self.states:
@@ -142,6 +146,10 @@ class FSDPContext:
                 if state.is_last_backward:
                     for group in state.groups:
                         group.install_grads()
+                        # The optimizer step that usually follows changes the main weights:
+                        # refresh once before the next forward whatever updates them (an
+                        # optimizer the step hook does not see, writes through to_local()).
+                        group.mark_main_weights_updated()
         except BaseException:
             self.callback_failed = True  # reductions may be half-waited: recover() next forward
             raise
@@ -213,6 +221,7 @@ class FSDPContext:
         self.callback_failed = False
         for state in self.states:
             state.reset_to_idle()
+            state.forget_graph()
         if error is not None:
             self.unrecoverable = (
                 "fully_shard cannot recover from the failed forward/backward: a collective it "
@@ -241,9 +250,29 @@ class FSDPState:
         self.pending_post_backward = 0  # forward calls whose post-backward has not run yet
         self.needs_post_backward = False
         self.backward_done = False  # post-backward ran in the current backward
+        # [Note: retained graphs] A graph kept with ``retain_graph=True`` runs its backward
+        # hooks again in a later backward: ``registered_calls`` (post-backward registrations of
+        # the forwards that built the graph) re-arms the post-backward then. It restarts at the
+        # first forward after the graph's backward.
+        self.registered_calls = 0
+        self._graph_backwarded = False
+        self._backward_task: int | None = None
         self.overlap = True  # prefetch gathers and run reductions in the background
         self.fqn = type(module).__name__
         self._compute_registration, self._dist_registration = self._build_registrations(module)
+        self._compute_registered = False
+        # Every parameter slot of the modules this unit owns, as wrapping left it (managed
+        # parameters as their DTensor parameters): see check_parameter_slots.
+        self._slots = self._snapshot_slots(module)
+        # A forward pre-hook on each owned submodule with parameters, present only while the
+        # DTensor parameters are registered (so forward itself pays nothing for it): calling
+        # such a submodule then gets a clear error instead of DTensor's "mixed torch.Tensor and
+        # DTensor".
+        self._idle_hooks: list[tuple[dict[int, Any], int]] = []
+        for prefix, submodule in self._owned_modules(module):
+            if submodule is not module and any(p is not None for p in submodule._parameters.values()):
+                handle = submodule.register_forward_pre_hook(self._owned_submodule_called)
+                self._idle_hooks.append((submodule._forward_pre_hooks, handle.id))
         self._cast_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
@@ -284,6 +313,91 @@ class FSDPState:
         assert module is not None
         return module
 
+    @staticmethod
+    def _owned_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+        """``module`` and its submodules, minus wrapped children and everything below them."""
+        owned: list[tuple[str, nn.Module]] = []
+        wrapped: list[str] = []
+        for prefix, submodule in module.named_modules():
+            if any(prefix.startswith(w + ".") for w in wrapped):
+                continue
+            if submodule is not module and get_state(submodule) is not None:
+                wrapped.append(prefix)
+                continue
+            owned.append((prefix, submodule))
+        return owned
+
+    def _snapshot_slots(
+        self, module: nn.Module
+    ) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+        dist_of = {id(p): d for g in self.groups for p, d in zip(g.params, g.dist_params)}
+        return [
+            (
+                prefix,
+                submodule._parameters,
+                {name: dist_of.get(id(p), p) for name, p in submodule._parameters.items()},
+            )
+            for prefix, submodule in self._owned_modules(module)
+        ]
+
+    def check_parameter_slots(self) -> None:
+        """Raise if a parameter of this unit was replaced, added, removed or (un)tied after
+        wrapping. The runtime would silently put its own parameter back (or leave a new one
+        unsharded and unsynchronized), training another model than the user's."""
+        for prefix, parameters, expected in self._slots:
+            if len(parameters) == len(expected) and all(
+                parameters.get(name) is value or self._is_compute_param(name, parameters)
+                for name, value in expected.items()
+            ):
+                continue
+            names = list(expected) + [n for n in parameters if n not in expected]
+            for name in names:
+                if name in expected and (
+                    parameters.get(name) is expected[name] or self._is_compute_param(name, parameters)
+                ):
+                    continue
+                fqn = f"{prefix}.{name}" if prefix else name
+                what = (
+                    "added" if name not in expected
+                    else "removed" if name not in parameters
+                    else "replaced (or tied to another parameter)"
+                )
+                raise RuntimeError(
+                    f"parameter '{fqn}' of the fully_shard unit '{self.fqn}' was {what} after "
+                    "fully_shard; the unit's flat buffers hold the parameters it was wrapped "
+                    "with. Set, tie or add parameters before calling fully_shard (for tied "
+                    "weights, wrap a common ancestor); to change values, write in place "
+                    "(p.copy_(x), nn.init.*) or use load_state_dict"
+                )
+
+    def _is_compute_param(self, name: str, parameters: dict[str, Any]) -> bool:
+        """Whether ``parameters[name]`` is the compute parameter this unit registered there
+        (between forward and backward, or after a forward that raised)."""
+        for slots, mapping in self._compute_registration:
+            if slots is parameters:
+                return mapping.get(name) is parameters.get(name) and name in mapping
+        return False
+
+    def _owned_submodule_called(self, submodule: nn.Module, args: Any) -> None:
+        if not self._compute_registered:
+            raise RuntimeError(
+                f"{type(submodule).__name__} is managed by the fully_shard unit "
+                f"'{self.fqn}' ({type(self.module).__name__}) and was called outside that "
+                "unit's forward, where its parameters are sharded DTensors. Call the unit "
+                "itself, or wrap this submodule with fully_shard (before its parent) so it is a "
+                "unit of its own"
+            )
+
+    @property
+    def dist_registration(self) -> list[tuple[dict, dict]]:
+        return self._dist_registration
+
+    def forget_graph(self) -> None:
+        """No backward may run again over the graphs built so far (see [Note: retained graphs])."""
+        self.registered_calls = 0
+        self._graph_backwarded = False
+        self._backward_task = None
+
     def _build_registrations(
         self, module: nn.Module
     ) -> tuple[list[tuple[dict, dict]], list[tuple[dict, dict]]]:
@@ -313,10 +427,18 @@ class FSDPState:
     def register_dist_params(self) -> None:
         for parameters, mapping in self._dist_registration:
             parameters.update(mapping)
+        if self._compute_registered:
+            for hooks, key in self._idle_hooks:
+                hooks[key] = self._owned_submodule_called
+        self._compute_registered = False
 
     def register_compute_params(self) -> None:
         for parameters, mapping in self._compute_registration:
             parameters.update(mapping)
+        if not self._compute_registered:
+            for hooks, key in self._idle_hooks:
+                hooks.pop(key, None)
+        self._compute_registered = True
 
     # ------------------------------------------------------------------ lazy init
 
@@ -331,8 +453,9 @@ class FSDPState:
             # One allocator for the tree, so the temporary-bucket peak is the tree's peak.
             ctx.allocator.adopt(state.allocator)
             state.allocator = ctx.allocator
-            for group in state.groups:
+            for index, group in enumerate(state.groups):
                 group.allocator = ctx.allocator
+                group.name = f"unit '{state.fqn}' group {index}"
 
     @property
     def is_root(self) -> bool:
@@ -364,13 +487,27 @@ class FSDPState:
             self.unshard()
             self.wait_for_unshard()
             self.register_compute_params()
+            if torch.is_grad_enabled() and not self.needs_post_backward:
+                # Reentrant checkpointing: the original forward ran under no_grad and hooked
+                # nothing; this recompute's graph is what the nested backward runs, so hook it
+                # for the post-backward (reshard, reduce) now.
+                self.needs_post_backward = True
+                return self._register_post_backward(args, kwargs)
             return None
         if self.ctx is None:
             self._lazy_init()
         assert self.ctx is not None
         ctx = self.ctx
         if self.is_root:
+            for state in ctx.states:  # before anything changes
+                state.check_parameter_slots()
             self._root_pre_forward()
+        elif ctx.root.training_state is not TrainingState.FORWARD:
+            self.check_parameter_slots()  # called directly, not from the root's forward
+        for group in self.groups:
+            group.sync_requires_grad()
+        if self._graph_backwarded:
+            self.forget_graph()
         ctx.record_forward(self)
         self.training_state = TrainingState.FORWARD
         if self.unshard():
@@ -399,6 +536,7 @@ class FSDPState:
             self.ctx.recover()
         for group in self.ctx.groups:
             group.sweep_cleared_grads()
+            group.detect_main_weight_edits()
         if self.ctx.overlap:
             # [Note: replicated-buffer refresh] is in place, so refreshing every unit at once
             # costs no memory: launch all refresh all-gathers now, in forward order, and let
@@ -425,6 +563,7 @@ class FSDPState:
         for i, out in zip(positions, outputs):
             flat[i] = out
         self.pending_post_backward += 1
+        self.registered_calls += 1
         return tree_unflatten(flat, spec)
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -457,6 +596,13 @@ class FSDPState:
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
         assert ctx is not None
+        task = torch._C._current_graph_task_id()
+        if task != self._backward_task:
+            self._backward_task = task
+            if self._graph_backwarded:  # another backward over a retained graph
+                self.needs_post_backward = True
+                self.pending_post_backward = self.registered_calls
+                self.backward_done = False
         if not ctx.final_callback_queued:
             ctx.final_callback_queued = True
             Variable._execution_engine.queue_callback(ctx.final_callback)
@@ -485,6 +631,7 @@ class FSDPState:
     def run_post_backward(self) -> None:
         self.needs_post_backward = False
         self.pending_post_backward = 0
+        self._graph_backwarded = True
         self.register_dist_params()
         ctx = self.ctx
         assert ctx is not None

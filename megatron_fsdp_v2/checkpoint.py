@@ -6,8 +6,8 @@ Sharded (every rank, no gather)::
 
     from megatron_fsdp_v2 import checkpoint as mckpt
 
-    mckpt.save(model, optimizer, checkpoint_id="ckpt/step100")   # dcp.save
-    mckpt.load(model, optimizer, checkpoint_id="ckpt/step100")   # validate, dcp.load, apply
+    mckpt.save(model, optimizer, checkpoint_id="ckpt/step100")   # dcp.save, checksums, commit
+    mckpt.load(model, optimizer, checkpoint_id="ckpt/step100")   # validate, verify, dcp.load, apply
 
 or, with DCP directly::
 
@@ -25,15 +25,37 @@ Full::
     mckpt.load_full_state_dict(model, torch.load("model.pt"))   # every rank passes it, or
     mckpt.load_full_state_dict(model, sd if rank == 0 else None, broadcast_from_rank0=True)
 
-See ``notes/checkpoint_design.md`` for the format. The model entries are the optimizer-facing
+See ``design.md`` (§7 Checkpoints) for the format. The model entries are the optimizer-facing
 main weights (fp32 when a separate main buffer exists), under the original parameter names.
+
+[Note: atomic saves and checksums]
+:func:`save` to a local directory never leaves a half-written checkpoint at its path. After the
+ranks agree that they can start (the state dict built, the path usable, leftovers of an earlier
+failed save removed), every rank writes into ``<path>.incomplete`` and reads back the files it
+wrote to CRC32 each stored item. The coordinator (DCP's, the group's rank 0) gathers every
+rank's outcome and checksums; only if all succeeded does it write ``checksums.json``, move an
+existing checkpoint aside to ``<path>.old``, rename the temporary directory to ``<path>`` and
+remove the old one; then it broadcasts its verdict, so every rank raises together or returns
+after the commit. A failure before the rename leaves the old checkpoint untouched; a crash
+between the two renames leaves it whole at ``<path>.old``, and the next save to ``<path>`` puts
+it back first. :func:`load` checks every item against ``checksums.json`` (when the file exists
+and belongs to the same save, by DCP's ``save_id``) before ``dcp.load`` touches the model, the
+files split across ranks. DCP's ``CheckpointException`` (a ``BaseException``, which escapes
+``except Exception``) never leaves ``save``/``load``: it becomes a chained ``RuntimeError``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
-from collections.abc import Iterable
+import re
+import shutil
+import warnings
+import zlib
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +63,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from . import _state_dict as _sd
@@ -256,6 +281,410 @@ def _validate_against_metadata(
     return None
 
 
+# ---------------------------------------------------------------------- atomic save, checksums
+# See [Note: atomic saves and checksums] at the top of this file.
+
+_CHECKSUM_FILE = "checksums.json"
+_CHECKSUM_FORMAT = "megatron_fsdp_v2.checksums"
+_CHECKSUM_VERSION = 1
+_INCOMPLETE_SUFFIX = ".incomplete"
+_OLD_SUFFIX = ".old"
+_READ_CHUNK = 16 << 20  # bytes read at a time while checksumming: bounds the memory used
+# A rank-local failure, agreed across ranks: the exception type to raise and its message.
+_Failure = tuple[type[Exception], str]
+
+
+def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _all_gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (one ``all_gather_object``; none on a single rank)."""
+    _, size = _rank_and_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _coordinator(group: dist.ProcessGroup | None) -> int:
+    """Global rank of the group's rank 0: DCP's coordinator, which writes ``.metadata``."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _gather_to_coordinator(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on the group's rank 0, ``None`` elsewhere."""
+    rank, size = _rank_and_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] | None = [None] * size if rank == 0 else None
+    dist.gather_object(obj, out, dst=_coordinator(group), group=group)
+    return out
+
+
+def _broadcast_from_coordinator(obj: Any, group: dist.ProcessGroup | None) -> Any:
+    """The group's rank-0 ``obj`` on every rank."""
+    if _rank_and_size(group)[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=_coordinator(group), group=group)
+    return box[0]
+
+
+def _raise_first(failures: Iterable[_Failure | None], cause: BaseException | None = None) -> None:
+    """Raise the lowest rank's failure, if any, chained to this rank's own exception."""
+    first = next((f for f in failures if f is not None), None)
+    if first is not None:
+        kind, message = first
+        raise kind(message) from cause
+
+
+def _describe(exc: BaseException, rank: int) -> str:
+    """One line per failing rank. A ``CheckpointException`` already carries every failing rank
+    (DCP raises the same one on all ranks), so it is listed as such, not as this rank's."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(
+            f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items())
+        )
+    return f"rank {rank}: {type(exc).__name__}: {exc}"
+
+
+@contextlib.contextmanager
+def _no_checkpoint_exception(what: str) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` into a chained ``RuntimeError``: it derives from
+    ``BaseException``, so it would escape callers' ``except Exception`` (and retry loops)."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise RuntimeError(f"{what} failed: {_describe(exc, -1)}") from exc
+
+
+def _local_dir(checkpoint_id: str | os.PathLike | None, storage: Any) -> Path | None:
+    """The local directory a checkpoint lives in, or ``None`` when it is elsewhere (a URL, a
+    custom storage reader or writer): atomic saves and checksums need a local filesystem."""
+    if storage is not None and not isinstance(getattr(storage, "fs", None), FileSystem):
+        return None
+    if checkpoint_id is None:
+        checkpoint_id = getattr(storage, "path", None)
+    if checkpoint_id is None or "://" in str(checkpoint_id):
+        return None
+    return Path(checkpoint_id)
+
+
+def _sibling(path: Path, suffix: str) -> Path:
+    # Derived from the path alone, so every rank agrees on it without communication.
+    return path.with_name(path.name + suffix)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make renames inside ``path`` durable (best effort: not every platform can)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _untouched(root: Path, old: Path) -> str:
+    """What a failed save left, for its error message."""
+    if not root.exists() and old.is_dir():  # the commit could not even put it back
+        return f"nothing was committed; the previous checkpoint is at '{old}'"
+    return "nothing was committed and the previous checkpoint, if any, is unchanged"
+
+
+def _prepare_directory(root: Path, tmp: Path, old: Path) -> None:
+    """Coordinator only: repair what an interrupted save left behind, then create an empty
+    temporary directory to write into."""
+    if old.exists():
+        if root.exists():
+            _remove(old)  # a crash after the commit's rename: the new checkpoint is in place
+        else:
+            os.rename(old, root)  # a crash between the commit's renames: put the old one back
+    if tmp.exists() or tmp.is_symlink():
+        _remove(tmp)  # a failed or interrupted earlier attempt
+    tmp.mkdir(parents=True)
+
+
+def _commit(root: Path, tmp: Path, old: Path) -> None:
+    """Coordinator only: replace ``root`` by the complete checkpoint in ``tmp``. ``root`` is
+    never a mix of the two: the old checkpoint moves aside whole and comes back whole if the
+    second rename fails."""
+    moved = root.exists()
+    if moved:
+        os.rename(root, old)
+    try:
+        os.rename(tmp, root)
+    except BaseException:
+        if moved:
+            os.rename(old, root)
+        raise
+    _fsync_dir(root.parent)
+    if moved:
+        try:
+            shutil.rmtree(old)
+        except OSError as exc:  # the new checkpoint is committed; the next save removes it
+            warnings.warn(f"checkpoint.save: could not remove the previous checkpoint at "
+                          f"'{old}': {exc}", stacklevel=4)
+
+
+def _crc32_ranges(path: Path, ranges: list[tuple[int, int]]) -> list[int]:
+    """``zlib.crc32`` of each ``(offset, length)`` byte range of the file at ``path``."""
+    out: list[int] = []
+    buf = memoryview(bytearray(min(_READ_CHUNK, max((n for _, n in ranges), default=0))))
+    with open(path, "rb") as f:
+        for offset, length in ranges:
+            f.seek(offset)
+            crc, left = 0, length
+            while left:
+                n = f.readinto(buf[: min(left, len(buf))])
+                if not n:
+                    raise EOFError(f"the file ends {left} bytes before the end of the item")
+                crc, left = zlib.crc32(buf[:n], crc), left - n
+            out.append(crc)
+    return out
+
+
+def _writer_rank(relative_path: str, size: int) -> int:
+    """The rank that wrote a DCP file (``__<rank>_<n>.distcp``), so that it reads back its own
+    files; any other name goes to a rank chosen by a hash of the name."""
+    m = re.match(r"__(\d+)_", relative_path)
+    if m is not None and int(m.group(1)) < size:
+        return int(m.group(1))
+    return zlib.crc32(relative_path.encode()) % size
+
+
+def _split_files(sizes: dict[str, int], size: int) -> list[list[str]]:
+    """Files per rank for verification, balanced by bytes; the same on every rank."""
+    load = [0] * size
+    out: list[list[str]] = [[] for _ in range(size)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(size), key=lambda r: (load[r], r))
+        out[r].append(name)
+        load[r] += sizes[name]
+    return out
+
+
+def _checksum_items(
+    root: Path, metadata: Metadata, files: Iterable[str]
+) -> list[dict[str, Any]]:
+    """A checksum entry for every stored item of ``files`` (relative to ``root``)."""
+    wanted = set(files)
+    by_file: dict[str, list[tuple[MetadataIndex, Any]]] = {}
+    for index, info in metadata.storage_data.items():
+        if info.relative_path in wanted:
+            by_file.setdefault(info.relative_path, []).append((index, info))
+    entries: list[dict[str, Any]] = []
+    for name in sorted(by_file):
+        items = sorted(by_file[name], key=lambda item: item[1].offset)
+        crcs = _crc32_ranges(root / name, [(info.offset, info.length) for _, info in items])
+        for (index, info), crc in zip(items, crcs):
+            entries.append({
+                "fqn": index.fqn,
+                "offset": None if index.offset is None else list(index.offset),
+                "index": index.index,
+                "file": name,
+                "start": info.offset,
+                "length": info.length,
+                "crc32": crc,
+            })
+    return entries
+
+
+def _write_checksum_file(root: Path, metadata: Metadata, entries: list[dict[str, Any]]) -> None:
+    record = {
+        "format": _CHECKSUM_FORMAT,
+        "version": _CHECKSUM_VERSION,
+        "algorithm": "crc32",
+        # Ties the file to this .metadata: a later plain dcp.save into the same directory
+        # writes a new save_id, and the then stale checksums are ignored, not misreported.
+        "save_id": getattr(metadata.storage_meta, "save_id", None),
+        "items": sorted(entries, key=lambda e: (e["file"], e["start"])),
+    }
+    path = root / _CHECKSUM_FILE
+    with open(path, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _verify_checksums(
+    root: Path, metadata: Metadata, group: dist.ProcessGroup | None
+) -> str | None:
+    """Check this rank's share of a checkpoint's items against its ``checksums.json``; the
+    error for the first bad item, or ``None``. A checkpoint without the file (written by plain
+    ``dcp.save``) or with a file of another save passes unverified."""
+    path = root / _CHECKSUM_FILE
+    if not path.exists():
+        return None
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        if record.get("format") != _CHECKSUM_FORMAT or record.get("algorithm") != "crc32":
+            raise ValueError(f"not a {_CHECKSUM_FORMAT} crc32 file")
+        items = record["items"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"cannot read the checksum file '{path}': {exc}"
+    if record.get("save_id") != getattr(metadata.storage_meta, "save_id", None):
+        warnings.warn(f"'{path}' belongs to another save than '{root / '.metadata'}' (the "
+                      "directory was overwritten by another writer); not verifying", stacklevel=3)
+        return None
+    # Every rank checks that the file describes exactly the items of .metadata (no I/O) ...
+    storage = metadata.storage_data
+    by_file: dict[str, list[dict[str, Any]]] = {}
+    seen: set[MetadataIndex] = set()
+    for e in items:
+        index = MetadataIndex(e["fqn"], e["offset"], e["index"])
+        info = storage.get(index)
+        if info is None or (info.relative_path, info.offset, info.length) != (
+            e["file"], e["start"], e["length"]
+        ):
+            return (f"checkpoint '{root}' is corrupted: its checksum file and .metadata disagree "
+                    f"on key '{e['fqn']}' (file '{e['file']}')")
+        seen.add(index)
+        by_file.setdefault(e["file"], []).append(e)
+    for index, info in storage.items():
+        if index not in seen:
+            return (f"checkpoint '{root}' is corrupted: key '{index.fqn}' (file "
+                    f"'{info.relative_path}') has no checksum")
+    # ... and reads its share of the files.
+    rank, size = _rank_and_size(group)
+    sizes = {name: sum(e["length"] for e in es) for name, es in by_file.items()}
+    for name in sorted(_split_files(sizes, size)[rank]):
+        entries = sorted(by_file[name], key=lambda e: e["start"])
+        try:
+            crcs = _crc32_ranges(root / name, [(e["start"], e["length"]) for e in entries])
+        except (OSError, EOFError) as exc:
+            return (f"checkpoint '{root}' is corrupted: cannot read key '{entries[0]['fqn']}' "
+                    f"from file '{name}': {exc}")
+        for e, crc in zip(entries, crcs):
+            if crc != e["crc32"]:
+                return (f"checkpoint '{root}' is corrupted: key '{e['fqn']}' in file '{name}' "
+                        f"(bytes {e['start']}..{e['start'] + e['length']}) has crc32 "
+                        f"{crc:#010x}, expected {e['crc32']:#010x}")
+    return None
+
+
+def _missing_extra(extra: dict[str, Any], metadata: Metadata) -> str | None:
+    """The error for ``extra`` keys the checkpoint lacks, listing the ones it has."""
+    flat, mapping = flatten_state_dict(extra)
+    saved = metadata.state_dict_metadata
+    missing = sorted({str(mapping[k][0]) for k in flat if k not in saved})
+    if not missing:
+        return None
+    # DCP's default planner stores each flattened key's path: the top-level names it had.
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    tops = {str(paths[k][0]) if k in paths else k.split(".")[0] for k in saved}
+    have = sorted(tops - {_MODEL_KEY, _OPTIM_KEY})
+    return (f"checkpoint has no extra entry {', '.join(repr(k) for k in missing)} (asked for "
+            f"in extra=); its extra entries are: "
+            f"{', '.join(repr(k) for k in have) if have else 'none'}")
+
+
+def _build_state(
+    model: nn.Module, optimizers: Optimizers, extra: dict[str, Any] | None
+) -> dict[str, Any]:
+    msd, osd = get_state_dict(model, optimizers)
+    state: dict[str, Any] = {_MODEL_KEY: msd}
+    if _as_tuple(optimizers):
+        state[_OPTIM_KEY] = osd
+    if extra:
+        state.update(extra)
+    return state
+
+
+def _atomic_save(
+    model: nn.Module,
+    optimizers: Optimizers,
+    root: Path,
+    storage_writer: Any,
+    group: dist.ProcessGroup | None,
+    extra: dict[str, Any] | None,
+    checksums: bool,
+) -> Metadata:
+    """Write into ``<root>.incomplete``, agree, checksum, commit (see the note at the top)."""
+    rank, size = _rank_and_size(group)
+    tmp, old = _sibling(root, _INCOMPLETE_SUFFIX), _sibling(root, _OLD_SUFFIX)
+    where = f"checkpoint.save to '{root}'"
+
+    # 1. Checks, the state dict and a clean temporary directory, agreed before DCP's first
+    # collective: a rank that failed here would otherwise leave the others waiting in it.
+    failure: _Failure | None = None
+    cause: BaseException | None = None
+    state: dict[str, Any] = {}
+    try:
+        if (root.exists() or root.is_symlink()) and not root.is_dir():
+            failure = (ValueError, f"{where}: the path exists and is not a directory")
+        elif not getattr(storage_writer, "overwrite", True) and (root / ".metadata").exists():
+            failure = (ValueError, f"{where}: a checkpoint exists there and the storage "
+                                   "writer has overwrite=False")
+        else:
+            state = _build_state(model, optimizers, extra)
+            if rank == 0:
+                _prepare_directory(root, tmp, old)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        failure, cause = (RuntimeError, f"{where} failed before writing: "
+                                        f"{_describe(exc, rank)}"), exc
+    failures = _all_gather(failure, group)
+    if rank == 0 and any(f is not None for f in failures) and failure is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _raise_first(failures, cause)
+
+    # 2. Every rank writes into the temporary directory and checksums the files it wrote.
+    writer = storage_writer if storage_writer is not None else dcp.FileSystemWriter(tmp)
+    metadata: Metadata | None = None
+    entries: list[dict[str, Any]] = []
+    try:
+        metadata = dcp.save(state, checkpoint_id=tmp, storage_writer=writer, process_group=group)
+        if checksums:
+            files = {info.relative_path for info in metadata.storage_data.values()}
+            entries = _checksum_items(tmp, metadata, (n for n in files
+                                                      if _writer_rank(n, size) == rank))
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised on every rank below
+        failure, cause = (RuntimeError, f"{where} failed, {_untouched(root, old)}: "
+                                        f"{_describe(exc, rank)}"), exc
+    finally:
+        if storage_writer is not None:
+            storage_writer.reset(root)  # the caller's writer points at the checkpoint again
+
+    # 3. The coordinator collects the verdicts and checksums (one gather); if every rank
+    # succeeded it writes the checksum file and commits. Its verdict (one broadcast) also keeps
+    # every rank from returning before the checkpoint is in place.
+    results = _gather_to_coordinator((failure, entries), group)
+    verdict: _Failure | None = None
+    if rank == 0:
+        assert results is not None
+        verdict = next((f for f, _ in results if f is not None), None)
+        try:
+            if verdict is None:
+                assert metadata is not None
+                if checksums:
+                    _write_checksum_file(tmp, metadata, [e for _, es in results for e in es])
+                _commit(root, tmp, old)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            verdict, cause = (RuntimeError, f"{where} failed while committing, "
+                                            f"{_untouched(root, old)}: {_describe(exc, rank)}"), exc
+        if verdict is not None:  # every rank is past its writes: nothing writes into tmp
+            shutil.rmtree(tmp, ignore_errors=True)
+    _raise_first([_broadcast_from_coordinator(verdict, group)], cause)
+    assert metadata is not None
+    return metadata
+
+
 def save(
     model: nn.Module,
     optimizers: Optimizers = None,
@@ -264,19 +693,33 @@ def save(
     storage_writer: Any = None,
     process_group: dist.ProcessGroup | None = None,
     extra: dict[str, Any] | None = None,
+    checksums: bool = True,
 ) -> Any:
     """``dcp.save({"model": ..., "optim": ...})`` of :func:`get_state_dict`'s result (plus any
-    ``extra`` entries, e.g. ``{"step": 100}``). Every rank writes its own rows."""
-    msd, osd = get_state_dict(model, optimizers)
-    state: dict[str, Any] = {_MODEL_KEY: msd}
-    if _as_tuple(optimizers):
-        state[_OPTIM_KEY] = osd
-    if extra:
-        state.update(extra)
-    return dcp.save(
-        state, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
-        process_group=process_group,
-    )
+    ``extra`` entries, e.g. ``{"step": 100}``). Every rank of ``process_group`` (default: all)
+    calls it and writes its own rows; returns DCP's metadata.
+
+    To a local directory (a path ``checkpoint_id``, or a ``dcp.FileSystemWriter``) the save is
+    atomic: the ranks write into ``<path>.incomplete``, agree on success, and one rank then
+    replaces ``<path>`` as a whole. If any rank fails, every rank raises a ``RuntimeError`` and
+    ``<path>`` still holds the complete previous checkpoint (or nothing); never a mix. With
+    ``checksums`` (the default) a ``checksums.json`` with the CRC32 of every stored item is
+    committed with it, which :func:`load` verifies. A ``checkpoint_id`` that is an existing
+    regular file raises a ``ValueError`` on every rank before anything is written. Other
+    storage (URLs, custom writers) is written by plain ``dcp.save``, with DCP's
+    ``CheckpointException`` turned into a ``RuntimeError``. Assumes that every rank sees the
+    same filesystem, as a later load does.
+    """
+    root = _local_dir(checkpoint_id, storage_writer)
+    if root is not None:
+        return _atomic_save(model, optimizers, root, storage_writer, process_group, extra,
+                            checksums)
+    state = _build_state(model, optimizers, extra)
+    with _no_checkpoint_exception(f"checkpoint.save to {checkpoint_id!r}"):
+        return dcp.save(
+            state, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+            process_group=process_group,
+        )
 
 
 def load(
@@ -288,6 +731,7 @@ def load(
     process_group: dist.ProcessGroup | None = None,
     strict: bool = True,
     extra: dict[str, Any] | None = None,
+    checksums: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint written by :func:`save`, from any world size and sharding strategy.
 
@@ -295,27 +739,32 @@ def load(
     load would read: a shape mismatch, or with ``strict`` a missing entry or an extra model
     entry, makes every rank raise a ``ValueError`` naming the first mismatching key, before
     anything is read into the model. (``strict=False`` keeps the current values of entries the
-    checkpoint lacks.) Then ``dcp.load`` and :func:`set_state_dict`; the next forward uses the
-    loaded weights. ``extra`` holds entries to read back (e.g. ``{"step": 0}``); returns it
-    updated. Every rank of ``process_group`` (default: all) calls it.
+    checkpoint lacks.) ``extra`` holds entries to read back (e.g. ``{"step": 0}``); with
+    ``strict`` a key the checkpoint lacks raises a ``ValueError`` naming it and listing the
+    extra entries the checkpoint has (without, the given value is returned). With ``checksums``
+    (the default) and a local checkpoint that has a ``checksums.json`` (see :func:`save`),
+    every stored item is verified too, the files split across ranks: a corrupted item raises a
+    ``ValueError`` naming its key and file, before anything is read into the model. Then
+    ``dcp.load`` and :func:`set_state_dict`; the next forward uses the loaded weights. Returns
+    ``extra`` updated. A failure inside ``dcp.load`` raises a ``RuntimeError`` (chained to
+    DCP's ``CheckpointException``). Every rank of ``process_group`` (default: all) calls it.
     """
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-
+    root = _local_dir(checkpoint_id, storage_reader)
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError("load needs a checkpoint_id or a storage_reader")
         storage_reader = dcp.FileSystemReader(checkpoint_id)
-    msd, osd = get_state_dict(model, optimizers)
-    state: dict[str, Any] = {_MODEL_KEY: msd}
-    if _as_tuple(optimizers):
-        state[_OPTIM_KEY] = osd
     extra = dict(extra or {})
-    state.update(extra)
+    state = _build_state(model, optimizers, extra)
     error: str | None
     try:
         metadata = storage_reader.read_metadata()
     except Exception as exc:  # noqa: BLE001 - reported on every rank below
         metadata, error = None, f"cannot read checkpoint metadata of {checkpoint_id!r}: {exc}"
+        if root is not None and not root.exists() and _sibling(root, _OLD_SUFFIX).is_dir():
+            error += (f"; a save was interrupted while committing and left the previous "
+                      f"checkpoint at '{_sibling(root, _OLD_SUFFIX)}' (the next save to this "
+                      "path puts it back, or rename it)")
     if metadata is not None:
         flat, _ = flatten_state_dict(state)
         error = _validate_against_metadata(flat, metadata, _MODEL_KEY + ".", strict=strict)
@@ -326,10 +775,15 @@ def load(
                 if key.startswith(_MODEL_KEY + ".") and key not in flat:
                     error = f"checkpoint has an unexpected entry '{key}' the model does not have"
                     break
+        if error is None and strict and extra:
+            error = _missing_extra(extra, metadata)
+        if error is None and checksums and root is not None:
+            error = _verify_checksums(root, metadata, process_group)
     _sd.raise_if_any_rank(error, process_group)
-    dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
-             process_group=process_group,
-             planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    with _no_checkpoint_exception(f"checkpoint.load of {checkpoint_id!r}"):
+        dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
+                 process_group=process_group,
+                 planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     set_state_dict(
         model, optimizers, model_state_dict=state[_MODEL_KEY],
         optim_state_dict=state.get(_OPTIM_KEY),

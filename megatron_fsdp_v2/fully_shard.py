@@ -4,6 +4,7 @@ buffers live in ``_param_group.py`` and hooks in ``_state.py``."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from datetime import timedelta
 from collections.abc import Iterable, Iterator
@@ -19,6 +20,7 @@ from torch.optim.optimizer import (
 )
 
 from ._allocator import BucketAllocator
+from ._collectives import broadcast_from_first
 from ._init import (
     COMPUTE_PARAM_ATTR,
     DEFAULT_TIMEOUT,
@@ -26,12 +28,14 @@ from ._init import (
     check_ranks_agree,
     collect_managed_params,
     comm_group,
+    raise_on_every_rank,
     unit_signature,
     validate_mesh,
     validate_options,
+    warn_if_padded,
 )
 from ._layout import build_layout, plan_buckets
-from ._param_group import ParamGroup
+from ._param_group import ParamGroup, finalize_unsynchronized
 from . import _state_dict
 from ._state import FSDPState, get_state
 from .api import MixedPrecisionPolicy, ShardingStrategy
@@ -120,12 +124,60 @@ class FSDPModule:
                     param.grad.detach_().zero_()
 
     def mark_main_weights_updated(self) -> None:
-        """Tell the units that their optimizer-facing parameters were changed outside a
-        ``torch.optim`` optimizer step or ``load_state_dict`` (both are detected automatically),
-        so compute weights are refreshed before the next forward."""
+        """Tell the units that their optimizer-facing parameters were changed in a way the
+        library cannot see (writes through ``p.to_local()`` or ``p.data`` in the middle of an
+        accumulation window), so compute weights are refreshed before the next forward.
+        Optimizer steps, ``load_state_dict`` and in-place ops on the parameters themselves are
+        detected; see [Note: replicated-buffer refresh]."""
         for state in self._mfsdp_states():
             for group in state.groups:
                 group.mark_main_weights_updated()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        raise TypeError(
+            f"copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: "
+            "its parameters view flat buffers shared with a process group. Build a fresh model "
+            "and load the weights, e.g. megatron_fsdp_v2.checkpoint.get_full_state_dict(model) "
+            "on every rank, then new_model.load_state_dict(sd) on rank 0 (or deep-copy the "
+            "model before calling fully_shard)"
+        )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``.to()``, ``.float()``, ``.bfloat16()``, ``.cuda()``, ``.to_empty()``... after wrapping.
+
+        A conversion would replace the parameters that view the flat buffers (silently
+        breaking the refresh and the gradient path), so it is refused before anything
+        changes. A call that changes no managed parameter (``.to`` the device and dtype they
+        already have) applies to the rest of the module (buffers, ignored parameters)."""
+        assert isinstance(self, nn.Module)
+        states = self._mfsdp_states()
+        for state in states:
+            for group in state.groups:
+                for fqn, dist_param in zip(group.fqns, group.dist_params):
+                    try:
+                        unchanged = fn(dist_param) is dist_param
+                    except Exception:  # noqa: BLE001 - any failure means it would change
+                        unchanged = False
+                    if not unchanged:
+                        raise NotImplementedError(
+                            f"{type(self).__name__}: converting or moving parameters after "
+                            f"fully_shard is not supported (parameter '{fqn}' would change); "
+                            "nothing was changed. Call .to(device/dtype), .bfloat16(), .double() "
+                            "or .to_empty() before fully_shard, and use MixedPrecisionPolicy("
+                            "param_dtype=...) for compute in another dtype"
+                        )
+        # Managed parameters stay as they are: hide them from nn.Module._apply.
+        hidden: list[tuple[dict[str, Any], str, Any]] = []
+        for state in states:
+            for parameters, mapping in state.dist_registration:
+                for name in mapping:
+                    if name in parameters:
+                        hidden.append((parameters, name, parameters.pop(name)))
+        try:
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        finally:
+            for parameters, name, value in reversed(hidden):
+                parameters[name] = value
 
 
 _fsdp_classes: dict[type, type] = {}
@@ -149,6 +201,7 @@ def fully_shard(
     check_ranks: bool = True,
     overlap: bool = True,
     timeout: timedelta | float | None = DEFAULT_TIMEOUT,
+    sync_module_states: bool = True,
 ) -> FSDPModule:
     """Shard ``module``'s parameters, gradients and/or optimizer state over a data-parallel mesh.
 
@@ -185,9 +238,15 @@ def fully_shard(
             after this long instead of hanging. They run on a process group over the mesh's
             ranks created with this timeout (one per distinct value). ``None``: the mesh's own
             group and its timeout.
+        sync_module_states: start every rank from the mesh's first rank's parameters and
+            buffers (one broadcast per parameter group, and one per buffer), as DDP does at
+            construction; this applies to every strategy, ZeRO-3 included. ``False`` keeps
+            each rank's own values: only safe when every rank built identical weights (same
+            seed), else replicas silently train different models.
 
     Invalid arguments raise ``TypeError``/``ValueError`` before any collective, leaving
-    ``module`` untouched.
+    ``module`` untouched. An invalid parameter found on some ranks only (with ``check_ranks``)
+    is shared in the cross-rank check, so every rank raises the same error promptly.
     """
     check_module(module)
     if isinstance(module, FSDPModule) or get_state(module) is not None:
@@ -201,14 +260,31 @@ def fully_shard(
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     timeout = validate_options(gradient_scaling_factor, max_padding_ratio, timeout)
     mesh = validate_mesh(mesh)
-    managed = collect_managed_params(module, mesh, ignored_params)
-    dtypes_by_param = [mp_policy.resolve(m.param.dtype) for m in managed]
+    # Checks of what this rank holds (its parameters) may fail on one rank only. With
+    # check_ranks, the failure is shared in the cross-rank check below, so that every rank
+    # raises the same error at once instead of the others waiting for the timeout.
+    local_error: TypeError | ValueError | None = None
+    try:
+        managed = collect_managed_params(module, mesh, ignored_params)
+        dtypes_by_param = [mp_policy.resolve(m.param.dtype) for m in managed]
+    except (TypeError, ValueError) as e:
+        if not check_ranks or mesh.size() == 1:
+            raise
+        local_error = e
     # The first collectives: create (once) the timeout group, then agree across ranks.
-    process_group = comm_group(mesh, timeout)
+    try:
+        process_group = comm_group(mesh, timeout)
+    except Exception:
+        if local_error is not None:  # e.g. a mesh of another device type, never initialized
+            raise local_error from None
+        raise
+    if local_error is not None:
+        raise_on_every_rank(local_error, mesh, process_group)
     if check_ranks:
         signature = unit_signature(
             module, managed, strategy, mp_policy, gradient_scaling_factor, timeout=timeout,
             max_padding_ratio=max_padding_ratio, overlap=overlap,
+            sync_module_states=sync_module_states,
         )
         check_ranks_agree(signature, mesh, process_group)
 
@@ -226,20 +302,28 @@ def fully_shard(
         shapes = [managed[i].param.shape for i in members]
         for split in plan_buckets(shapes, world_size, max_padding_ratio):
             indices = [members[j] for j in split]
+            layout = build_layout([managed[i].param.shape for i in indices], world_size)
+            warn_if_padded(layout, [managed[i].fqn for i in indices], max_padding_ratio)
             groups.append(
                 ParamGroup(
                     group_id=(id(module), len(groups)),
                     params=[managed[i].param for i in indices],
                     fqns=[managed[i].fqn for i in indices],
-                    layout=build_layout([managed[i].param.shape for i in indices], world_size),
+                    layout=layout,
                     mesh=mesh,
                     process_group=process_group,
                     strategy=strategy,
                     dtypes=dtypes_by_param[indices[0]],
                     grad_pre_scale=pre_scale,
                     allocator=allocator,
+                    sync_from_rank0=sync_module_states,
                 )
             )
+    if sync_module_states and world_size > 1:
+        _broadcast_buffers(module, process_group)
+    # Every group is built: only now are the module's parameters changed (see ParamGroup).
+    for group in groups:
+        group.bind()
     owner = f"{type(module).__name__} at 0x{id(module):x}"
     for group in groups:
         for param, fqn in zip(group.params, group.fqns):
@@ -256,6 +340,21 @@ def fully_shard(
     global _wrap_generation
     _wrap_generation += 1  # optimizers cached before this wrap are checked again
     return module  # type: ignore[return-value]
+
+
+def _broadcast_buffers(module: nn.Module, process_group: Any) -> None:
+    """Buffers of this unit (not of wrapped children, which did their own) from the mesh's
+    first rank, as DDP does with module states."""
+    wrapped: list[str] = []
+    for prefix, submodule in module.named_modules():
+        if submodule is not module and (
+            get_state(submodule) is not None or any(prefix.startswith(w + ".") for w in wrapped)
+        ):
+            wrapped.append(prefix)
+            continue
+        for buffer in submodule._buffers.values():
+            if buffer is not None and buffer.numel() > 0:
+                broadcast_from_first(buffer, process_group)
 
 
 def _mark_loaded(module: nn.Module, incompatible_keys: Any) -> None:
@@ -321,6 +420,7 @@ def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
             "Build the optimizer after fully_shard (after wrapping the root), from "
             "model.parameters()"
         )
+    finalize_unsynchronized(info.groups, "optimizer.step()")
     # Marked before the step too: a step that raises half-way has still changed main weights.
     for group in info.groups:
         group.mark_main_weights_updated()

@@ -35,48 +35,50 @@ def _groups(model: torch.nn.Module) -> list:
     return [g for m in model.modules() if (s := get_state(m)) is not None for g in s.groups]
 
 
-def _counts_worker(rank: int, world: int) -> None:
-    for strategy in STRATEGIES:
-        for micro in (1, 3):
-            torch.manual_seed(0)
-            model = TinyGPT(layers=3)
-            for block in model.blocks:
-                fully_shard(block, sharding_strategy=strategy)
-            fully_shard(model, sharding_strategy=strategy)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            batches = make_batches("lm", 3, micro, world, per_rank=2)
-            observed = []
-            for step in range(3):
-                with CommDebugMode() as comm:
-                    for i in range(micro):
-                        model.set_is_last_backward(i == micro - 1)
-                        (lm_loss(model, batches[step][i][rank]) / micro).backward()
-                    clip_grad_norm_(model.parameters(), 1.0)
-                    opt.step()
-                    opt.zero_grad()
-                observed.append((
-                    _count(comm, "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced"),
-                    _count(comm, "_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
-                    _count(comm, "allreduce", "all_reduce"),
-                    sum(comm.get_comm_counts().values()),
-                ))
-            n = len(_groups(model))
-            ag, rs, ar = _expected(strategy, micro)
-            # Iteration 0 has no refresh to do (weights are fresh at wrap time); from then on
-            # every iteration pays exactly the contract. Clipping adds one all-reduce of the
-            # squared norm when gradients are sharded (replicated ones need none).
-            clip = 0 if strategy == "no_shard" else 1
-            steady = (ag * n, rs * n, ar * n + clip, ag * n + rs * n + ar * n + clip)
-            for step, got in enumerate(observed[1:], start=1):
-                assert got == steady, (
-                    f"{strategy} N={micro} iteration {step}: (AG, RS, AR, total) = {got}, "
-                    f"expected {steady} for {n} groups"
-                )
+def _counts_worker(rank: int, world: int, strategy: str, set_to_none: bool) -> None:
+    for micro in (1, 3):
+        torch.manual_seed(0)
+        model = TinyGPT(layers=3)
+        for block in model.blocks:
+            fully_shard(block, sharding_strategy=strategy)
+        fully_shard(model, sharding_strategy=strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batches = make_batches("lm", 3, micro, world, per_rank=2)
+        observed = []
+        for step in range(3):
+            with CommDebugMode() as comm:
+                for i in range(micro):
+                    model.set_is_last_backward(i == micro - 1)
+                    (lm_loss(model, batches[step][i][rank]) / micro).backward()
+                clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=set_to_none)
+            observed.append((
+                _count(comm, "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced"),
+                _count(comm, "_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
+                _count(comm, "allreduce", "all_reduce"),
+                sum(comm.get_comm_counts().values()),
+            ))
+        n = len(_groups(model))
+        ag, rs, ar = _expected(strategy, micro)
+        # Iteration 0 has no refresh to do (weights are fresh at wrap time); from then on
+        # every iteration pays exactly the contract. Clipping adds one all-reduce of the
+        # squared norm when gradients are sharded (replicated ones need none).
+        clip = 0 if strategy == "no_shard" else 1
+        steady = (ag * n, rs * n, ar * n + clip, ag * n + rs * n + ar * n + clip)
+        for step, got in enumerate(observed[1:], start=1):
+            assert got == steady, (
+                f"{strategy} N={micro} iteration {step}: (AG, RS, AR, total) = {got}, "
+                f"expected {steady} for {n} groups"
+            )
 
 
-@pytest.mark.parametrize("world_size", [2])
-def test_collective_counts(world_size: int) -> None:
-    run_distributed(_counts_worker, world_size, timeout_s=300)
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["zero_grad_to_none", "zero_grad_zeros"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_collective_counts(strategy: str, set_to_none: bool) -> None:
+    """The contract holds whether the optimizer sets gradients to None or zeroes them in place
+    (zeroed no_shard/optim gradients used to keep one collective per micro-batch for good)."""
+    run_distributed(_counts_worker, 2, strategy, set_to_none, timeout_s=300)
 
 
 def _memory_worker(rank: int, world: int) -> None:

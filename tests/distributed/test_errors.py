@@ -4,6 +4,7 @@ problem and the fix, raised before any collective, with the module left untouche
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -70,9 +71,13 @@ def assert_same(before: list[Any], after: list[Any]) -> None:
 
 
 def expect_rejected(make: Callable[[], nn.Module], call: Callable[[nn.Module], Any],
-                    exc: type[BaseException], pattern: str, *, collectives: bool = False) -> str:
+                    exc: type[BaseException], pattern: str, *,
+                    collectives: bool | str = False) -> str:
     """Build a module, call ``call`` on it, and check the error, that the module is untouched and
-    (unless ``collectives``) that no collective ran and no process group was created."""
+    (unless ``collectives``) that no collective ran and no process group was created.
+    ``collectives="check"``: a check of what the rank holds (its parameters), which may fail on
+    some ranks only: the only collectives allowed are the cross-rank check's all-gathers, which
+    share the error so that every rank raises it."""
     module = make()
     before = snapshot(module)
     groups_before = dist.distributed_c10d._world.group_count if dist.is_initialized() else None
@@ -82,10 +87,14 @@ def expect_rejected(make: Callable[[], nn.Module], call: Callable[[nn.Module], A
     message = str(info.value)
     assert re.search(pattern, message, re.S), f"message {message!r} does not match {pattern!r}"
     assert_same(before, snapshot(module))
-    if not collectives:
-        assert comm.get_total_counts() == 0, f"collectives issued: {comm.get_comm_counts()}"
-        if groups_before is not None:
-            assert dist.distributed_c10d._world.group_count == groups_before, "a group was created"
+    counts = {str(op): n for op, n in comm.get_comm_counts().items()}
+    if collectives == "check":
+        assert counts.get("c10d._allgather_base_") == 1, f"no cross-rank check: {counts}"
+        assert set(counts) <= {"c10d._allgather_base_", "c10d.allgather_"}, counts
+    elif not collectives:
+        assert comm.get_total_counts() == 0, f"collectives issued: {counts}"
+    if collectives != True and groups_before is not None:  # noqa: E712
+        assert dist.distributed_c10d._world.group_count == groups_before, "a group was created"
     return message
 
 
@@ -196,9 +205,11 @@ def _local_cases(rank: int, world: int) -> list[tuple[str, Callable[[], None]]]:
             return model
         expect_rejected(make, lambda m: fully_shard(m.tok), ValueError,
                         r"parameter 'weight' is already managed by another fully_shard unit "
-                        r"\('weight' of Linear at 0x[0-9a-f]+\).*tied.*wrap a common ancestor")
+                        r"\('weight' of Linear at 0x[0-9a-f]+\).*tied.*wrap a common ancestor",
+                        collectives="check")
         expect_rejected(make, fully_shard, ValueError,
-                        r"parameter 'tok.weight' is already managed by another fully_shard unit")
+                        r"parameter 'tok.weight' is already managed by another fully_shard unit",
+                        collectives="check")
         # The fix: wrap the common ancestor only; it manages the tied weight once.
         model = fully_shard(TinyGPT(tie=True))
         assert model.tok.weight is model.head.weight
@@ -207,21 +218,25 @@ def _local_cases(rank: int, world: int) -> list[tuple[str, Callable[[], None]]]:
     def _() -> None:
         expect_rejected(lambda: fully_shard(TinyGPT()), lambda m: fully_shard(m.blocks[0]),
                         ValueError, r"parameter 'ln1.weight' is already managed by another "
-                                    r"fully_shard unit.*wrap children before their parents")
+                                    r"fully_shard unit.*wrap children before their parents",
+                        collectives="check")
 
     @case("parameters on two devices")
     def _() -> None:
         expect_rejected(lambda: TwoLinear(b=nn.Linear(4, 4, device="meta")), fully_shard,
                         ValueError, r"must be on one device, found 'a.weight' on cpu, 'b.weight' "
-                                    r"on meta; move the module with module.to\(device\)")
+                                    r"on meta; move the module with module.to\(device\)",
+                        collectives="check")
 
     @case("meta parameters")
     def _() -> None:
         expect_rejected(lambda: nn.Linear(4, 4, device="meta"), fully_shard, ValueError,
-                        r"parameter 'weight' is on the meta device.*to_empty\(device='cpu'\)")
+                        r"parameter 'weight' is on the meta device.*to_empty\(device='cpu'\)",
+                        collectives="check")
 
     @case("parameters not on the mesh's device type")
     def _() -> None:
+        # The mesh was never initialized (no group to check on): raised locally.
         cuda_mesh = DeviceMesh("cuda", torch.arange(world), _init_backend=False)
         expect_rejected(lambda: nn.Linear(4, 4), lambda m: fully_shard(m, mesh=cuda_mesh),
                         ValueError, r"parameter 'weight' is on cpu but the mesh is on 'cuda'; "
@@ -245,32 +260,40 @@ def _local_cases(rank: int, world: int) -> list[tuple[str, Callable[[], None]]]:
         mp = MixedPrecisionPolicy(main_grads_dtype=torch.bfloat16)
         expect_rejected(lambda: nn.Linear(4, 4), lambda m: fully_shard(m, mp_policy=mp),
                         ValueError, r"main_grads_dtype=torch.bfloat16 differs from the main "
-                                    r"weight dtype torch.float32.*set main_params_dtype")
+                                    r"weight dtype torch.float32.*set main_params_dtype",
+                        collectives="check")
 
     @case("ignored_params")
     def _() -> None:
         stranger = nn.Parameter(torch.zeros(3, 5))
         expect_rejected(lambda: nn.Linear(4, 4), lambda m: fully_shard(m, ignored_params=[stranger]),
                         ValueError, r"ignored_params contains a parameter of shape \(3, 5\) that "
-                                    r"is not in Linear; pass only parameters of the module")
+                                    r"is not in Linear; pass only parameters of the module",
+                        collectives="check")
         expect_rejected(lambda: nn.Linear(4, 4), lambda m: fully_shard(m, ignored_params=m.bias),
                         TypeError, r"ignored_params must be an iterable of parameters .* got a "
-                                   r"single tensor")
+                                   r"single tensor",
+                        collectives="check")
         expect_rejected(lambda: nn.Linear(4, 4), lambda m: fully_shard(m, ignored_params=["bias"]),
                         TypeError, r"ignored_params must contain parameters \(tensors\), got str; "
-                                   r"pass module.get_parameter\(name\)")
+                                   r"pass module.get_parameter\(name\)",
+                        collectives="check")
 
     @case("unsupported parameter dtypes and shapes")
     def _() -> None:
         expect_rejected(lambda: WithParam(torch.zeros(3, dtype=torch.int64)), fully_shard,
                         TypeError, r"parameter 'extra' has dtype torch.int64; fully_shard supports "
-                                   r"torch.float32, .*Cast it .* or pass it in ignored_params")
+                                   r"torch.float32, .*Cast it .* or pass it in ignored_params",
+                        collectives="check")
         expect_rejected(lambda: WithParam(torch.zeros(3, dtype=torch.complex64), True), fully_shard,
-                        TypeError, r"parameter 'extra' has dtype torch.complex64")
+                        TypeError, r"parameter 'extra' has dtype torch.complex64",
+                        collectives="check")
         expect_rejected(lambda: WithParam(torch.zeros((), dtype=torch.float32), True), fully_shard,
-                        ValueError, r"parameter 'extra' is 0-dimensional.*shape \(1,\)")
+                        ValueError, r"parameter 'extra' is 0-dimensional.*shape \(1,\)",
+                        collectives="check")
         expect_rejected(lambda: WithParam(torch.eye(3).to_sparse(), True), fully_shard,
-                        TypeError, r"parameter 'extra' has layout torch.sparse_coo; .*dense")
+                        TypeError, r"parameter 'extra' has layout torch.sparse_coo; .*dense",
+                        collectives="check")
         # The documented way out works: ignore it.
         m = WithParam(torch.zeros(3, dtype=torch.int64))
         fully_shard(m, ignored_params=[m.extra])
@@ -285,7 +308,8 @@ def _local_cases(rank: int, world: int) -> list[tuple[str, Callable[[], None]]]:
             m.weight = nn.Parameter(dtensor.detach().clone())
             return m
         expect_rejected(make, fully_shard, ValueError,
-                        r"parameter 'weight' is already a DTensor on mesh .*tensor parallelism")
+                        r"parameter 'weight' is already a DTensor on mesh .*tensor parallelism",
+                        collectives="check")
 
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))  # collective
     torch_fsdp = nn.Linear(4, 4)
@@ -375,6 +399,21 @@ def _rank_disagreement_cases(rank: int, world: int) -> None:
     fully_shard(nn.Linear(4, 4), timeout=30)
 
 
+def _invalid_on_one_rank(rank: int, world: int) -> None:
+    """A parameter that is invalid on rank 1 only (each rank checks its own parameters): every
+    rank raises the same error at once, through the cross-rank check, instead of ranks 0 and 2
+    waiting in it for the collective timeout (5 minutes here)."""
+    start = time.monotonic()
+    make = lambda: WithParam(torch.zeros(3, dtype=torch.int64 if rank == 1 else torch.float32))  # noqa: E731
+    expect_rejected(make, fully_shard, TypeError,
+                    r"parameter 'extra' has dtype torch.int64; fully_shard supports .*"
+                    r"\[fully_shard: raised on rank 1; every rank raises this error\]",
+                    collectives="check")
+    assert time.monotonic() - start < 30, "the other ranks waited for the timeout"
+    # Afterwards the ranks are in step: a valid wrap works.
+    fully_shard(nn.Linear(4, 4))
+
+
 def _timeout_groups(rank: int, world: int) -> None:
     """The ``timeout`` argument: one group per distinct value over the mesh's ranks, the mesh's
     own group for ``None``; collectives run on it."""
@@ -400,7 +439,8 @@ def _errors_worker(rank: int, world: int) -> list[str]:
             fn()
         except Exception as e:  # noqa: BLE001 - collect them all, report together
             failures.append(f"{name}: {type(e).__name__}: {e}")
-    for fn in (_timeout_groups, _optimizer_before_wrap, _rank_disagreement_cases):
+    for fn in (_invalid_on_one_rank, _timeout_groups, _optimizer_before_wrap,
+               _rank_disagreement_cases):
         try:
             fn(rank, world)
         except Exception as e:  # noqa: BLE001
@@ -410,6 +450,6 @@ def _errors_worker(rank: int, world: int) -> list[str]:
 
 
 def test_bad_input_distributed() -> None:
-    results = run_distributed(_errors_worker, 2, timeout_s=120)
+    results = run_distributed(_errors_worker, 3, timeout_s=120)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
     assert not failures, "\n".join(failures)

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2 import checkpoint as mckpt
+from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2.testing import run_distributed
 
 REPEATS = 7

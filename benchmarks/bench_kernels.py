@@ -4,8 +4,8 @@ Each job is timed three ways in one run:
   * ours      -- megatron_fsdp_v2.ops (the C++/CUDA kernels, or the reference ops
                  when MFSDP_USE_REFERENCE_OPS=1 / no extension),
   * baselines -- the ATen ops PyTorch FSDP2 uses for the same job
-                 (_foreach_copy_ onto views, split_with_sizes_copy, _chunk_cat,
-                 Tensor.copy_ with a cast, _foreach_add_, _foreach_norm, ...),
+                 (_foreach_copy_ onto views, _chunk_cat, Tensor.copy_ with a cast,
+                 _foreach_add_, _foreach_norm, ...),
   * plain     -- a same-dtype fp32 ``dst.copy_(src)`` moving the same number of bytes
                  (on CUDA: the device-to-device copy bandwidth).
 
@@ -109,7 +109,6 @@ def build_jobs(device: torch.device, dtype: torch.dtype, flat_numel: int) -> lis
     params = [randn(*s) for s in shapes]                    # fp32 main weights / inputs
     grads = [randn(*s) for s in shapes]                     # fp32 unsharded grads
     numels = [p.numel() for p in params]
-    sizes_1d = [[n] for n in numels]
     n_param = sum(numels)
     offsets, flat_len = aligned_offsets(numels)
 
@@ -117,9 +116,7 @@ def build_jobs(device: torch.device, dtype: torch.dtype, flat_numel: int) -> lis
     flat_dt = torch.zeros(flat_len, device=device, dtype=dtype)
     views32 = [flat32.narrow(0, o, n) for o, n in zip(offsets, numels)]
     views_dt = [flat_dt.narrow(0, o, n) for o, n in zip(offsets, numels)]
-    packed_dt = torch.zeros(n_param, device=device, dtype=dtype)  # gap-free, for cat/split
-    model_dt = [torch.zeros(s, device=device, dtype=dtype) for s in shapes]
-    model_dt_1d = [t.view(-1) for t in model_dt]
+    packed_dt = torch.zeros(n_param, device=device, dtype=dtype)  # gap-free, for _chunk_cat
     grads_1d = [g.view(-1) for g in grads]
     params_1d = [p.view(-1) for p in params]
     pre = 1.0 / 8
@@ -166,22 +163,6 @@ def build_jobs(device: torch.device, dtype: torch.dtype, flat_numel: int) -> lis
             n_param * 3 * e32,
             lambda: mops.pack_(grads, offsets, flat32, accumulate=True),
             {"_foreach_add_ (views)": lambda: torch._foreach_add_(views32, grads_1d)},
-        ),
-        Job(
-            f"unpack {dt_name}->{dt_name} (AG copy-out)",
-            n_param * 2 * edt,
-            lambda: mops.unpack_(flat_dt, offsets, model_dt),
-            {
-                "split_with_sizes_copy (FSDP2)": lambda: torch.split_with_sizes_copy(
-                    packed_dt, [n for (n,) in sizes_1d], out=model_dt_1d),
-                "_foreach_copy_ (views)": lambda: torch._foreach_copy_(model_dt_1d, views_dt),
-            },
-        ),
-        Job(
-            f"unpack f32->{dt_name} (cast weights out)",
-            n_param * (e32 + edt),
-            lambda: mops.unpack_(flat32, offsets, model_dt),
-            {"_foreach_copy_ (views)": lambda: torch._foreach_copy_(model_dt_1d, views32)},
         ),
         Job(
             f"refresh_from_shard f32->{dt_name}",

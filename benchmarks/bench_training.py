@@ -1,7 +1,8 @@
 """Training benchmark: megatron_fsdp_v2's four strategies against DDP, ZeRO-1 and FSDP2.
 
-    python benchmarks/bench_training.py --out /tmp/bench/training.md       # CPU/gloo, or NCCL on GPUs
-    python benchmarks/bench_training.py --model-size tiny --vocab 512 --seq-len 32 --steps 2 --rounds 1
+    python benchmarks/bench_training.py --out /tmp/bench/training.md   # CPU/gloo, NCCL on GPUs
+    python benchmarks/bench_training.py --model-size tiny --vocab 512 --seq-len 32 --steps 2 \
+        --rounds 1
 
 Every system trains the same GPT (``examples/model.py``) from the same initial weights on the
 same synthetic tokens with the same AdamW, gradient clipping and micro-batching. Each run of a
@@ -55,8 +56,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(_ROOT, "examples"))
@@ -110,9 +112,9 @@ def _reset_rss_hwm() -> bool:
 def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tuple[
         torch.nn.Module, torch.optim.Optimizer, Callable[[], Any], Callable[[bool], Any]]:
     """(model, optimizer, clip(), micro_batch_context(is_last)) for one system."""
-    from model import GPT
-
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from model import GPT
 
     torch.manual_seed(a["seed"])  # identical initial weights for every system and rank
     model = GPT(cfg).to(device)
@@ -149,7 +151,8 @@ def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tu
 
             opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
                                           parameters_as_bucket_view=True, **adamw)
-        return ddp, opt, torch_clip(ddp), lambda last: contextlib.nullcontext() if last else ddp.no_sync()
+        return (ddp, opt, torch_clip(ddp),
+                lambda last: contextlib.nullcontext() if last else ddp.no_sync())
     if system in ("fsdp2", "fsdp2_noreshard"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -171,7 +174,8 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
     from comm_counter import CommCounter
     from model import GPTConfig, lm_loss, synthetic_batch
 
-    cfg = GPTConfig(vocab=a["vocab"], seq_len=a["seq_len"], dim=a["dim"], layers=a["layers"], heads=a["heads"])
+    cfg = GPTConfig(vocab=a["vocab"], seq_len=a["seq_len"], dim=a["dim"], layers=a["layers"],
+                    heads=a["heads"])
     result: dict[str, Any] = {"rank": rank, "rss_base_kib": _read_status_kib("VmRSS")}
     model, opt, clip, micro_context = _build(system, cfg, device, a)
     gc.collect()
@@ -187,8 +191,9 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
     num_steps = a["measure_steps"] if kind == "measure" else a["warmup"] + a["steps"]
     losses, times = [], []
     for step in range(num_steps):
-        batches = [synthetic_batch(a["batch_size"], a["seq_len"], a["vocab"], seed=a["seed"], step=step,
-                                   micro=i, rank=rank, device=device) for i in range(micro)]
+        batches = [synthetic_batch(a["batch_size"], a["seq_len"], a["vocab"], seed=a["seed"],
+                                   step=step, micro=i, rank=rank, device=device)
+                   for i in range(micro)]
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -234,12 +239,13 @@ def _rank_entry(rank: int, world: int, init_file: str, system: str, a: dict[str,
         if use_cuda:
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
-            dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=a["timeout"]), device_id=device)
+            dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank,
+                                    world_size=world, timeout=timedelta(seconds=a["timeout"]),
+                                    device_id=device)
         else:
             device = torch.device("cpu")
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=a["timeout"]))
+            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                                    world_size=world, timeout=timedelta(seconds=a["timeout"]))
         results.put((rank, "ok", _run_system(rank, world, device, system, a, kind)))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         results.put((rank, "error", traceback.format_exc()))
@@ -256,8 +262,10 @@ def _rank_entry(rank: int, world: int, init_file: str, system: str, a: dict[str,
 
 # ----------------------------------------------------------------------------- parent side
 
-def launch(system: str, a: dict[str, Any], kind: str) -> tuple[list[dict[str, Any]] | None, str | None]:
-    """Run one system on ``world_size`` fresh processes; (per-rank results, None) or (None, error)."""
+def launch(system: str, a: dict[str, Any],
+           kind: str) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """Run one system on ``world_size`` fresh processes; (per-rank results, None) or
+    (None, error)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     world = a["world_size"]
@@ -271,8 +279,9 @@ def launch(system: str, a: dict[str, Any], kind: str) -> tuple[list[dict[str, An
     try:
         with tempfile.TemporaryDirectory() as tmp:
             init_file = os.path.join(tmp, "rendezvous")
-            procs = [ctx.Process(target=_rank_entry, args=(r, world, init_file, system, a, kind, results),
-                                 daemon=True) for r in range(world)]
+            procs = [ctx.Process(target=_rank_entry,
+                                 args=(r, world, init_file, system, a, kind, results), daemon=True)
+                     for r in range(world)]
             for p in procs:
                 p.start()
             deadline = time.monotonic() + a["timeout"]
@@ -286,7 +295,8 @@ def launch(system: str, a: dict[str, Any], kind: str) -> tuple[list[dict[str, An
                         continue
                     outcomes[rank] = (status, payload)
                     if status == "error":
-                        deadline = min(deadline, time.monotonic() + 10)  # let the others report, briefly
+                        # Let the others report, briefly.
+                        deadline = min(deadline, time.monotonic() + 10)
             finally:
                 for p in procs:
                     p.join(timeout=10)
@@ -299,7 +309,8 @@ def launch(system: str, a: dict[str, Any], kind: str) -> tuple[list[dict[str, An
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    errors = [f"rank {r}: {payload}" for r, (s, payload) in sorted(outcomes.items()) if s == "error"]
+    errors = [f"rank {r}: {payload}" for r, (s, payload) in sorted(outcomes.items())
+              if s == "error"]
     if errors:
         return None, errors[0]
     missing = [r for r in range(world) if r not in outcomes]
@@ -348,22 +359,26 @@ def summarize(system: str, measured: list[dict[str, Any]], timed_runs: list[list
         "label": SYSTEMS[system],
         "comm": comm,
         "comm_mib": comm["total_wire_bytes"] / MiB,
-        "comm_expected_mib": expected_comm_bytes(system, a["num_params"], a["world_size"], a["micro_batches"]) / MiB,
+        "comm_expected_mib": expected_comm_bytes(system, a["num_params"], a["world_size"],
+                                                 a["micro_batches"]) / MiB,
         "losses": longest,
         "loss_run_spread": max(abs(x - y) for c in curves for x, y in zip(c, longest)),
-        "per_rank": [{k: v for k, v in r.items() if k not in ("losses", "times")} for r in measured],
+        "per_rank": [{k: v for k, v in r.items() if k not in ("losses", "times")}
+                     for r in measured],
     }
     if timed:
         q = statistics.quantiles(timed, n=4) if len(timed) >= 2 else [timed[0]] * 3
-        out.update(step_s_median=statistics.median(timed), step_s_p25=q[0], step_s_p75=q[2], step_s_all=timed,
-                   tokens_per_s=tokens / statistics.median(timed))
+        out.update(step_s_median=statistics.median(timed), step_s_p25=q[0], step_s_p75=q[2],
+                   step_s_all=timed, tokens_per_s=tokens / statistics.median(timed))
     if a["device"] == "cuda":
-        out["peak_mib"] = max(max(r["cuda_peak_build"], r["cuda_peak_train"]) for r in measured) / MiB
+        out["peak_mib"] = max(max(r["cuda_peak_build"], r["cuda_peak_train"])
+                              for r in measured) / MiB
         out["peak_above_base_mib"] = out["peak_mib"]
         out["train_peak_mib"] = max(r["cuda_peak_train"] for r in measured) / MiB
     else:
         out["peak_mib"] = max(r["peak_rss_kib"] for r in measured) / 1024
-        out["peak_above_base_mib"] = max(r["peak_rss_kib"] - r["rss_base_kib"] for r in measured) / 1024
+        out["peak_above_base_mib"] = max(r["peak_rss_kib"] - r["rss_base_kib"]
+                                         for r in measured) / 1024
         out["base_mib"] = max(r["rss_base_kib"] for r in measured) / 1024
         out["train_peak_mib"] = (max(r["train_hwm_kib"] for r in measured) / 1024
                                  if measured[0]["train_hwm_kib"] is not None else None)
@@ -388,17 +403,19 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
     mem = "CUDA max allocated" if cuda else "RSS HWM"
     ddp = rows.get("ddp")
     lines = [
-        f"## Training benchmark: {a['num_params'] / 1e6:.1f}M-param GPT (dim {a['dim']}, {a['layers']} blocks, "
-        f"{a['heads']} heads, vocab {a['vocab']}), world size {a['world_size']} on {a['device_desc']}",
+        f"## Training benchmark: {a['num_params'] / 1e6:.1f}M-param GPT (dim {a['dim']}, "
+        f"{a['layers']} blocks, {a['heads']} heads, vocab {a['vocab']}), world size "
+        f"{a['world_size']} on {a['device_desc']}",
         "",
-        f"{a['micro_batches']} micro-batch(es) x {a['batch_size']} x {a['seq_len']} tokens per rank per step, fp32, "
-        f"AdamW, clip {a['clip']}. Timing: {a['rounds']} round(s) over the systems in alternating order, each run "
-        f"in fresh processes with {a['warmup']} warm-up + {a['steps']} timed steps; median [interquartile range] "
-        f"of the slowest rank's step time over all timed steps. Bytes and memory: one more fresh run per system "
+        f"{a['micro_batches']} micro-batch(es) x {a['batch_size']} x {a['seq_len']} tokens per "
+        f"rank per step, fp32, AdamW, clip {a['clip']}. Timing: {a['rounds']} round(s) over the "
+        f"systems in alternating order, each run in fresh processes with {a['warmup']} warm-up + "
+        f"{a['steps']} timed steps; median [interquartile range] of the slowest rank's step time "
+        f"over all timed steps. Bytes and memory: one more fresh run per system "
         f"({a['measure_steps']} untimed steps, bytes counted on the last).",
         "",
-        f"| system | step ms | tokens/s | comm MiB/step/rank | expected | collectives/step | peak {mem} MiB "
-        f"| peak above base MiB | our buffers MiB | max abs loss diff vs DDP |",
+        f"| system | step ms | tokens/s | comm MiB/step/rank | expected | collectives/step "
+        f"| peak {mem} MiB | peak above base MiB | our buffers MiB | max abs loss diff vs DDP |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name in a["systems"]:
@@ -406,27 +423,31 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
             lines.append(f"| {SYSTEMS[name]} | excluded: {failures[name]} | | | | | | | | |")
             continue
         r = rows[name]
-        loss_diff = f"{max(abs(x - y) for x, y in zip(r['losses'], ddp['losses'])):.1e}" if ddp else "n/a"
-        step = (f"{r['step_s_median'] * 1e3:.0f} [{r['step_s_p25'] * 1e3:.0f}-{r['step_s_p75'] * 1e3:.0f}]"
+        loss_diff = (f"{max(abs(x - y) for x, y in zip(r['losses'], ddp['losses'])):.1e}"
+                     if ddp else "n/a")
+        step = (f"{r['step_s_median'] * 1e3:.0f} "
+                f"[{r['step_s_p25'] * 1e3:.0f}-{r['step_s_p75'] * 1e3:.0f}]"
                 if "step_s_median" in r else "n/a")
         tps = f"{r['tokens_per_s']:,.0f}" if "tokens_per_s" in r else "n/a"
         buffers = f"{r['memory_report_mib']['total']:.1f}" if "memory_report_mib" in r else "-"
         lines.append(
-            f"| {r['label']} | {step} | {tps} | {r['comm_mib']:.1f} | {r['comm_expected_mib']:.1f} | "
-            f"{_fmt_calls(r['comm']['calls'])} | {r['peak_mib']:.0f} | {r['peak_above_base_mib']:.0f} | "
-            f"{buffers} | {loss_diff} |")
-    lines += ["", "Ratios, ours / closest peer (below 1: ours is faster, leaner or sends less):", "",
+            f"| {r['label']} | {step} | {tps} | {r['comm_mib']:.1f} | "
+            f"{r['comm_expected_mib']:.1f} | {_fmt_calls(r['comm']['calls'])} | "
+            f"{r['peak_mib']:.0f} | {r['peak_above_base_mib']:.0f} | {buffers} | {loss_diff} |")
+    lines += ["", "Ratios, ours / closest peer (below 1: ours is faster, leaner or sends less):",
+              "",
               "| ours | peer | step time | peak memory | peak above base | comm bytes |",
               "|---|---|---|---|---|---|"]
     for ours, peer in PEERS.items():
         if ours not in a["systems"] or peer not in a["systems"]:
             continue
         if ours not in rows or peer not in rows:
-            lines.append(f"| {SYSTEMS[ours]} | {SYSTEMS[peer]} | n/a ({'ours' if ours not in rows else 'peer'} "
-                         "excluded) | | | |")
+            missing = "ours" if ours not in rows else "peer"
+            lines.append(f"| {SYSTEMS[ours]} | {SYSTEMS[peer]} | n/a ({missing} excluded) | | | |")
             continue
         o, p = rows[ours], rows[peer]
-        lines.append(f"| {o['label']} | {p['label']} | {_ratio(o.get('step_s_median'), p.get('step_s_median'))} | "
+        lines.append(f"| {o['label']} | {p['label']} | "
+                     f"{_ratio(o.get('step_s_median'), p.get('step_s_median'))} | "
                      f"{_ratio(o['peak_mib'], p['peak_mib'])} | "
                      f"{_ratio(o['peak_above_base_mib'], p['peak_above_base_mib'])} | "
                      f"{_ratio(o['comm_mib'], p['comm_mib'])} |")
@@ -437,34 +458,39 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
                   "| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for s in range(steps):
             lines.append(f"| {s + 1} | " + " | ".join(
-                f"{rows[n]['losses'][s]:.6f}" if s < len(rows[n]["losses"]) else "" for n in names) + " |")
+                f"{rows[n]['losses'][s]:.6f}" if s < len(rows[n]["losses"]) else ""
+                for n in names) + " |")
     notes = [
         "",
         "Notes:",
-        "- comm: ring-algorithm bytes sent per rank in one steady-state step, counted for every system by one "
-        "TorchDispatchMode over c10d ops (examples/comm_counter.py; it sees DDP's C++ reducer too): 2(N-1)/N*S per "
-        "all-reduce, (N-1)/N*S per all-gather / reduce-scatter / broadcast of an S-byte buffer. expected: the same "
-        "from each system's collective pattern for fp32 parameters (no padding, no clipping all-reduce).",
+        "- comm: ring-algorithm bytes sent per rank in one steady-state step, counted for every "
+        "system by one TorchDispatchMode over c10d ops (examples/comm_counter.py; it sees DDP's "
+        "C++ reducer too): 2(N-1)/N*S per all-reduce, (N-1)/N*S per all-gather / reduce-scatter / "
+        "broadcast of an S-byte buffer. expected: the same from each system's collective pattern "
+        "for fp32 parameters (no padding, no clipping all-reduce).",
     ]
     if cuda:
-        notes.append("- peak memory: torch.cuda.max_memory_allocated over the whole run, max over ranks.")
+        notes.append("- peak memory: torch.cuda.max_memory_allocated over the whole run, max over "
+                     "ranks.")
     else:
         base = min((r["base_mib"] for r in rows.values()), default=0.0)
         notes.append(
-            "- peak memory: getrusage(RUSAGE_SELF).ru_maxrss of each rank's process, max over ranks, over the whole "
-            "run: the torch runtime, the full fp32 model every rank builds before wrapping, and training. 'above base' "
-            f"subtracts the RSS before the model is built ({base:.0f} MiB or more: the torch runtime). The measurement runs "
-            f"set MALLOC_MMAP_THRESHOLD_={a['malloc_mmap_threshold']} so freed tensors leave the RSS (glibc would "
-            "otherwise keep them in its heap, and RSS would depend on allocation order, not on live bytes); the "
-            "timing runs use the default allocator settings.")
-    notes.append("- our buffers: megatron_fsdp_v2.memory_report().total on rank 0 (model weights + main weights + "
-                 "main grads + temporary-bucket peak).")
+            "- peak memory: getrusage(RUSAGE_SELF).ru_maxrss of each rank's process, max over "
+            "ranks, over the whole run: the torch runtime, the full fp32 model every rank builds "
+            "before wrapping, and training. 'above base' subtracts the RSS before the model is "
+            f"built ({base:.0f} MiB or more: the torch runtime). The measurement runs set "
+            f"MALLOC_MMAP_THRESHOLD_={a['malloc_mmap_threshold']} so freed tensors leave the RSS "
+            "(glibc would otherwise keep them in its heap, and RSS would depend on allocation "
+            "order, not on live bytes); the timing runs use the default allocator settings.")
+    notes.append("- our buffers: megatron_fsdp_v2.memory_report().total on rank 0 (model weights + "
+                 "main weights + main grads + temporary-bucket peak).")
     notes.append(
-        "- losses: every system starts from the same weights and data; 'max abs loss diff' is over all steps. Max "
-        "difference of a system's curve between its own runs: "
+        "- losses: every system starts from the same weights and data; 'max abs loss diff' is "
+        "over all steps. Max difference of a system's curve between its own runs: "
         + ", ".join(f"{k} {v['loss_run_spread']:.1e}" for k, v in rows.items()) + ".")
-    notes.append(f"- machine load average (1 min) at start / end: {a['load_start']:.1f} / {summary['load_end']:.1f} "
-                 f"on {os.cpu_count()} cores; total wall time {summary['wall_s']:.0f} s.")
+    notes.append(f"- machine load average (1 min) at start / end: {a['load_start']:.1f} / "
+                 f"{summary['load_end']:.1f} on {os.cpu_count()} cores; total wall time "
+                 f"{summary['wall_s']:.0f} s.")
     for name, why in failures.items():
         notes.append(f"- {SYSTEMS[name]} excluded: {why}")
     return "\n".join(lines + notes) + "\n"
@@ -473,26 +499,31 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model-size", default="medium",
-                   help=f"one of {', '.join(f'{k} ({d}x{l})' for k, (d, l, _) in MODEL_SIZES.items())}, "
-                        "or DIMxLAYERS")
-    p.add_argument("--heads", type=int, default=None, help="attention heads (default: from --model-size)")
+    presets = ", ".join(f"{k} ({dim}x{layers})" for k, (dim, layers, _) in MODEL_SIZES.items())
+    p.add_argument("--model-size", default="medium", help=f"one of {presets}, or DIMxLAYERS")
+    p.add_argument("--heads", type=int, default=None,
+                   help="attention heads (default: from --model-size)")
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch per rank")
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of: " + ", ".join(SYSTEMS))
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help="comma-separated subset of: " + ", ".join(SYSTEMS))
     p.add_argument("--steps", type=int, default=4, help="timed steps per round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps before the timed ones, per round")
-    p.add_argument("--rounds", type=int, default=2, help="timing rounds over the systems, alternating order")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps before the timed ones, per round")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="timing rounds over the systems, alternating order")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads per rank (default: cores / world size)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per rank (default: cores / world size)")
     p.add_argument("--malloc-mmap-threshold", type=int, default=65536,
                    help="MALLOC_MMAP_THRESHOLD_ for the CPU memory runs (0: leave glibc's default)")
-    p.add_argument("--timeout", type=int, default=600, help="seconds allowed for one run of one system")
+    p.add_argument("--timeout", type=int, default=600,
+                   help="seconds allowed for one run of one system")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default=None, help="write the table as markdown (and .json beside it)")
     args = p.parse_args(argv)
@@ -509,16 +540,20 @@ def main(argv: list[str] | None = None) -> int:
         try:
             dim, layers = (int(x) for x in args.model_size.lower().split("x"))
         except ValueError:
-            raise SystemExit(f"--model-size {args.model_size!r}: use a preset or DIMxLAYERS") from None
+            raise SystemExit(
+                f"--model-size {args.model_size!r}: use a preset or DIMxLAYERS") from None
         heads = max(1, dim // 64)
     heads = args.heads or heads
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise SystemExit(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and torch.cuda.device_count() < args.world_size:
-        raise SystemExit(f"--world-size {args.world_size} needs as many GPUs; {torch.cuda.device_count()} visible")
+        raise SystemExit(f"--world-size {args.world_size} needs as many GPUs; "
+                         f"{torch.cuda.device_count()} visible")
     cores = len(os.sched_getaffinity(0))
     threads = args.threads or max(1, cores // args.world_size)
     device_desc = (f"{args.world_size}x {torch.cuda.get_device_name(0)} (NCCL)" if device == "cuda"
@@ -528,18 +563,21 @@ def main(argv: list[str] | None = None) -> int:
     with torch.device("meta"):
         num_params = GPT(GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=dim, layers=layers,
                                    heads=heads)).num_params()
-    a = dict(vars(args), dim=dim, layers=layers, heads=heads, device=device, threads=threads, systems=systems,
-             device_desc=device_desc, num_params=num_params, measure_steps=max(3, args.warmup + 1),
-             load_start=os.getloadavg()[0], torch_version=torch.__version__)
+    a = dict(vars(args), dim=dim, layers=layers, heads=heads, device=device, threads=threads,
+             systems=systems, device_desc=device_desc, num_params=num_params,
+             measure_steps=max(3, args.warmup + 1), load_start=os.getloadavg()[0],
+             torch_version=torch.__version__)
     print(f"{num_params / 1e6:.1f}M-param GPT dim={dim} layers={layers} heads={heads}; world size "
-          f"{args.world_size} on {device_desc}; systems: {', '.join(systems)}; 1 measurement run + {args.rounds} "
-          f"timing round(s) of {args.warmup} warm-up + {args.steps} timed steps", flush=True)
+          f"{args.world_size} on {device_desc}; systems: {', '.join(systems)}; 1 measurement run + "
+          f"{args.rounds} timing round(s) of {args.warmup} warm-up + {args.steps} timed steps",
+          flush=True)
 
     measured: dict[str, list[dict[str, Any]]] = {}
     timed: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in systems}
     failures: dict[str, str] = {}
     t_start = time.monotonic()
-    plan = [("measure", systems)] + [("time", systems[::-1] if r % 2 == 0 else systems) for r in range(args.rounds)]
+    plan = [("measure", systems)] + [("time", systems[::-1] if r % 2 == 0 else systems)
+                                     for r in range(args.rounds)]
     for i, (kind, order) in enumerate(plan):
         label = "measure" if kind == "measure" else f"round {i}"
         for system in order:
@@ -554,18 +592,24 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "measure":
                 measured[system] = ranks
                 c = max((r["comm"] for r in ranks), key=lambda c: c["total_wire_bytes"])
-                detail = (f"comm {c['total_wire_bytes'] / MiB:.1f} MiB ({_fmt_calls(c['calls'])}) | peak "
-                          + ("/".join(f"{r['peak_rss_kib'] / 1024:.0f}" for r in ranks) + " MiB RSS" if device == "cpu"
-                             else "/".join(f"{r['cuda_peak_train'] / MiB:.0f}" for r in ranks) + " MiB CUDA"))
+                if device == "cpu":
+                    peak = "/".join(f"{r['peak_rss_kib'] / 1024:.0f}" for r in ranks) + " MiB RSS"
+                else:
+                    peak = ("/".join(f"{r['cuda_peak_train'] / MiB:.0f}" for r in ranks)
+                            + " MiB CUDA")
+                detail = (f"comm {c['total_wire_bytes'] / MiB:.1f} MiB ({_fmt_calls(c['calls'])}) "
+                          f"| peak {peak}")
             else:
                 timed[system].append(ranks)
                 steps = [max(r["times"][s] for r in ranks) for s in range(len(ranks[0]["times"]))]
                 detail = "step ms " + " ".join(f"{x * 1e3:.0f}" for x in steps[args.warmup:])
-            print(f"[{label:8s}] {system:20s} {detail} | loss {statistics.fmean(r['losses'][-1] for r in ranks):.6f} "
+            loss = statistics.fmean(r["losses"][-1] for r in ranks)
+            print(f"[{label:8s}] {system:20s} {detail} | loss {loss:.6f} "
                   f"| {time.monotonic() - t0:.0f}s", flush=True)
 
     summary = {"config": a,
-               "systems": {s: summarize(s, measured[s], timed[s], a) for s in systems if s not in failures},
+               "systems": {s: summarize(s, measured[s], timed[s], a)
+                           for s in systems if s not in failures},
                "failures": failures,
                "wall_s": time.monotonic() - t_start,
                "load_end": os.getloadavg()[0]}

@@ -13,6 +13,7 @@
 #define MFSDP_STRINGIFY_(x) #x
 #define MFSDP_STRINGIFY(x) MFSDP_STRINGIFY_(x)
 
+namespace mfsdp {
 namespace {
 
 std::string torch_version_built() {
@@ -41,13 +42,15 @@ bool cuda_kernels_compiled() {
 }
 
 }  // namespace
+}  // namespace mfsdp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "megatron_fsdp_v2 native extension; ops live in torch.ops.megatron_fsdp_v2.*";
-  m.def("torch_version_built", &torch_version_built,
+  m.def("torch_version_built", &mfsdp::torch_version_built,
         "torch.__version__ this extension was compiled against");
-  m.def("cuda_version_built", &cuda_version_built,
+  m.def("cuda_version_built", &mfsdp::cuda_version_built,
         "CUDA toolkit version compiled against, or None for a CPU-only build");
   m.def("cpu_kernels_compiled", [] { return true; }, "CPU kernels are always compiled");
-  m.def("cuda_kernels_compiled", &cuda_kernels_compiled, "whether CUDA kernels were compiled");
+  m.def("cuda_kernels_compiled", &mfsdp::cuda_kernels_compiled,
+        "whether CUDA kernels were compiled");
 }

@@ -70,7 +70,9 @@ _KINDS = {
     "irecv": "recv",
 }
 # Ops that move no payload worth counting.
-_IGNORED = frozenset({"barrier", "monitored_barrier", "check_for_nan", "wait_tensor", "batch_p2p_ops"})
+_IGNORED = frozenset(
+    {"barrier", "monitored_barrier", "check_for_nan", "wait_tensor", "batch_p2p_ops"}
+)
 
 
 def _wire_factor(kind: str, n: int) -> float:
@@ -151,7 +153,8 @@ class CommCounter(TorchDispatchMode):
         stats, self.stats = self.stats, CommStats()
         return stats
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None):
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None):
         kwargs = kwargs or {}
         # Let DTensor desugar first (as CommDebugMode does); its collectives come back through
         # here. Other subclasses (e.g. the FakeTensors of DTensor's sharding propagation) run
@@ -172,8 +175,10 @@ class CommCounter(TorchDispatchMode):
             # The full buffer is the largest tensor argument (or result): the gathered output,
             # the reduce-scatter input, the all-reduced tensor. A functional all-gather returns
             # its output; a functional reduce-scatter takes its full input.
-            size = max([_bytes(a) for a in args] + [_bytes(v) for v in kwargs.values()] + [_bytes(out)])
-            if kind == "all_gather" and namespace == "_c10d_functional" and name == "all_gather_into_tensor":
+            size = max([_bytes(a) for a in args] + [_bytes(v) for v in kwargs.values()]
+                       + [_bytes(out)])
+            if (kind == "all_gather" and namespace == "_c10d_functional"
+                    and name == "all_gather_into_tensor"):
                 size = max(size, _bytes(args[0]) * n)
             self.stats.calls[kind] += 1
             self.stats.payload_bytes[kind] += size

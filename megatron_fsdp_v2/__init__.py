@@ -4,11 +4,11 @@ Wrap modules with :func:`fully_shard`, pick a ZeRO strategy (``no_shard``, ``opt
 ``optim_grads``, ``optim_grads_params``), and train with a plain ``torch.optim`` optimizer.
 """
 
+from . import checkpoint
 from .api import MixedPrecisionPolicy, ShardingStrategy
 from .fully_shard import FSDPModule, MemoryReport, UnshardHandle, fully_shard, memory_report
 from .ops import build_info
 from .utils import clip_grad_norm_
-from . import checkpoint
 
 __all__ = [
     "FSDPModule",

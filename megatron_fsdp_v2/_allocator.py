@@ -34,6 +34,10 @@ class BucketAllocator:
     ) -> torch.Tensor:
         """The 1-D bucket for ``key``, with its storage allocated (contents undefined)."""
         bucket = self._buckets.get(key)
+        if bucket is not None and key in self._live and (
+            bucket.numel() != numel or bucket.dtype != dtype
+        ):
+            self.free(key)  # replaced below: its bytes leave the accounting first
         if bucket is None or bucket.numel() != numel or bucket.dtype != dtype:
             # Never an inference tensor (it lives for the whole run), even when first needed
             # inside ``torch.inference_mode()``.

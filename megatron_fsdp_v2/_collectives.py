@@ -1,4 +1,5 @@
-"""The collectives of the training step (and the wrap-time broadcast). Every collective runs on a flat 1-D buffer through
+"""The collectives of the training step (and the wrap-time broadcast). Every collective runs on
+a flat 1-D buffer through
 ``torch.distributed`` (NCCL on GPUs, gloo on CPU).
 
 [Note: asynchronous collectives]
@@ -23,6 +24,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from . import _registry
 
 __all__ = [
     "CommHandle", "CommStreams", "all_gather_into", "reduce_scatter_into", "all_reduce_inplace",
@@ -150,11 +153,9 @@ class CommStreams:
         return _EventHandle(event, self.device)
 
 
-_streams: dict[torch.device, CommStreams] = {}
-
-
 def streams_for(device: torch.device) -> CommStreams:
     """The shared :class:`CommStreams` of ``device`` (one pair of side streams per GPU)."""
-    if device not in _streams:
-        _streams[device] = CommStreams(device)
-    return _streams[device]
+    streams = _registry.comm_streams.get(device)
+    if streams is None:
+        streams = _registry.comm_streams[device] = CommStreams(device)
+    return streams

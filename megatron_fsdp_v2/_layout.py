@@ -1,4 +1,5 @@
-"""Flat-buffer layout math: where each parameter lives in a bucket and which rows each rank owns.
+"""Flat-buffer layout math: where each parameter lives in a flat group and which rows each rank
+owns.
 
 Pure functions over shapes and the world size. No tensors are allocated here and nothing talks to
 ``torch.distributed``.
@@ -23,8 +24,9 @@ elements, last), so the alignment gaps are usually empty.
 
 The cost is padding: alignment gaps plus the tail that rounds the buffer up to
 ``world_size * row_lcm``. When heterogeneous row sizes make ``row_lcm`` large enough that the
-padding exceeds ``max_padding_ratio``, :func:`plan_buckets` splits the group into several buckets
-with compatible row sizes; each bucket is an independent flat buffer with its own collectives.
+padding exceeds ``max_padding_ratio``, :func:`split_for_padding` splits the group into several
+groups with compatible row sizes; each is an independent set of flat buffers with its own
+collectives. ("Bucket" is reserved for temporary buffers, ``_allocator.py``.)
 """
 
 from __future__ import annotations
@@ -35,12 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ItemLayout", "BufferLayout", "build_layout", "plan_buckets", "row_numel"]
+__all__ = ["ItemLayout", "BufferLayout", "build_layout", "split_for_padding", "row_numel"]
 
 
 def row_numel(shape: torch.Size | Sequence[int]) -> int:
-    """Elements in one dim-0 row of a tensor of ``shape`` (1 for 1-D tensors)."""
-    return math.prod(shape[1:]) if len(shape) > 1 else 1
+    """Elements in one dim-0 row of a tensor of ``shape`` (1 for 1-D tensors). A zero-width row
+    (e.g. ``nn.Linear(0, n).weight``, shape ``(n, 0)``) counts as 1: the tensor has no elements,
+    so any alignment works, and the layout math never divides by zero."""
+    return max(math.prod(shape[1:]), 1) if len(shape) > 1 else 1
 
 
 def _align_up(value: int, multiple: int) -> int:
@@ -67,7 +71,7 @@ class BufferLayout:
 
     items: tuple[ItemLayout, ...]
     world_size: int
-    shard_numel: int  # elements each rank owns; a multiple of row_lcm
+    shard_numel: int  # elements each rank owns; a multiple of row_lcm when world_size > 1
     row_lcm: int
 
     @property
@@ -143,15 +147,15 @@ def build_layout(shapes: Sequence[torch.Size], world_size: int) -> BufferLayout:
     return BufferLayout(items, world_size, shard_numel, row_lcm)
 
 
-def plan_buckets(
+def split_for_padding(
     shapes: Sequence[torch.Size], world_size: int, max_padding_ratio: float = 0.01
 ) -> list[list[int]]:
-    """Split the indices of ``shapes`` into buckets whose layouts keep padding small.
+    """Split the indices of ``shapes`` into parts whose layouts keep padding small.
 
-    One bucket when its padding ratio is at most ``max_padding_ratio``. Otherwise tensors are
-    split by row size (1-D tensors join the largest bucket) and buckets are merged greedily, as
+    One part when its padding ratio is at most ``max_padding_ratio``. Otherwise tensors are
+    split by row size (1-D tensors join the largest part) and parts are merged greedily, as
     long as a merge stays within the ratio. Tiny groups whose padding is dominated by the
-    ``world_size * row_lcm`` rounding stay as one bucket: splitting them only adds collectives.
+    ``world_size * row_lcm`` rounding stay as one part: splitting them only adds collectives.
     """
     indices = list(range(len(shapes)))
     whole = build_layout(shapes, world_size)
@@ -169,23 +173,25 @@ def plan_buckets(
             by_row.setdefault(row_numel(shapes[i]), []).append(i)
         else:
             vectors.append(i)
-    buckets = sorted(by_row.values(), key=lambda b: -sum(math.prod(shapes[i]) for i in b))
-    buckets[0] = sorted(buckets[0] + vectors)
+    parts = sorted(by_row.values(), key=lambda b: -sum(math.prod(shapes[i]) for i in b))
+    parts[0] = sorted(parts[0] + vectors)
     merged = True
-    while merged and len(buckets) > 1:
+    while merged and len(parts) > 1:
         merged = False
-        for a in range(len(buckets)):
-            for b in range(a + 1, len(buckets)):
-                candidate = sorted(buckets[a] + buckets[b])
+        for a in range(len(parts)):
+            for b in range(a + 1, len(parts)):
+                candidate = sorted(parts[a] + parts[b])
                 if padding_ratio(candidate) <= max_padding_ratio:
-                    buckets[a] = candidate
-                    del buckets[b]
+                    parts[a] = candidate
+                    del parts[b]
                     merged = True
                     break
             if merged:
                 break
-    # If splitting did not help, one bucket is cheaper (fewer collectives).
-    split_padding = sum(build_layout([shapes[i] for i in b], world_size).padding_numel for b in buckets)
+    # If splitting did not help, one part is cheaper (fewer collectives).
+    split_padding = sum(
+        build_layout([shapes[i] for i in b], world_size).padding_numel for b in parts
+    )
     if split_padding >= whole.padding_numel:
         return [indices]
-    return [sorted(b) for b in buckets]
+    return [sorted(b) for b in parts]

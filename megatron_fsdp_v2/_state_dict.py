@@ -1,6 +1,6 @@
 """State-dict plumbing behind ``checkpoint.py``: chunk metadata for uneven ``Shard(0)`` DTensors,
-the ``state_dict``/``load_state_dict`` hooks every unit registers, shape/key validation, and the
-gather of full (unsharded) main weights.
+the ``state_dict``/``load_state_dict`` hooks every unit registers, and shape/key validation. No
+collectives (full state dicts: ``_full_state_dict.py``; agreement: ``_checkpoint_group.py``).
 
 [Note: uneven shards in state dicts]
 A unit's DTensor parameters are ``Shard(0)`` over rows that follow the flat-buffer layout, not
@@ -22,11 +22,10 @@ serializing them, so nothing of ours reaches the files.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -36,8 +35,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._param_group import ParamGroup
-from ._state import get_state
+from . import _registry
+from ._flat_param_group import FlatParamGroup
+from ._plan import Extent
 
 __all__ = [
     "ROWS_ATTR",
@@ -45,12 +45,11 @@ __all__ = [
     "dist_param_slots",
     "expected_entries",
     "first_mismatch",
-    "gather_full_params",
+    "is_row_sharded",
     "load_state_dict_pre_hook",
     "local_rows_dtensor",
     "param_slot",
     "mark_all_loaded",
-    "raise_if_any_rank",
     "skip_on_save",
     "strip_metadata",
     "state_dict_post_hook",
@@ -130,14 +129,14 @@ def strip_metadata(tensors: Any) -> None:
                     delattr(target, attr)
 
 
-def _is_row_sharded(group: ParamGroup) -> bool:
-    return group.strategy.shards_main_weights
+def is_row_sharded(group: FlatParamGroup) -> bool:
+    return group.plan.optimizer_placement is Extent.SHARD
 
 
-def attach_chunk_metadata(value: DTensor, group: ParamGroup, index: int, key: str) -> None:
+def attach_chunk_metadata(value: DTensor, group: FlatParamGroup, index: int, key: str) -> None:
     """Give ``value`` (a ``Shard(0)`` DTensor shaped like parameter ``index`` of ``group`` in its
     first dimension) chunk metadata at this rank's true row offset. No-op for ``Replicate()``."""
-    if not _is_row_sharded(group) or not any(isinstance(p, Shard) for p in value.placements):
+    if not is_row_sharded(group) or not any(isinstance(p, Shard) for p in value.placements):
         return
     shape = group.layout.items[index].shape
     lo, hi = group.local_row_range(index)
@@ -163,9 +162,11 @@ def attach_chunk_metadata(value: DTensor, group: ParamGroup, index: int, key: st
     setattr(local, ROWS_ATTR, (lo, hi))
 
 
-def param_slot(param: nn.Parameter) -> tuple[ParamGroup, int]:
+def param_slot(param: nn.Parameter) -> tuple[FlatParamGroup, int]:
     """The parameter group and index behind a managed DTensor parameter."""
-    return param._mfsdp_param_group, param._mfsdp_index  # type: ignore[attr-defined]
+    record = _registry.record_of(param)
+    assert record is not None
+    return record.group, record.index
 
 
 def dist_param_slots(module: nn.Module) -> dict[str, nn.Parameter]:
@@ -174,7 +175,7 @@ def dist_param_slots(module: nn.Module) -> dict[str, nn.Parameter]:
     return {
         name: param
         for name, param in module.named_parameters(remove_duplicate=False)
-        if getattr(param, "_mfsdp_param_group", None) is not None
+        if _registry.record_of(param) is not None
     }
 
 
@@ -185,7 +186,7 @@ def state_dict_post_hook(
 ) -> None:
     """``module.state_dict()`` holds detached DTensor views of the main weights: attach the chunk
     metadata of this unit's parameters, so the result can go straight to ``dcp.save``."""
-    state = get_state(module)
+    state = _registry.state_of(module)
     if state is None:
         return
     own = {id(g) for g in state.groups}
@@ -253,7 +254,7 @@ def local_rows_dtensor(param: nn.Parameter, full: torch.Tensor, copy: bool = Fal
     group, index = param_slot(param)
     dparam: DTensor = param  # type: ignore[assignment]
     local = dparam._local_tensor
-    if _is_row_sharded(group):
+    if is_row_sharded(group):
         lo, hi = group.local_row_range(index)
         rows = full[lo:hi]
     else:
@@ -297,7 +298,7 @@ def _convert_for_load(key: str, param: nn.Parameter, value: Any) -> Any:
         )
     if all(isinstance(p, Replicate) for p in value.placements):
         return local_rows_dtensor(param, value._local_tensor.detach())
-    lo, hi = group.local_row_range(index) if _is_row_sharded(group) else (0, dparam.shape[0])
+    lo, hi = group.local_row_range(index) if is_row_sharded(group) else (0, dparam.shape[0])
     if value.placements == dparam.placements and _incoming_rows(value) == (lo, hi):
         return value
     raise ValueError(
@@ -335,7 +336,7 @@ def load_state_dict_pre_hook(
     error = first_mismatch(expected, found, strict=False, what="state dict")
     if error is not None:
         raise ValueError(error)
-    state = get_state(module)
+    state = _registry.state_of(module)
     if state is None:
         return
     own = {id(g) for g in state.groups}
@@ -348,54 +349,7 @@ def load_state_dict_pre_hook(
 def mark_all_loaded(module: nn.Module) -> None:
     """Every unit in ``module``'s tree refreshes its compute weights before the next use."""
     for m in module.modules():
-        state = get_state(m)
+        state = _registry.state_of(m)
         if state is not None:
             for group in state.groups:
                 group.mark_main_weights_updated()
-
-
-# ---------------------------------------------------------------------- cross-rank agreement
-
-def raise_if_any_rank(error: str | None, group: dist.ProcessGroup | None = None) -> None:
-    """Raise ``ValueError`` on every rank when any rank found ``error`` (the lowest such rank's
-    message), so a check that fails on some ranks cannot leave the others in a collective."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        errors: list[str | None] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, error, group=group)
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise ValueError(error)
-
-
-# ---------------------------------------------------------------------- full weights
-
-def _unique_groups(params: Iterator[nn.Parameter]) -> list[ParamGroup]:
-    seen: dict[int, ParamGroup] = {}
-    for p in params:
-        group = getattr(p, "_mfsdp_param_group", None)
-        if group is not None and id(group) not in seen:
-            seen[id(group)] = group
-    return list(seen.values())
-
-
-def gather_full_params(
-    module: nn.Module, *, keep: bool, cpu_offload: bool
-) -> dict[tuple[int, int], torch.Tensor]:
-    """Full main weights of every managed parameter, keyed by ``(id(group), index)``: one
-    all-gather of each group's main-weight shard (none for ``no_shard``), one group at a time.
-    Every rank must call it; ``keep=False`` ranks take part but return nothing."""
-    out: dict[tuple[int, int], torch.Tensor] = {}
-    for group in _unique_groups(module.parameters()):
-        main = group.main_weight.detach()
-        if _is_row_sharded(group):
-            flat = torch.empty(group.layout.total_numel, dtype=main.dtype, device=main.device)
-            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(flat, main.contiguous(), group=group.process_group)
-        else:
-            flat = main
-        if not keep:
-            continue
-        for index, item in enumerate(group.layout.items):
-            full = flat[item.offset : item.end].view(item.shape)
-            out[(id(group), index)] = full.to("cpu", copy=True) if cpu_offload else full.clone()
-    return out

@@ -1,43 +1,36 @@
 """The user entry point: ``fully_shard`` and the ``FSDPModule`` mixin. Validation and wiring only;
-buffers live in ``_param_group.py`` and hooks in ``_state.py``."""
+buffers live in ``_flat_param_group.py`` and hooks in ``_state.py``."""
 
 from __future__ import annotations
 
 import contextlib
-import warnings
-import weakref
-from datetime import timedelta
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
+from . import _registry, _state_dict
 from ._allocator import BucketAllocator
 from ._collectives import broadcast_from_first
-from ._init import (
-    COMPUTE_PARAM_ATTR,
-    DEFAULT_TIMEOUT,
+from ._comm_groups import DEFAULT_TIMEOUT, comm_group
+from ._flat_param_group import FlatParamGroup
+from ._layout import build_layout, split_for_padding
+from ._memory import MemoryReport, memory_report
+from ._optimizer_hooks import note_wrap
+from ._slots import owned_modules
+from ._state import FSDPState
+from ._wrap_checks import (
     check_module,
     check_ranks_agree,
     collect_managed_params,
-    comm_group,
     raise_on_every_rank,
     unit_signature,
     validate_mesh,
     validate_options,
     warn_if_padded,
 )
-from ._layout import build_layout, plan_buckets
-from ._param_group import ParamGroup, finalize_unsynchronized
-from . import _state_dict
-from ._state import FSDPState, get_state
 from .api import MixedPrecisionPolicy, ShardingStrategy
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MemoryReport", "memory_report"]
@@ -61,12 +54,12 @@ class FSDPModule:
     def _mfsdp_states(self) -> list[FSDPState]:
         """States of this unit and every unit below it."""
         assert isinstance(self, nn.Module)
-        return [s for m in self.modules() if (s := get_state(m)) is not None]
+        return [s for m in self.modules() if (s := _registry.state_of(m)) is not None]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather (ZeRO-3) or refresh (ZeRO-1/2) this unit's compute weights ahead of use.
         With ``async_op=True`` returns a handle; the next forward waits on it anyway."""
-        state = get_state(self)  # type: ignore[arg-type]
+        state = _registry.state_of(self)  # type: ignore[arg-type]
         assert state is not None
         state.unshard(async_op=async_op)
         if async_op:
@@ -76,7 +69,7 @@ class FSDPModule:
 
     def reshard(self) -> None:
         """Free this unit's gathered weights (ZeRO-3; no-op for replicated strategies)."""
-        state = get_state(self)  # type: ignore[arg-type]
+        state = _registry.state_of(self)  # type: ignore[arg-type]
         assert state is not None
         state.reshard()
 
@@ -91,10 +84,12 @@ class FSDPModule:
         for state in self._mfsdp_states():
             state.is_last_backward = bool(is_last_backward)
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """FSDP2's name for :meth:`set_is_last_backward`: ``False`` defers synchronization to a
         later backward. ``recurse=False`` applies to this unit only."""
-        states = self._mfsdp_states() if recurse else [get_state(self)]  # type: ignore[arg-type]
+        states = self._mfsdp_states() if recurse else [_registry.state_of(self)]  # type: ignore[arg-type]
         for state in states:
             if state is not None:
                 state.is_last_backward = bool(requires_gradient_sync)
@@ -113,11 +108,11 @@ class FSDPModule:
         ``set_to_none=True`` also frees the gradient buffers."""
         for state in self._mfsdp_states():
             for group in state.groups:
-                group.zero_grad(set_to_none)
+                group.grads.zero_grad(set_to_none)
         # Parameters not managed by any unit (ignored_params) follow nn.Module semantics.
         assert isinstance(self, nn.Module)
         for param in self.parameters():
-            if not hasattr(param, "_mfsdp_param_group") and param.grad is not None:
+            if _registry.record_of(param) is None and param.grad is not None:
                 if set_to_none:
                     param.grad = None
                 else:
@@ -169,7 +164,7 @@ class FSDPModule:
         # Managed parameters stay as they are: hide them from nn.Module._apply.
         hidden: list[tuple[dict[str, Any], str, Any]] = []
         for state in states:
-            for parameters, mapping in state.dist_registration:
+            for parameters, mapping in state.slots.dist_registration:
                 for name in mapping:
                     if name in parameters:
                         hidden.append((parameters, name, parameters.pop(name)))
@@ -180,13 +175,10 @@ class FSDPModule:
                 parameters[name] = value
 
 
-_fsdp_classes: dict[type, type] = {}
-
-
 def _fsdp_class(cls: type) -> type:
-    if cls not in _fsdp_classes:
-        _fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
-    return _fsdp_classes[cls]
+    if cls not in _registry.fsdp_classes:
+        _registry.fsdp_classes[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _registry.fsdp_classes[cls]
 
 
 def fully_shard(
@@ -249,7 +241,7 @@ def fully_shard(
     is shared in the cross-rank check, so every rank raises the same error promptly.
     """
     check_module(module)
-    if isinstance(module, FSDPModule) or get_state(module) is not None:
+    if isinstance(module, FSDPModule) or _registry.state_of(module) is not None:
         raise ValueError(
             f"{type(module).__name__} is already wrapped by fully_shard; wrap each module once "
             "(children first, then the root)"
@@ -297,15 +289,15 @@ def fully_shard(
     for i, m in enumerate(managed):
         buckets.setdefault((m.param.device, m.param.dtype, m.param.requires_grad), []).append(i)
     allocator = BucketAllocator()
-    groups: list[ParamGroup] = []
+    groups: list[FlatParamGroup] = []
     for members in buckets.values():
         shapes = [managed[i].param.shape for i in members]
-        for split in plan_buckets(shapes, world_size, max_padding_ratio):
+        for split in split_for_padding(shapes, world_size, max_padding_ratio):
             indices = [members[j] for j in split]
             layout = build_layout([managed[i].param.shape for i in indices], world_size)
             warn_if_padded(layout, [managed[i].fqn for i in indices], max_padding_ratio)
             groups.append(
-                ParamGroup(
+                FlatParamGroup(
                     group_id=(id(module), len(groups)),
                     params=[managed[i].param for i in indices],
                     fqns=[managed[i].fqn for i in indices],
@@ -321,37 +313,29 @@ def fully_shard(
             )
     if sync_module_states and world_size > 1:
         _broadcast_buffers(module, process_group)
-    # Every group is built: only now are the module's parameters changed (see ParamGroup).
-    for group in groups:
-        group.bind()
+    # Every group is built: only now are the module's parameters changed (FlatParamGroup.bind).
     owner = f"{type(module).__name__} at 0x{id(module):x}"
     for group in groups:
-        for param, fqn in zip(group.params, group.fqns):
-            setattr(param, COMPUTE_PARAM_ATTR, f"'{fqn}' of {owner}")
+        group.bind()
+        group.owner = owner
+        _registry.register_records(group.records)
     state = FSDPState(module, groups, mp_policy, allocator)
     state.overlap = overlap
-    module._mfsdp_state = state  # type: ignore[assignment]
+    _registry.set_state(module, state)
     state.register_dist_params()
     module.register_load_state_dict_post_hook(_mark_loaded)
     # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.
     module.register_state_dict_post_hook(_state_dict.state_dict_post_hook)
     module.register_load_state_dict_pre_hook(_state_dict.load_state_dict_pre_hook)
     module.__class__ = _fsdp_class(type(module))
-    global _wrap_generation
-    _wrap_generation += 1  # optimizers cached before this wrap are checked again
+    note_wrap()  # optimizer step hooks (first wrap); optimizers cached before are checked again
     return module  # type: ignore[return-value]
 
 
 def _broadcast_buffers(module: nn.Module, process_group: Any) -> None:
     """Buffers of this unit (not of wrapped children, which did their own) from the mesh's
     first rank, as DDP does with module states."""
-    wrapped: list[str] = []
-    for prefix, submodule in module.named_modules():
-        if submodule is not module and (
-            get_state(submodule) is not None or any(prefix.startswith(w + ".") for w in wrapped)
-        ):
-            wrapped.append(prefix)
-            continue
+    for _, submodule in owned_modules(module):
         for buffer in submodule._buffers.values():
             if buffer is not None and buffer.numel() > 0:
                 broadcast_from_first(buffer, process_group)
@@ -359,130 +343,7 @@ def _broadcast_buffers(module: nn.Module, process_group: Any) -> None:
 
 def _mark_loaded(module: nn.Module, incompatible_keys: Any) -> None:
     """A checkpoint load wrote the main weights: refresh compute weights before the next use."""
-    state = get_state(module)
+    state = _registry.state_of(module)
     if state is not None:
         for group in state.groups:
             group.mark_main_weights_updated()
-
-
-# ---------------------------------------------------------------------- optimizer integration
-# A global step hook finds the parameter groups an optimizer updated and marks them for the
-# replicated-buffer refresh (see [Note: replicated-buffer refresh]). It also catches optimizers
-# built before wrapping, which would silently update the compute views instead.
-
-_wrap_generation = 0
-
-
-@dataclass
-class _OptimizerGroups:
-    param_count: int
-    generation: int
-    groups: list[ParamGroup] = field(default_factory=list)
-    stale_params: list[str] = field(default_factory=list)
-
-
-_optimizer_cache: weakref.WeakKeyDictionary[torch.optim.Optimizer, _OptimizerGroups] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
-    # Runs twice per step: the cache check must not walk the parameters.
-    param_count = sum(len(g["params"]) for g in optimizer.param_groups)
-    cached = _optimizer_cache.get(optimizer)
-    if (
-        cached is not None and cached.param_count == param_count
-        and cached.generation == _wrap_generation
-    ):
-        return cached
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    info = _OptimizerGroups(param_count, _wrap_generation)
-    seen: set[int] = set()
-    for p in params:
-        group = getattr(p, "_mfsdp_param_group", None)
-        if group is not None and id(group) not in seen:
-            seen.add(id(group))
-            info.groups.append(group)
-        owner = getattr(p, COMPUTE_PARAM_ATTR, None)
-        if owner is not None:
-            info.stale_params.append(f"{owner}, shape {tuple(p.shape)}")
-    _optimizer_cache[optimizer] = info
-    return info
-
-
-def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    info = _optimizer_groups(optimizer)
-    if info.stale_params:
-        raise RuntimeError(
-            f"{type(optimizer).__name__} holds parameters that fully_shard replaced "
-            f"({len(info.stale_params)}, first: {info.stale_params[0]}): the optimizer was "
-            "built before wrapping, so it would update stale copies and never see gradients. "
-            "Build the optimizer after fully_shard (after wrapping the root), from "
-            "model.parameters()"
-        )
-    finalize_unsynchronized(info.groups, "optimizer.step()")
-    # Marked before the step too: a step that raises half-way has still changed main weights.
-    for group in info.groups:
-        group.mark_main_weights_updated()
-
-
-def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    for group in _optimizer_groups(optimizer).groups:
-        group.mark_main_weights_updated()
-
-
-register_optimizer_step_pre_hook(_optimizer_pre_step)
-register_optimizer_step_post_hook(_optimizer_post_step)
-
-
-# ---------------------------------------------------------------------- memory report
-
-@dataclass
-class MemoryReport:
-    """Bytes this rank holds per buffer role, summed over the units of a module tree."""
-
-    model_weights: int = 0
-    main_weights: int = 0
-    main_grads: int = 0
-    temporary_peak: int = 0
-    padding: int = 0
-    padding_ratio: float = 0.0
-    num_groups: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.model_weights + self.main_weights + self.main_grads + self.temporary_peak
-
-    def __str__(self) -> str:
-        mib = 1 << 20
-        return (
-            f"model_weights={self.model_weights / mib:.2f}MiB main_weights="
-            f"{self.main_weights / mib:.2f}MiB main_grads={self.main_grads / mib:.2f}MiB "
-            f"temporary_peak={self.temporary_peak / mib:.2f}MiB padding={self.padding_ratio:.3%} "
-            f"groups={self.num_groups}"
-        )
-
-
-def memory_report(module: nn.Module) -> MemoryReport:
-    """Per-role bytes of every unit in ``module``'s tree (``main_grads`` at their size during the
-    optimizer step; ``temporary_peak`` is the high-water mark of temporary buckets so far)."""
-    report = MemoryReport()
-    allocators: dict[int, BucketAllocator] = {}
-    content = padded = 0
-    for m in module.modules():
-        state = get_state(m)
-        if state is None:
-            continue
-        allocators[id(state.allocator)] = state.allocator
-        for group in state.groups:
-            sizes = group.memory_bytes()
-            report.model_weights += sizes["model_weights"]
-            report.main_weights += sizes["main_weights"]
-            report.main_grads += sizes["main_grads"]
-            report.padding += sizes["padding"]
-            report.num_groups += 1
-            content += group.layout.content_numel
-            padded += group.layout.padding_numel
-    report.temporary_peak = sum(a.peak_bytes for a in allocators.values())
-    report.padding_ratio = padded / max(content, 1)
-    return report

@@ -9,8 +9,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from . import _init, ops
-from ._param_group import ParamGroup, finalize_unsynchronized
+from . import _registry, ops
+from ._comm_groups import library_comm_groups
+from ._flat_param_group import FlatParamGroup
+from ._grads import finalize_unsynchronized
 from .api import SUPPORTED_DTYPES
 
 __all__ = ["clip_grad_norm_"]
@@ -25,7 +27,7 @@ __all__ = ["clip_grad_norm_"]
 # * each process group of a sharded (``Shard``) DTensor parameter in the list (the unit's
 #   communication group for fully_shard parameters, the 1-D mesh's group otherwise);
 # * when the list holds no fully_shard parameter at all (empty, or only plain tensors) and this
-#   process has exactly one live library communication group (``_init._comm_groups``: every
+#   process has exactly one live library communication group (``library_comm_groups()``: every
 #   fully_shard call used one 1-D mesh and one timeout), that group, so a rank whose list was
 #   filtered down to nothing joins the all-reduce its peers issue. ``_comm_groups`` is the same
 #   on every rank (of a mesh) because every rank makes the same fully_shard calls.
@@ -40,22 +42,12 @@ __all__ = ["clip_grad_norm_"]
 def _process_group(p: DTensor) -> dist.ProcessGroup:
     # The library's own group for fully_shard parameters (it carries the collective timeout,
     # see fully_shard's ``timeout``); the mesh's group otherwise.
-    owner = getattr(p, "_mfsdp_param_group", None)
+    owner = _registry.group_of(p)
     return owner.process_group if owner is not None else p.device_mesh.get_group()
 
 
 def _group_key(group: dist.ProcessGroup) -> tuple[tuple[int, ...], str]:
     return tuple(dist.get_process_group_ranks(group)), str(getattr(group, "group_name", ""))
-
-
-def _library_groups() -> list[dist.ProcessGroup]:
-    """The distinct live communication groups fully_shard created in this process. Identical
-    (per mesh) on every rank, because every rank makes the same fully_shard calls."""
-    groups: list[dist.ProcessGroup] = []
-    for group in getattr(_init, "_comm_groups", {}).values():
-        if _init._group_alive(group) and all(group is not g for g in groups):
-            groups.append(group)
-    return groups
 
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
@@ -87,7 +79,7 @@ def _local_norm_part(tensors: list[torch.Tensor], norm_type: float,
                 # One fused kernel per dtype (it takes one dtype), accumulating in fp32 or wider.
                 part = ops.multi_tensor_sum_of_squares([t.contiguous() for t in group])
             else:
-                part = sum(t.float().square().sum() for t in group)
+                part = torch.stack([t.float().square().sum() for t in group]).sum()
             total = total + part.to(device=device, dtype=torch.float32)
         else:
             norms = torch._foreach_norm(group, math.inf)
@@ -137,9 +129,9 @@ def clip_grad_norm_(
     # A window no backward marked last is reduced now, so the norm sees every gradient. The
     # groups come from the parameters, in list order (the same on every rank for the lists the
     # note below allows).
-    unsynchronized: dict[int, ParamGroup] = {}
+    unsynchronized: dict[int, FlatParamGroup] = {}
     for p in params:
-        owner = getattr(p, "_mfsdp_param_group", None)
+        owner = _registry.group_of(p)
         if owner is not None:
             unsynchronized.setdefault(id(owner), owner)
     finalize_unsynchronized(unsynchronized.values(), "clip_grad_norm_")
@@ -151,7 +143,7 @@ def clip_grad_norm_(
     device: torch.device | None = None
     for p in params:
         grad = p.grad
-        if hasattr(p, "_mfsdp_param_group"):
+        if _registry.record_of(p) is not None:
             library_param_seen = True
         if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
             group = _process_group(p)
@@ -163,7 +155,7 @@ def clip_grad_norm_(
             replicated.append(grad.to_local() if isinstance(grad, DTensor) else grad)
             device = device or grad.device
     if not groups and not library_param_seen and dist.is_available() and dist.is_initialized():
-        library = _library_groups()
+        library = library_comm_groups()
         if len(library) == 1:
             groups[id(library[0])] = library[0]
     ordered = sorted(groups.items(), key=lambda kv: _group_key(kv[1]))
@@ -177,7 +169,10 @@ def clip_grad_norm_(
     for key, group in ordered:
         partial = _local_norm_part(sharded.get(key, []), norm_type, device)
         dist.all_reduce(partial, op=op, group=group)
-        total_norm = total_norm + partial if norm_type == 2.0 else torch.maximum(total_norm, partial)
+        if norm_type == 2.0:
+            total_norm = total_norm + partial
+        else:
+            total_norm = torch.maximum(total_norm, partial)
     if norm_type == 2.0:
         total_norm = total_norm.sqrt()
 

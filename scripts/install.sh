@@ -16,9 +16,22 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
         $PIP install "torch==2.13.0"
     fi
 fi
-python - <<'PY' || $PIP install pytest pytest-timeout numpy ninja setuptools wheel
-import importlib.util, sys
-sys.exit(any(importlib.util.find_spec(m) is None for m in ("pytest", "pytest_timeout", "numpy", "ninja")))
+# Test and lint tools. ruff and mypy are pinned (as in pyproject.toml's `lint` extra) so that a new
+# release's rules cannot turn CI red on unchanged code.
+RUFF_VERSION=0.17.6
+MYPY_VERSION=2.4.1
+TEST_DEPS=(pytest pytest-timeout numpy ninja setuptools wheel hypothesis
+           "ruff==${RUFF_VERSION}" "mypy==${MYPY_VERSION}")
+RUFF_VERSION=$RUFF_VERSION MYPY_VERSION=$MYPY_VERSION python - <<'PY' || $PIP install "${TEST_DEPS[@]}"
+import importlib.metadata as md, os, sys
+want = {"pytest": None, "pytest-timeout": None, "numpy": None, "ninja": None, "hypothesis": None,
+        "ruff": os.environ["RUFF_VERSION"], "mypy": os.environ["MYPY_VERSION"]}
+def ok(name, version):
+    try:
+        return version is None or md.version(name) == version
+    except md.PackageNotFoundError:
+        return False
+sys.exit(not all(ok(n, v) for n, v in want.items()))
 PY
 
 # One CUDA arch keeps the CI build short; an explicit TORCH_CUDA_ARCH_LIST wins.

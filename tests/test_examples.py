@@ -22,12 +22,14 @@ sys.path.insert(0, EXAMPLES)
 @pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
 def test_train_example_runs(strategy: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(EXAMPLES, "train.py"), "--strategy", strategy, "--steps", "3", "--micro-batches", "2",
-           "--batch-size", "2", "--seq-len", "16", "--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64"]
+           os.path.join(EXAMPLES, "train.py"), "--strategy", strategy, "--steps", "3",
+           "--micro-batches", "2", "--batch-size", "2", "--seq-len", "16", "--dim", "32",
+           "--layers", "2", "--heads", "2", "--vocab", "64"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = re.findall(r"step\s+(\d+)/3 \| loss ([0-9.]+) .* comm\s+([0-9.]+) MiB/rank", proc.stdout)
+    steps = re.findall(r"step\s+(\d+)/3 \| loss ([0-9.]+) .* comm\s+([0-9.]+) MiB/rank",
+                       proc.stdout)
     assert [int(s) for s, _, _ in steps] == [1, 2, 3], proc.stdout
     assert all(math.isfinite(float(loss)) for _, loss, _ in steps)
     assert all(float(comm) > 0 for _, _, comm in steps), "no collective bytes counted"
@@ -35,10 +37,10 @@ def test_train_example_runs(strategy: str) -> None:
 
 
 def _counter_worker(rank: int, world: int) -> dict[str, float]:
+    import megatron_fsdp_v2 as mfsdp
+
     from comm_counter import CommCounter
     from model import GPT, GPTConfig, lm_loss, synthetic_batch
-
-    import megatron_fsdp_v2 as mfsdp
 
     cfg = GPTConfig(vocab=64, seq_len=16, dim=32, layers=2, heads=2)
     out = {}
@@ -56,7 +58,8 @@ def _counter_worker(rank: int, world: int) -> dict[str, float]:
         counter = CommCounter()
         for step in range(3):
             with counter:
-                lm_loss(model, synthetic_batch(2, 16, 64, seed=0, step=step, micro=0, rank=rank)).backward()
+                batch = synthetic_batch(2, 16, 64, seed=0, step=step, micro=0, rank=rank)
+                lm_loss(model, batch).backward()
                 opt.step()
                 opt.zero_grad()
             stats = counter.reset()

@@ -1,9 +1,9 @@
-// CPU kernels for the flat-buffer ops: TORCH_LIBRARY_IMPL(megatron_fsdp_v2, CPU, m).
+// The CPU backend (mfsdp::kCpuBackend, see mfsdp/backend.h): the loops over the
+// segment lists that the front end (csrc/ops.cpp) builds and registers.
 //
-// Every copy op reduces to a list of segments (mfsdp/segments.h). A call is one
-// at::parallel_for over the concatenated element range of its segments, so a
-// bucket of many small tensors and one huge tensor both split evenly across
-// threads. Per piece of a segment the work is one of:
+// A copy is one at::parallel_for over the concatenated element range of its
+// segments, so a bucket of many small tensors and one huge tensor both split
+// evenly across threads. Per piece of a segment the work is one of:
 //   * std::memcpy                  same dtype, scale 1, no accumulation (an AVX2
 //                                  streaming-store copy for calls writing >= 16 MiB);
 //   * span_avx2<S, D>              x86-64 CPUs with AVX2+F16C (runtime check):
@@ -21,7 +21,6 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
@@ -29,8 +28,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "mfsdp/checks.h"
-#include "mfsdp/segments.h"
+#include "mfsdp/backend.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -39,7 +37,7 @@
 #define MFSDP_AVX2 __attribute__((target("avx2,f16c")))
 #endif
 
-namespace megatron_fsdp_v2 {
+namespace mfsdp {
 namespace {
 
 // Elements per parallel task; below this a call runs on the calling thread.
@@ -280,8 +278,8 @@ SumSqFn select_sumsq(at::ScalarType dtype) {
 // concatenation; calls fn(segment, first element within it, count).
 class SegmentWalker {
  public:
-  explicit SegmentWalker(std::vector<mfsdp::Segment> segments)
-      : segments_(std::move(segments)), ends_(segments_.size()) {
+  explicit SegmentWalker(const std::vector<Segment>& segments)
+      : segments_(segments), ends_(segments_.size()) {
     int64_t total = 0;
     for (size_t s = 0; s < segments_.size(); ++s) ends_[s] = (total += segments_[s].numel);
   }
@@ -301,21 +299,20 @@ class SegmentWalker {
   }
 
  private:
-  std::vector<mfsdp::Segment> segments_;
+  const std::vector<Segment>& segments_;  // the caller's, outlives the walker
   std::vector<int64_t> ends_;  // inclusive prefix sums of numel
 };
 
-void run_segments(std::vector<mfsdp::Segment> segments, at::ScalarType src_dtype,
-                  at::ScalarType dst_dtype, double scale, bool accumulate) {
-  const SegmentWalker walker(std::move(segments));
-  if (walker.total() == 0) return;
+void copy_cpu(at::Device /*device*/, const std::vector<Segment>& segments,
+              at::ScalarType src_dtype, at::ScalarType dst_dtype, double scale, bool accumulate) {
+  const SegmentWalker walker(segments);
   const int64_t src_size = c10::elementSize(src_dtype);
   const int64_t dst_size = c10::elementSize(dst_dtype);
   const bool plain_copy = src_dtype == dst_dtype && scale == 1.0 && !accumulate;
   const bool streaming = !accumulate && walker.total() * dst_size >= kStreamingMinBytes;
   const SpanFn span = plain_copy ? nullptr : select_span(src_dtype, dst_dtype);
   at::parallel_for(0, walker.total(), kGrainSize, [&](int64_t begin, int64_t end) {
-    walker.for_each_piece(begin, end, [&](const mfsdp::Segment& seg, int64_t first, int64_t n) {
+    walker.for_each_piece(begin, end, [&](const Segment& seg, int64_t first, int64_t n) {
       const char* src = static_cast<const char*>(seg.src) + first * src_size;
       char* dst = static_cast<char*>(seg.dst) + first * dst_size;
       if (!plain_copy) {
@@ -333,85 +330,27 @@ void run_segments(std::vector<mfsdp::Segment> segments, at::ScalarType src_dtype
   });
 }
 
-void pack_cpu(at::TensorList inputs, at::IntArrayRef offsets, const at::Tensor& flat,
-              double scale, bool accumulate) {
-  mfsdp::check_list_and_flat(inputs, "inputs", offsets, flat, "flat", "pack_");
-  TORCH_INTERNAL_ASSERT(flat.device().is_cpu());
-  if (inputs.empty()) return;
-  run_segments(mfsdp::segments_into_flat(inputs, offsets, flat), inputs[0].scalar_type(),
-               flat.scalar_type(), scale, accumulate);
-}
-
-void unpack_cpu(const at::Tensor& flat, at::IntArrayRef offsets, at::TensorList outputs,
-                double scale, bool accumulate) {
-  mfsdp::check_list_and_flat(outputs, "outputs", offsets, flat, "flat", "unpack_");
-  TORCH_INTERNAL_ASSERT(flat.device().is_cpu());
-  if (outputs.empty()) return;
-  run_segments(mfsdp::segments_from_flat(flat, offsets, outputs), flat.scalar_type(),
-               outputs[0].scalar_type(), scale, accumulate);
-}
-
-void refresh_from_shard_cpu(const at::Tensor& main_weight_shard, const at::Tensor& model_weight,
-                            int64_t shard_offset) {
-  constexpr const char* op = "refresh_from_shard_";
-  mfsdp::check_pair(main_weight_shard, "main_weight_shard", model_weight, "model_weight", op);
-  mfsdp::check_range(main_weight_shard, "main_weight_shard", model_weight, "model_weight",
-                     shard_offset, "shard_offset", op);
-  TORCH_INTERNAL_ASSERT(model_weight.device().is_cpu());
-  run_segments(mfsdp::segment_pair(main_weight_shard, model_weight, shard_offset),
-               main_weight_shard.scalar_type(), model_weight.scalar_type(), 1.0, false);
-}
-
-void reduce_scatter_copy_in_cpu(const at::Tensor& grad, const at::Tensor& reduce_scatter_input,
-                                double pre_scale) {
-  constexpr const char* op = "reduce_scatter_copy_in_";
-  mfsdp::check_pair(grad, "grad", reduce_scatter_input, "reduce_scatter_input", op);
-  mfsdp::check_same_numel(grad, "grad", reduce_scatter_input, "reduce_scatter_input", op);
-  TORCH_INTERNAL_ASSERT(reduce_scatter_input.device().is_cpu());
-  run_segments(mfsdp::segment_pair(grad, reduce_scatter_input, 0), grad.scalar_type(),
-               reduce_scatter_input.scalar_type(), pre_scale, false);
-}
-
-void reduce_scatter_copy_out_cpu(const at::Tensor& reduced_shard, const at::Tensor& main_grad_shard,
-                                 double post_scale, bool accumulate) {
-  constexpr const char* op = "reduce_scatter_copy_out_";
-  mfsdp::check_pair(reduced_shard, "reduced_shard", main_grad_shard, "main_grad_shard", op);
-  mfsdp::check_same_numel(reduced_shard, "reduced_shard", main_grad_shard, "main_grad_shard", op);
-  TORCH_INTERNAL_ASSERT(main_grad_shard.device().is_cpu());
-  run_segments(mfsdp::segment_pair(reduced_shard, main_grad_shard, 0),
-               reduced_shard.scalar_type(), main_grad_shard.scalar_type(), post_scale,
-               accumulate);
-}
-
-at::Tensor multi_tensor_sum_of_squares_cpu(at::TensorList tensors) {
-  mfsdp::check_tensor_list(tensors, "tensors", "multi_tensor_sum_of_squares");
-  TORCH_INTERNAL_ASSERT(tensors[0].device().is_cpu());
-  const int64_t elem_size = tensors[0].element_size();
-  const SumSqFn sumsq = select_sumsq(tensors[0].scalar_type());
-  const SegmentWalker walker(mfsdp::segments_of(tensors));
+at::Tensor sum_of_squares_cpu(at::Device device, const std::vector<Segment>& segments,
+                              at::ScalarType dtype) {
+  const int64_t elem_size = c10::elementSize(dtype);
+  const SumSqFn sumsq = select_sumsq(dtype);
+  const SegmentWalker walker(segments);
   const double sum = at::parallel_reduce(
       int64_t{0}, walker.total(), kGrainSize, 0.0,
       [&](int64_t begin, int64_t end, double partial) {
-        walker.for_each_piece(begin, end, [&](const mfsdp::Segment& seg, int64_t first, int64_t n) {
+        walker.for_each_piece(begin, end, [&](const Segment& seg, int64_t first, int64_t n) {
           partial += sumsq(static_cast<const char*>(seg.src) + first * elem_size, n);
         });
         return partial;
       },
       std::plus<double>());
-  at::Tensor out = at::empty({}, tensors[0].options().dtype(at::kFloat));
+  at::Tensor out = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(device));
   *out.data_ptr<float>() = static_cast<float>(sum);
   return out;
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_fsdp_v2, CPU, m) {
-  m.impl("pack_", &pack_cpu);
-  m.impl("unpack_", &unpack_cpu);
-  m.impl("refresh_from_shard_", &refresh_from_shard_cpu);
-  m.impl("reduce_scatter_copy_in_", &reduce_scatter_copy_in_cpu);
-  m.impl("reduce_scatter_copy_out_", &reduce_scatter_copy_out_cpu);
-  m.impl("multi_tensor_sum_of_squares", &multi_tensor_sum_of_squares_cpu);
-}
+const Backend kCpuBackend{c10::DeviceType::CPU, &copy_cpu, &sum_of_squares_cpu};
 
-}  // namespace megatron_fsdp_v2
+}  // namespace mfsdp

@@ -1,10 +1,11 @@
-// CUDA kernels for the flat-buffer ops: TORCH_LIBRARY_IMPL(megatron_fsdp_v2, CUDA, m).
+// The CUDA backend (mfsdp::kCudaBackend, see mfsdp/backend.h): kernel launches
+// over the segment lists that the front end (csrc/ops.cpp) builds and registers.
 //
-// One kernel does every copy op: scaled_cast_kernel<S, D> walks a segment table
+// One kernel does every copy: scaled_cast_kernel<S, D> walks a segment table
 // (multi_tensor.cuh) with a grid-stride loop over tiles. A full tile whose
 // pointers are aligned moves kUnroll 16-byte vectors per thread (all loads issued
 // before the stores); partial or misaligned tiles fall back to a strided scalar
-// loop. pack_/unpack_ of a whole list is one launch (per kMaxSegments segments).
+// loop. A pack_ of a whole list is one launch (per kMaxSegments segments).
 //
 // Numerics match the CPU kernels and the reference: opmath(src) * scale and
 // opmath(dst) + scaled are rounded separately (__fmul_rn/__fadd_rn cannot be
@@ -22,7 +23,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -30,14 +30,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "mfsdp/checks.h"
-#include "mfsdp/segments.h"
+#include "mfsdp/backend.h"
 #include "multi_tensor.cuh"
 
-namespace megatron_fsdp_v2 {
+namespace mfsdp {
 namespace {
-
-using mfsdp::cuda::SegmentTable;
 
 constexpr int kBlock = 256;
 constexpr int kUnroll = 4;
@@ -90,7 +87,7 @@ __global__ void __launch_bounds__(kBlock)
 
   const int64_t num_tiles = table.tile_begin[table.num_segments];
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const int s = mfsdp::cuda::find_segment(table, tile);
+    const int s = find_segment(table, tile);
     const int64_t start = (tile - table.tile_begin[s]) * kTile;
     const int64_t n = tile_size(kTile, table.numel[s] - start);
     const S* src = static_cast<const S*>(table.src[s]) + start;
@@ -151,7 +148,7 @@ __global__ void __launch_bounds__(kBlock)
   acc_t acc = 0;
   const int64_t num_tiles = table.tile_begin[table.num_segments];
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
-    const int s = mfsdp::cuda::find_segment(table, tile);
+    const int s = find_segment(table, tile);
     const int64_t start = (tile - table.tile_begin[s]) * kTile;
     const int64_t n = tile_size(kTile, table.numel[s] - start);
     const T* src = static_cast<const T*>(table.src[s]) + start;
@@ -200,10 +197,8 @@ int64_t max_blocks() {
   return int64_t{count} * (2048 / kBlock);
 }
 
-void run_segments(const at::Device& device, const std::vector<mfsdp::Segment>& segments,
-                  at::ScalarType src_dtype, at::ScalarType dst_dtype, double scale,
-                  bool accumulate) {
-  if (segments.empty()) return;
+void copy_cuda(at::Device device, const std::vector<Segment>& segments, at::ScalarType src_dtype,
+               at::ScalarType dst_dtype, double scale, bool accumulate) {
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t grid_limit = max_blocks();
@@ -212,7 +207,7 @@ void run_segments(const at::Device& device, const std::vector<mfsdp::Segment>& s
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst_dtype, "mfsdp_cast_dst", [&] {
       using dst_t = scalar_t;
       using acc_t = opmath_t<src_t, dst_t>;
-      mfsdp::cuda::for_each_table(
+      for_each_table(
           segments, tile_elems<src_t, dst_t>(), [&](const SegmentTable& table, int64_t tiles) {
             const int blocks = static_cast<int>(std::min(tiles, grid_limit));
             scaled_cast_kernel<src_t, dst_t><<<blocks, kBlock, 0, stream>>>(
@@ -223,84 +218,27 @@ void run_segments(const at::Device& device, const std::vector<mfsdp::Segment>& s
   });
 }
 
-void pack_cuda(at::TensorList inputs, at::IntArrayRef offsets, const at::Tensor& flat,
-               double scale, bool accumulate) {
-  mfsdp::check_list_and_flat(inputs, "inputs", offsets, flat, "flat", "pack_");
-  TORCH_INTERNAL_ASSERT(flat.is_cuda());
-  if (inputs.empty()) return;
-  run_segments(flat.device(), mfsdp::segments_into_flat(inputs, offsets, flat),
-               inputs[0].scalar_type(), flat.scalar_type(), scale, accumulate);
-}
-
-void unpack_cuda(const at::Tensor& flat, at::IntArrayRef offsets, at::TensorList outputs,
-                 double scale, bool accumulate) {
-  mfsdp::check_list_and_flat(outputs, "outputs", offsets, flat, "flat", "unpack_");
-  TORCH_INTERNAL_ASSERT(flat.is_cuda());
-  if (outputs.empty()) return;
-  run_segments(flat.device(), mfsdp::segments_from_flat(flat, offsets, outputs),
-               flat.scalar_type(), outputs[0].scalar_type(), scale, accumulate);
-}
-
-void refresh_from_shard_cuda(const at::Tensor& main_weight_shard, const at::Tensor& model_weight,
-                             int64_t shard_offset) {
-  constexpr const char* op = "refresh_from_shard_";
-  mfsdp::check_pair(main_weight_shard, "main_weight_shard", model_weight, "model_weight", op);
-  mfsdp::check_range(main_weight_shard, "main_weight_shard", model_weight, "model_weight",
-                     shard_offset, "shard_offset", op);
-  TORCH_INTERNAL_ASSERT(model_weight.is_cuda());
-  run_segments(model_weight.device(),
-               mfsdp::segment_pair(main_weight_shard, model_weight, shard_offset),
-               main_weight_shard.scalar_type(), model_weight.scalar_type(), 1.0, false);
-}
-
-void reduce_scatter_copy_in_cuda(const at::Tensor& grad, const at::Tensor& reduce_scatter_input,
-                                 double pre_scale) {
-  constexpr const char* op = "reduce_scatter_copy_in_";
-  mfsdp::check_pair(grad, "grad", reduce_scatter_input, "reduce_scatter_input", op);
-  mfsdp::check_same_numel(grad, "grad", reduce_scatter_input, "reduce_scatter_input", op);
-  TORCH_INTERNAL_ASSERT(reduce_scatter_input.is_cuda());
-  run_segments(reduce_scatter_input.device(), mfsdp::segment_pair(grad, reduce_scatter_input, 0),
-               grad.scalar_type(), reduce_scatter_input.scalar_type(), pre_scale, false);
-}
-
-void reduce_scatter_copy_out_cuda(const at::Tensor& reduced_shard,
-                                  const at::Tensor& main_grad_shard, double post_scale,
-                                  bool accumulate) {
-  constexpr const char* op = "reduce_scatter_copy_out_";
-  mfsdp::check_pair(reduced_shard, "reduced_shard", main_grad_shard, "main_grad_shard", op);
-  mfsdp::check_same_numel(reduced_shard, "reduced_shard", main_grad_shard, "main_grad_shard", op);
-  TORCH_INTERNAL_ASSERT(main_grad_shard.is_cuda());
-  run_segments(main_grad_shard.device(), mfsdp::segment_pair(reduced_shard, main_grad_shard, 0),
-               reduced_shard.scalar_type(), main_grad_shard.scalar_type(), post_scale,
-               accumulate);
-}
-
-at::Tensor multi_tensor_sum_of_squares_cuda(at::TensorList tensors) {
-  mfsdp::check_tensor_list(tensors, "tensors", "multi_tensor_sum_of_squares");
-  TORCH_INTERNAL_ASSERT(tensors[0].is_cuda());
-  const c10::cuda::CUDAGuard guard(tensors[0].device());
+at::Tensor sum_of_squares_cuda(at::Device device, const std::vector<Segment>& segments,
+                               at::ScalarType dtype) {
+  const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const std::vector<mfsdp::Segment> segments = mfsdp::segments_of(tensors);
   const int64_t grid_limit = max_blocks();
   const int64_t groups = std::max<int64_t>(
-      1, (static_cast<int64_t>(segments.size()) + mfsdp::cuda::kMaxSegments - 1) /
-             mfsdp::cuda::kMaxSegments);
-  const at::TensorOptions f32 = tensors[0].options().dtype(at::kFloat);
+      1, (static_cast<int64_t>(segments.size()) + kMaxSegments - 1) / kMaxSegments);
+  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat).device(device);
   at::Tensor partials = at::empty({groups * grid_limit}, f32);
   at::Tensor out = at::empty({}, f32);
   int64_t used = 0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, tensors[0].scalar_type(), "mfsdp_sum_of_squares", [&] {
-        mfsdp::cuda::for_each_table(
-            segments, tile_elems<scalar_t, scalar_t>(),
-            [&](const SegmentTable& table, int64_t tiles) {
-              const int blocks = static_cast<int>(std::min(tiles, grid_limit));
-              sum_of_squares_kernel<scalar_t>
-                  <<<blocks, kBlock, 0, stream>>>(table, partials.data_ptr<float>() + used);
-              C10_CUDA_KERNEL_LAUNCH_CHECK();
-              used += blocks;
-            });
-      });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "mfsdp_sum_of_squares", [&] {
+    for_each_table(segments, tile_elems<scalar_t, scalar_t>(),
+                   [&](const SegmentTable& table, int64_t tiles) {
+                     const int blocks = static_cast<int>(std::min(tiles, grid_limit));
+                     sum_of_squares_kernel<scalar_t>
+                         <<<blocks, kBlock, 0, stream>>>(table, partials.data_ptr<float>() + used);
+                     C10_CUDA_KERNEL_LAUNCH_CHECK();
+                     used += blocks;
+                   });
+  });
   sum_partials_kernel<<<1, kBlock, 0, stream>>>(partials.data_ptr<float>(), used,
                                                 out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -309,13 +247,6 @@ at::Tensor multi_tensor_sum_of_squares_cuda(at::TensorList tensors) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_fsdp_v2, CUDA, m) {
-  m.impl("pack_", &pack_cuda);
-  m.impl("unpack_", &unpack_cuda);
-  m.impl("refresh_from_shard_", &refresh_from_shard_cuda);
-  m.impl("reduce_scatter_copy_in_", &reduce_scatter_copy_in_cuda);
-  m.impl("reduce_scatter_copy_out_", &reduce_scatter_copy_out_cuda);
-  m.impl("multi_tensor_sum_of_squares", &multi_tensor_sum_of_squares_cuda);
-}
+const Backend kCudaBackend{c10::DeviceType::CUDA, &copy_cuda, &sum_of_squares_cuda};
 
-}  // namespace megatron_fsdp_v2
+}  // namespace mfsdp

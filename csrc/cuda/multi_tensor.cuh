@@ -20,10 +20,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "mfsdp/segments.h"
+#include "mfsdp/backend.h"
 
 namespace mfsdp {
-namespace cuda {
 
 #if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
 constexpr int kMaxSegments = 768;  // ~24.6 KB of kernel parameters
@@ -78,5 +77,4 @@ void for_each_table(const std::vector<Segment>& segments, int64_t tile_elems,
   }
 }
 
-}  // namespace cuda
 }  // namespace mfsdp

@@ -7,15 +7,19 @@ pure-PyTorch reference implementations in ``_reference.py``.
 
 Shared contract:
 
-* dtypes: float32, float16, bfloat16 and float64, any source/destination pair;
-  scaling and accumulation are computed in float32 "opmath" (float64 if either
-  side is float64) and rounded once to the destination dtype (plus once after
-  the multiply when scaling).
+* dtypes: ``megatron_fsdp_v2.api.SUPPORTED_DTYPES`` (float32, float16, bfloat16,
+  float64), any source/destination pair; scaling and accumulation are computed in
+  float32 "opmath" (float64 if either side is float64) and rounded once to the
+  destination dtype (plus once after the multiply when scaling).
 * 1-D buffers (``flat``, shards, reduce-scatter buffers) must be 1-D and
   contiguous; list tensors must be contiguous, of one dtype and on the buffer's
   device. Violations raise RuntimeError naming the op, the argument and the
   problem.
 * ops ending in ``_`` mutate their destination and return None.
+
+Two ops are native: ``pack_`` and ``multi_tensor_sum_of_squares``. The refresh and
+reduce-scatter copies are one-segment ``pack_`` calls behind their own argument
+checks (``_checks``), so they share its kernels, numerics and CUDA launch.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from megatron_fsdp_v2.ops import _reference
+from megatron_fsdp_v2.ops import _checks, _reference
 from megatron_fsdp_v2.ops._load import (
     HAS_CUDA_KERNELS,
     HAS_EXTENSION,
@@ -43,13 +47,13 @@ __all__ = [
     "reduce_scatter_copy_in_",
     "reduce_scatter_copy_out_",
     "refresh_from_shard_",
-    "unpack_",
 ]
 
 if HAS_EXTENSION:
     from megatron_fsdp_v2.ops import _fake  # noqa: F401  (registers the fake kernels)
 
-# Either torch.ops.megatron_fsdp_v2 or the reference module: same names, same calls.
+# Either torch.ops.megatron_fsdp_v2 or the reference module: same names (pack_,
+# multi_tensor_sum_of_squares), same calls.
 _impl = _reference if (USE_REFERENCE_OPS or not HAS_EXTENSION) else torch.ops.megatron_fsdp_v2
 
 
@@ -77,24 +81,6 @@ def pack_(inputs: Sequence[Tensor], offsets: Sequence[int], flat: Tensor, *,
     _impl.pack_(_as_list(inputs), _as_list(offsets), flat, scale=scale, accumulate=accumulate)
 
 
-def unpack_(flat: Tensor, offsets: Sequence[int], outputs: Sequence[Tensor], *,
-            scale: float = 1.0, accumulate: bool = False) -> None:
-    """Copy (or accumulate) slices of one flat buffer into a list of tensors.
-
-    The inverse of :func:`pack_`: ``outputs[i]`` ``=`` (or ``+=``) ``scale *
-    flat[offsets[i] : offsets[i] + outputs[i].numel()].view_as(outputs[i])``, cast
-    to the outputs' dtype. On CUDA the whole list is one kernel launch.
-
-    Args:
-        flat: 1-D contiguous source buffer.
-        offsets: element offset of each output in ``flat``.
-        outputs: contiguous tensors of one dtype on ``flat``'s device (mutated).
-        scale: multiplier applied in fp32 opmath.
-        accumulate: add into the outputs instead of overwriting.
-    """
-    _impl.unpack_(flat, _as_list(offsets), _as_list(outputs), scale=scale, accumulate=accumulate)
-
-
 def refresh_from_shard_(main_weight_shard: Tensor, model_weight: Tensor, shard_offset: int) -> None:
     """Write this rank's main-weight shard into its slot of the replicated model weight.
 
@@ -108,7 +94,19 @@ def refresh_from_shard_(main_weight_shard: Tensor, model_weight: Tensor, shard_o
         model_weight: 1-D contiguous replicated buffer (mutated).
         shard_offset: element offset of the shard in ``model_weight``.
     """
-    _impl.refresh_from_shard_(main_weight_shard, model_weight, shard_offset)
+    op = "refresh_from_shard_"
+    _checks.check_pair(main_weight_shard, "main_weight_shard", model_weight, "model_weight", op)
+    _checks.check_range(main_weight_shard, "main_weight_shard", model_weight, "model_weight",
+                        shard_offset, "shard_offset", op)
+    _impl.pack_([main_weight_shard], [shard_offset], model_weight)
+
+
+def _copy_same_numel(op: str, src: Tensor, src_arg: str, dst: Tensor, dst_arg: str,
+                     scale: float, accumulate: bool) -> None:
+    """``dst`` (=|+=) ``scale * src`` for two 1-D buffers of one numel: a one-segment pack_."""
+    _checks.check_pair(src, src_arg, dst, dst_arg, op)
+    _checks.check_same_numel(src, src_arg, dst, dst_arg, op)
+    _impl.pack_([src], [0], dst, scale=scale, accumulate=accumulate)
 
 
 def reduce_scatter_copy_in_(grad: Tensor, reduce_scatter_input: Tensor, *,
@@ -122,7 +120,8 @@ def reduce_scatter_copy_in_(grad: Tensor, reduce_scatter_input: Tensor, *,
         reduce_scatter_input: 1-D contiguous buffer of the same numel (mutated).
         pre_scale: pre-reduction divide factor, applied in fp32 opmath.
     """
-    _impl.reduce_scatter_copy_in_(grad, reduce_scatter_input, pre_scale=pre_scale)
+    _copy_same_numel("reduce_scatter_copy_in_", grad, "grad", reduce_scatter_input,
+                     "reduce_scatter_input", pre_scale, False)
 
 
 def reduce_scatter_copy_out_(reduced_shard: Tensor, main_grad_shard: Tensor, *,
@@ -138,8 +137,8 @@ def reduce_scatter_copy_out_(reduced_shard: Tensor, main_grad_shard: Tensor, *,
         post_scale: post-reduction divide factor, applied in fp32 opmath.
         accumulate: add into ``main_grad_shard`` instead of overwriting.
     """
-    _impl.reduce_scatter_copy_out_(reduced_shard, main_grad_shard, post_scale=post_scale,
-                                   accumulate=accumulate)
+    _copy_same_numel("reduce_scatter_copy_out_", reduced_shard, "reduced_shard",
+                     main_grad_shard, "main_grad_shard", post_scale, accumulate)
 
 
 def multi_tensor_sum_of_squares(tensors: Sequence[Tensor], *,

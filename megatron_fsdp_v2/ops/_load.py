@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -24,14 +25,7 @@ import torch
 __all__ = ["HAS_CUDA_KERNELS", "HAS_EXTENSION", "USE_REFERENCE_OPS", "build_info"]
 
 _REBUILD = "pip install --no-build-isolation -e ."
-_OP_NAMES = (
-    "pack_",
-    "unpack_",
-    "refresh_from_shard_",
-    "reduce_scatter_copy_in_",
-    "reduce_scatter_copy_out_",
-    "multi_tensor_sum_of_squares",
-)
+_OP_NAMES = ("pack_", "multi_tensor_sum_of_squares")  # the schemas of csrc/ops.cpp
 
 
 def _import_extension() -> ModuleType | None:
@@ -94,7 +88,7 @@ def _register_missing_cuda_kernels() -> torch.library.Library | None:
         return None
     lib = torch.library.Library("megatron_fsdp_v2", "IMPL")
 
-    def _make(name: str):
+    def _make(name: str) -> Callable[..., None]:
         def _no_cuda_kernel(*args: Any, **kwargs: Any) -> None:
             raise RuntimeError(
                 f"megatron_fsdp_v2::{name}: this build of megatron_fsdp_v2 has no CUDA kernels; "

@@ -73,7 +73,9 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, rank, world_size, init_file, backend, pg_timeout_s, results, args, kwargs),
+                args=(
+                    fn, rank, world_size, init_file, backend, pg_timeout_s, results, args, kwargs
+                ),
                 daemon=True,
             )
             for rank in range(world_size)
@@ -86,7 +88,9 @@ def run_distributed(
         try:
             while len(outcomes) < world_size:
                 now = time.monotonic()
-                limit = deadline if first_error_at is None else min(deadline, first_error_at + grace_s)
+                limit = (
+                    deadline if first_error_at is None else min(deadline, first_error_at + grace_s)
+                )
                 if now >= limit:
                     break
                 try:
@@ -104,7 +108,11 @@ def run_distributed(
                     p.kill()
             for p in procs:
                 p.join(timeout=5)
-    errors = [f"--- rank {r} ---\n{payload}" for r, (s, payload) in sorted(outcomes.items()) if s == "error"]
+    errors = [
+        f"--- rank {r} ---\n{payload}"
+        for r, (s, payload) in sorted(outcomes.items())
+        if s == "error"
+    ]
     missing = [r for r in range(world_size) if r not in outcomes]
     if errors or missing:
         reason = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+
+from megatron_fsdp_v2._registry import record_of
 
 
 class Block(nn.Module):
@@ -110,10 +113,11 @@ def make_batches(kind: str, steps: int, micro: int, world: int, per_rank: int, s
         step = []
         for _ in range(micro):
             if kind == "lm":
-                step.append([torch.randint(0, vocab, (per_rank, seq), generator=g) for _ in range(world)])
-            else:
-                step.append([(torch.randn(per_rank, 15, generator=g), torch.randn(per_rank, 3, generator=g))
+                step.append([torch.randint(0, vocab, (per_rank, seq), generator=g)
                              for _ in range(world)])
+            else:
+                step.append([(torch.randn(per_rank, 15, generator=g),
+                              torch.randn(per_rank, 3, generator=g)) for _ in range(world)])
         out.append(step)
     return out
 
@@ -126,8 +130,9 @@ def cat_batch(kind: str, parts: list) -> object:
 
 def shard_rows(dist_param: torch.Tensor) -> tuple[int, int]:
     """The global dim-0 rows this rank's local shard of a fully_shard parameter covers."""
-    group = dist_param._mfsdp_param_group
-    return group.local_row_range(dist_param._mfsdp_index)
+    record = record_of(dist_param)
+    assert record is not None, "not a fully_shard parameter"
+    return record.local_rows
 
 
 def assert_close_to_reference(model: nn.Module, ref: nn.Module, rtol: float, atol: float,
@@ -158,3 +163,14 @@ def reference_copy(model: nn.Module) -> nn.Module:
 
 def lr_schedule(step: int) -> float:
     return 1e-2 * (0.5 + 0.5 * math.cos(step))
+
+
+def agree(what: str, fn: Callable[[], object]) -> None:
+    """Run a local check on every rank; fail on all ranks if it failed on any."""
+    try:
+        fn()
+        err = None
+    except AssertionError as e:
+        err = e
+    if not all_ranks_ok(err is None):
+        raise AssertionError(f"{what}: {err if err is not None else 'failed on another rank'}")

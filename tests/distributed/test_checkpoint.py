@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2 import checkpoint as mckpt
-from megatron_fsdp_v2._state import get_state
+from megatron_fsdp_v2._registry import record_of, state_of
 from megatron_fsdp_v2.testing import run_distributed
 
-from _models import OddMLP, TinyGPT, all_ranks_ok, lm_loss, mlp_loss
+from _models import OddMLP, TinyGPT, agree, all_ranks_ok, lm_loss, mlp_loss
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 GLOBAL_BATCH = 12  # divisible by every world size used here
@@ -86,17 +86,6 @@ def train(model, opt, kind: str, steps: range, rank: int, world: int) -> list[fl
     return losses
 
 
-def agree(what: str, fn) -> None:
-    """Run a local check on every rank; fail on all ranks if it failed on any."""
-    try:
-        fn()
-        err = None
-    except AssertionError as e:
-        err = e
-    if not all_ranks_ok(err is None):
-        raise AssertionError(f"{what}: {err if err is not None else 'failed on another rank'}")
-
-
 def expect_value_error(what: str, fn, *fragments: str) -> None:
     """``fn`` (run on every rank) must raise ValueError whose message contains ``fragments``."""
     try:
@@ -130,7 +119,7 @@ def assert_losses(actual: list[float], expected: list[float], *, exact: bool) ->
 
 
 def units_groups(model: torch.nn.Module) -> list:
-    return [g for m in model.modules() if (s := get_state(m)) is not None for g in s.groups]
+    return [g for m in model.modules() if (s := state_of(m)) is not None for g in s.groups]
 
 
 def main_weights_snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -297,7 +286,8 @@ def _check_sharded_state_dict(what: str, model, weights: dict) -> None:
             assert isinstance(value, DTensor), f"{key} is not a DTensor"
             assert value.dtype == torch.float32, f"{key}: {value.dtype} (main weights are fp32)"
             param = dict(model.named_parameters(remove_duplicate=False))[key]
-            group, index = param._mfsdp_param_group, param._mfsdp_index
+            record = record_of(param)
+            group, index = record.group, record.index
             local = value.to_local()
             if value.placements == (Shard(0),):
                 lo, hi = group.local_row_range(index)
@@ -316,7 +306,7 @@ def _check_sharded_state_dict(what: str, model, weights: dict) -> None:
 def _check_marked(model) -> None:
     """Every group whose compute weights are not the main weights themselves is stale."""
     for group in units_groups(model):
-        aliased = not group._separate_main and group.strategy.value in (
+        aliased = not group.plan.main_weight_separate and group.strategy.value in (
             "no_shard", "optim_grads_params")
         assert aliased or group.needs_refresh, f"group {group.fqns} not marked for a refresh"
 

@@ -132,7 +132,9 @@ def _norm_errors(norm: torch.Tensor, ref_norm: torch.Tensor, rtol: float) -> lis
 def _raise_together(errors: list[str], what: str) -> None:
     """Every rank raises (or none does), so no rank is left in a later collective."""
     if not all_ranks_ok(not errors):
-        raise AssertionError(f"{what}: " + ("; ".join(errors) if errors else "failed on another rank"))
+        raise AssertionError(
+            f"{what}: " + ("; ".join(errors) if errors else "failed on another rank")
+        )
 
 
 def _all_reduces(comm: CommDebugMode) -> int:
@@ -310,7 +312,9 @@ def _count_worker(rank: int, world: int, case: str) -> None:
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
     errors = []
     if _all_reduces(comm) != expected or sum(comm.get_comm_counts().values()) != expected:
-        errors.append(f"collectives {dict(comm.get_comm_counts())}, expected {expected} all-reduce(s)")
+        errors.append(
+            f"collectives {dict(comm.get_comm_counts())}, expected {expected} all-reduce(s)"
+        )
     errors += _norm_errors(norm, ref_norm, rtol=2e-2 if case == "two_dtypes" else 1e-5)
     _raise_together(errors, f"{case} rank {rank}")
 

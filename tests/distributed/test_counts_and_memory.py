@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, memory_report
-from megatron_fsdp_v2._state import get_state
+from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import TinyGPT, lm_loss, make_batches
@@ -32,7 +32,7 @@ def _count(comm: CommDebugMode, *names: str) -> int:
 
 
 def _groups(model: torch.nn.Module) -> list:
-    return [g for m in model.modules() if (s := get_state(m)) is not None for g in s.groups]
+    return [g for m in model.modules() if (s := state_of(m)) is not None for g in s.groups]
 
 
 def _counts_worker(rank: int, world: int, strategy: str, set_to_none: bool) -> None:
@@ -54,8 +54,10 @@ def _counts_worker(rank: int, world: int, strategy: str, set_to_none: bool) -> N
                 opt.step()
                 opt.zero_grad(set_to_none=set_to_none)
             observed.append((
-                _count(comm, "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced"),
-                _count(comm, "_reduce_scatter_base", "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced"),
+                _count(comm, "_allgather_base", "all_gather_into_tensor",
+                       "allgather_into_tensor_coalesced"),
+                _count(comm, "_reduce_scatter_base", "reduce_scatter_tensor",
+                       "reduce_scatter_tensor_coalesced"),
                 _count(comm, "allreduce", "all_reduce"),
                 sum(comm.get_comm_counts().values()),
             ))
@@ -100,11 +102,13 @@ def _memory_worker(rank: int, world: int) -> None:
         with torch.no_grad():
             model(torch.zeros(1, 4, dtype=torch.long))
         for group in _groups(model):
-            if not group.strategy.shards_model_weights:
+            if not group.plan.gathers_weights:
                 gathered = [torch.empty_like(group.model_weight) for _ in range(world)]
                 dist.all_gather(gathered, group.model_weight)
                 for other in gathered:
-                    assert torch.equal(other.view(torch.int16), group.model_weight.view(torch.int16)), (
+                    assert torch.equal(
+                        other.view(torch.int16), group.model_weight.view(torch.int16)
+                    ), (
                         f"{strategy}: replicated model weights differ across ranks"
                     )
             assert group.allocator.live_bytes == 0, f"{strategy}: temporary buckets leaked"
@@ -127,7 +131,10 @@ def _memory_worker(rank: int, world: int) -> None:
         if strategy in ("optim_grads", "optim_grads_params"):
             assert report.temporary_peak > 0
     # Each strategy holds strictly less than the one before it.
-    totals = [reports[s].model_weights + reports[s].main_weights + reports[s].main_grads for s in STRATEGIES]
+    totals = [
+        reports[s].model_weights + reports[s].main_weights + reports[s].main_grads
+        for s in STRATEGIES
+    ]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4, totals
 
 

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from megatron_fsdp_v2 import MixedPrecisionPolicy, ShardingStrategy, fully_shard
-from megatron_fsdp_v2 import _init
+from megatron_fsdp_v2 import MixedPrecisionPolicy, ShardingStrategy, _comm_groups, fully_shard
+from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import TinyGPT, lm_loss, make_batches
@@ -37,7 +37,8 @@ def snapshot(module: nn.Module) -> list[Any]:
     parameter's identity, type, attributes and value."""
     out: list[Any] = []
     for name, m in module.named_modules(remove_duplicate=False):
-        out.append((name, type(m), sorted(vars(m)), [(h, list(getattr(m, h))) for h in _HOOK_DICTS]))
+        hooks = [(h, list(getattr(m, h))) for h in _HOOK_DICTS]
+        out.append((name, type(m), sorted(vars(m)), hooks))
         for pname, p in m._parameters.items():
             if p is None:
                 out.append((name, pname, None))
@@ -147,10 +148,13 @@ def test_unknown_strategy(no_process_group: None, value: Any, exc: type, pattern
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [
     ({"reduce_dtype": torch.float32, "grad_comm_dtype": torch.bfloat16}, ValueError,
-     r"reduce_dtype=torch.float32 and grad_comm_dtype=torch.bfloat16 name the same setting"),
+     r"reduce_dtype=torch.float32 and grad_comm_dtype=torch.bfloat16 "
+     r"name the same setting"),
     ({"main_params_dtype": torch.float32, "main_grads_dtype": torch.bfloat16}, ValueError,
-     r"main_grads_dtype=torch.bfloat16 differs from main_params_dtype=torch.float32.*Set them equal"),
-    ({"param_dtype": torch.int8}, ValueError, r"param_dtype=torch.int8 is not supported; use one of"),
+     r"main_grads_dtype=torch.bfloat16 differs from "
+     r"main_params_dtype=torch.float32.*Set them equal"),
+    ({"param_dtype": torch.int8}, ValueError,
+     r"param_dtype=torch.int8 is not supported; use one of"),
     ({"param_dtype": "bf16"}, TypeError, r"param_dtype must be a torch.dtype or None"),
     ({"cast_forward_inputs": "yes"}, TypeError, r"cast_forward_inputs must be a bool"),
 ])
@@ -266,7 +270,8 @@ def _local_cases(rank: int, world: int) -> list[tuple[str, Callable[[], None]]]:
     @case("ignored_params")
     def _() -> None:
         stranger = nn.Parameter(torch.zeros(3, 5))
-        expect_rejected(lambda: nn.Linear(4, 4), lambda m: fully_shard(m, ignored_params=[stranger]),
+        expect_rejected(lambda: nn.Linear(4, 4),
+                        lambda m: fully_shard(m, ignored_params=[stranger]),
                         ValueError, r"ignored_params contains a parameter of shape \(3, 5\) that "
                                     r"is not in Linear; pass only parameters of the module",
                         collectives="check")
@@ -391,10 +396,12 @@ def _rank_disagreement_cases(rank: int, world: int) -> None:
             if kwargs.pop("ignored", False):
                 kwargs["ignored_params"] = [m.bias]
             fully_shard(m, **kwargs)
-        msg = expect_rejected(make, call, ValueError, r"ranks disagree on what fully_shard wraps: "
-                              + pattern + r".*every rank must wrap the same model", collectives=True)
+        msg = expect_rejected(make, call, ValueError,
+                              r"ranks disagree on what fully_shard wraps: "
+                              + pattern + r".*every rank must wrap the same model",
+                              collectives=True)
         assert msg, name
-    _init._clear_comm_groups()
+    _comm_groups.clear_comm_groups()
     # The same wrap on every rank still works afterwards.
     fully_shard(nn.Linear(4, 4), timeout=30)
 
@@ -422,12 +429,12 @@ def _timeout_groups(rank: int, world: int) -> None:
     fully_shard(b, timeout=7.0)
     fully_shard(c)  # DEFAULT_TIMEOUT
     fully_shard(d, timeout=None)
-    ga, gb, gc, gd = (m._mfsdp_state.groups[0].process_group for m in (a, b, c, d))
+    ga, gb, gc, gd = (state_of(m).groups[0].process_group for m in (a, b, c, d))
     assert ga is gb, "one group per distinct timeout"
     assert ga is not gc and gc is not gd
-    assert gd is d._mfsdp_state.groups[0].mesh.get_group()
+    assert gd is state_of(d).groups[0].mesh.get_group()
     assert dist.get_process_group_ranks(ga) == list(range(world))
-    assert _init.DEFAULT_TIMEOUT == timedelta(minutes=5)
+    assert _comm_groups.DEFAULT_TIMEOUT == timedelta(minutes=5)
     for m in (a, b, c, d):
         m(torch.ones(2, 4)).sum().backward()
 

@@ -16,13 +16,17 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from megatron_fsdp_v2 import fully_shard
-from megatron_fsdp_v2 import _init
-from megatron_fsdp_v2._state import get_state
+from megatron_fsdp_v2 import _comm_groups, fully_shard
+from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import DistributedTestError, run_distributed
 
 from _models import (
-    TinyGPT, all_ranks_ok, assert_close_to_reference, lm_loss, make_batches, reference_copy,
+    TinyGPT,
+    all_ranks_ok,
+    assert_close_to_reference,
+    lm_loss,
+    make_batches,
+    reference_copy,
 )
 
 TIMEOUT_S = 3.0
@@ -45,7 +49,8 @@ def _raise(exc: type[BaseException]) -> Callable[..., None]:
     return hook
 
 
-def _inject(model: nn.Module, where: str, exc: type[BaseException] = InjectedError) -> RemovableHandle:
+def _inject(model: nn.Module, where: str,
+            exc: type[BaseException] = InjectedError) -> RemovableHandle:
     """Make the next forward (``where="forward"``) or backward raise inside a wrapped child.
     ``backward_early``: in block 1's backward, before any unit reduced; ``backward_late``: in
     block 0's backward, after block 1 launched its reduction."""
@@ -94,7 +99,7 @@ def _one_rank_fails(rank: int, world: int, strategy: str, where: str) -> tuple[f
     else:
         raise AssertionError(f"rank {rank} finished two steps although rank 1 failed")
     dist.barrier()  # the failing rank stays alive until the other has failed
-    _init._clear_comm_groups()  # the timed-out group no longer matches across ranks
+    _comm_groups.clear_comm_groups()  # the timed-out group no longer matches across ranks
     return outcome
 
 
@@ -154,7 +159,8 @@ def _ranks_fail_differently(rank: int, world: int) -> None:
     elapsed = time.monotonic() - start
     assert elapsed < 2 * TIMEOUT_S + SLACK_S, elapsed
     if rank == 1:
-        assert error is not None and "cannot recover from the failed forward/backward" in error, error
+        assert error is not None, error
+        assert "cannot recover from the failed forward/backward" in error, error
         assert "restart the job" in error
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="cannot recover"):
@@ -163,7 +169,7 @@ def _ranks_fail_differently(rank: int, world: int) -> None:
     else:
         assert error is not None, "rank 0 completed a step its peer never joined"
     dist.barrier()
-    _init._clear_comm_groups()
+    _comm_groups.clear_comm_groups()
 
 
 def _failing_rank_worker(rank: int, world: int, signal_path: str) -> None:
@@ -257,7 +263,7 @@ def _recovers(rank: int, world: int, strategy: str, where: str, exc: type[BaseEx
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
     batches = make_batches("lm", 3, micro, world, per_rank=2)
     other = make_batches("lm", 1, micro, world, per_rank=2, seed=7)[0]  # the failed attempt's
-    states = [s for m in model.modules() if (s := get_state(m)) is not None]
+    states = [s for m in model.modules() if (s := state_of(m)) is not None]
     for step in range(3):
         mine = [mb[rank] for mb in batches[step]]
         if step == 1 and where == "forward":
@@ -265,7 +271,8 @@ def _recovers(rank: int, world: int, strategy: str, where: str, exc: type[BaseEx
             with pytest.raises(exc, match="injected"):
                 _run(model, mine[-1:], first=micro - 1, total=micro, inject=(where, exc))
             if micro == 1:
-                _change_weights_between_failure_and_retry(model, ref, states, eager=exc is InjectedError)
+                _change_weights_between_failure_and_retry(model, ref, states,
+                                                          eager=exc is InjectedError)
             loss += _run(model, mine[-1:], first=micro - 1, total=micro)
         else:
             if step == 1:
@@ -286,7 +293,7 @@ def _recovers(rank: int, world: int, strategy: str, where: str, exc: type[BaseEx
         ctx = states[0].ctx
         ok = (
             ctx is not None and not ctx.step_failed and ctx.allocator.live_bytes == 0
-            and not any(g.is_unsharded and g.strategy.shards_model_weights
+            and not any(g.is_gathered and g.plan.gathers_weights
                         for s in states for g in s.groups)
             and all(isinstance(p, DTensor) for p in model.parameters())
         )
@@ -323,7 +330,8 @@ def _optimizer_step_fails(rank: int, world: int, strategy: str) -> None:
     model = TinyGPT()
     ref = reference_copy(model)
     model = _wrap(model, strategy, timeout=30)
-    opt, ref_opt = _HalfStepSGD(model.parameters(), lr=0.05), _HalfStepSGD(ref.parameters(), lr=0.05)
+    opt = _HalfStepSGD(model.parameters(), lr=0.05)
+    ref_opt = _HalfStepSGD(ref.parameters(), lr=0.05)
     batches = make_batches("lm", 3, 1, world, per_rank=2)
     for step in range(3):
         loss = _run(model, [batches[step][0][rank]], total=1)

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import all_ranks_ok
@@ -153,8 +154,8 @@ def _skipped_after_refresh(rank: int, world: int, strategy: str) -> None:
     opt.zero_grad()
     model.skip_rank = rank  # every rank skips block 1 this time
     model(torch.randn(2, 4))
-    pending = [g.name for m in model.modules() if (s := getattr(m, "_mfsdp_state", None))
-               for g in s.groups if g._unshard_handle is not None]
+    pending = [g.name for m in model.modules() if (s := state_of(m))
+               for g in s.groups if g._pending_weights is not None]
     assert all_ranks_ok(not pending), f"collectives never waited on: {pending}"
 
 

@@ -41,10 +41,15 @@ from torch.utils.checkpoint import checkpoint
 
 import megatron_fsdp_v2
 from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2._registry import record_of
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import (
-    TinyGPT, all_ranks_ok, assert_close_to_reference, make_batches, shard_rows,
+    TinyGPT,
+    all_ranks_ok,
+    assert_close_to_reference,
+    make_batches,
+    shard_rows,
 )
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -103,7 +108,8 @@ class Net(nn.Module):
         super().__init__()
         self.inp = nn.Linear(self.DIN, self.DIM)
         self.blocks = nn.ModuleList(
-            MLPBlock(self.DIM, checkpoint=checkpoint, unused=unused and i == 0, extra=extra and i == 0)
+            MLPBlock(self.DIM, checkpoint=checkpoint, unused=unused and i == 0,
+                     extra=extra and i == 0)
             for i in range(layers)
         )
         if frozen:
@@ -133,7 +139,8 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 def _batches(steps: int, micro: int = 1, seed: int = 0) -> list[list[list[Batch]]]:
     """batches[step][micro][rank] -> that rank's (x, y); identical on every rank."""
     g = torch.Generator().manual_seed(4321 + seed)
-    return [[[(torch.randn(PER_RANK, Net.DIN, generator=g), torch.randn(PER_RANK, Net.DOUT, generator=g))
+    return [[[(torch.randn(PER_RANK, Net.DIN, generator=g),
+               torch.randn(PER_RANK, Net.DOUT, generator=g))
               for _ in range(WORLD)] for _ in range(micro)] for _ in range(steps)]
 
 
@@ -194,10 +201,11 @@ def _agree(check: Callable[..., None], *args: Any) -> None:
 
 def _params_close(model: nn.Module, ref: nn.Module, where: str) -> None:
     for name, p in model.named_parameters():
-        if isinstance(p, DTensor) and not hasattr(p, "_mfsdp_param_group"):
+        if isinstance(p, DTensor) and record_of(p) is None:
             raise AssertionError(
                 f"{where}: {name} is no longer the parameter fully_shard installed (a new "
-                f"{type(p).__name__} without its flat-buffer binding: the module's parameter was replaced)")
+                f"{type(p).__name__} without its flat-buffer binding: "
+                f"the module's parameter was replaced)")
     assert_close_to_reference(model, ref, rtol=RTOL, atol=ATOL, what=f"{where}: param")
 
 
@@ -224,8 +232,8 @@ def _grads_close(model: nn.Module, ref: nn.Module, where: str) -> None:
         rows = _rows(p)
         if ref_grad is None:
             if grad is not None:
-                raise AssertionError(f"{where}: grad of {name} is set (max abs {_maxabs(grad)}) but "
-                                     f"torch's is None")
+                raise AssertionError(f"{where}: grad of {name} is set "
+                                     f"(max abs {_maxabs(grad)}) but torch's is None")
         elif grad is None:
             if rows is None or rows[0] != rows[1]:
                 raise AssertionError(f"{where}: grad of {name} is None but torch's is set")
@@ -351,7 +359,8 @@ def _describe(e: BaseException) -> str:
     if isinstance(e, AssertionError):
         return "WRONG RESULT: " + _compact(str(e))
     frames = traceback.extract_tb(e.__traceback__)
-    where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(frames[-3:]))
+    where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}"
+                        for f in reversed(frames[-3:]))
     return f"EXCEPTION {type(e).__name__}: {e}\n        at {where}"
 
 
@@ -388,7 +397,8 @@ def _run_cases(rank: int, world: int, strategy: str, cases: list[str]) -> dict[s
             lines = [f"    rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {m}"
                      for m, rs in by_msg.items()]
             failures.append(f"[{strategy} / {name}]\n" + "\n".join(lines))
-        reports[case] = (f"{len(failures)} of {len(variants)} variants failed:\n" + "\n".join(failures)
+        reports[case] = (f"{len(failures)} of {len(variants)} variants failed:\n"
+                         + "\n".join(failures)
                          if failures else None)
     return reports if rank == 0 else {}
 
@@ -481,7 +491,8 @@ def _reentrant_checkpoint(rank: int, strategy: str, mode: str) -> None:
 
 def _case_reentrant_checkpoint(rank: int, strategy: str) -> list[Variant]:
     return [
-        (mode, lambda mode=mode: _reentrant_checkpoint(rank, strategy, mode)) for mode in ("outer", "inner")
+        (mode, lambda mode=mode: _reentrant_checkpoint(rank, strategy, mode))
+        for mode in ("outer", "inner")
     ]
 
 
@@ -624,7 +635,8 @@ def _toggle_requires_grad(rank: int, strategy: str, name: str, value: bool) -> N
 
 def _case_requires_grad(rank: int, strategy: str) -> list[Variant]:
     return [
-        ("unfreeze_frozen.weight", lambda: _toggle_requires_grad(rank, strategy, "frozen.weight", True)),
+        ("unfreeze_frozen.weight",
+         lambda: _toggle_requires_grad(rank, strategy, "frozen.weight", True)),
         ("freeze_blocks.1.fc1.weight",
          lambda: _toggle_requires_grad(rank, strategy, "blocks.1.fc1.weight", False)),
         ("freeze_head.bias", lambda: _toggle_requires_grad(rank, strategy, "head.bias", False)),
@@ -670,7 +682,8 @@ def _replaced_param_raises(rank: int, strategy: str, how: str) -> None:
     else:
         raise ValueError(how)
     before = _snapshot(model)
-    with _expect_raises(RuntimeError, name, "after fully_shard", what=f"forward after {how} of {name}"):
+    with _expect_raises(RuntimeError, name, "after fully_shard",
+                        what=f"forward after {how} of {name}"):
         model(inp)
     _assert_unchanged(model, before, f"after the rejected forward ({how})")
 
@@ -683,7 +696,9 @@ def _case_replaced_params(rank: int, strategy: str) -> list[Variant]:
 
 
 @_case_test(_case_replaced_params)
-def test_parameter_replaced_after_wrap_raises(strategy: str, request: pytest.FixtureRequest) -> None:
+def test_parameter_replaced_after_wrap_raises(
+    strategy: str, request: pytest.FixtureRequest
+) -> None:
     _check(request)
 
 
@@ -712,7 +727,8 @@ def _init_after_wrap(rank: int, strategy: str, when: str) -> None:
         # A forward after the step consumes the refresh the step scheduled.
         with torch.no_grad():
             parts = _batches(1, seed=3)[0][0]
-            _assert_outputs(model(parts[rank][0]), ref(torch.cat([p[0] for p in parts]))[_rank_rows(rank)],
+            _assert_outputs(model(parts[rank][0]),
+                            ref(torch.cat([p[0] for p in parts]))[_rank_rows(rank)],
                             model, ref, "eval forward after step 0")
     _init_edits(model)
     _init_edits(ref)
@@ -763,7 +779,8 @@ def _never_marked_last(rank: int, strategy: str, clip: bool) -> None:
             opt.step()
             ref_opt.step()
         warned += [str(w.message) for w in caught
-                   if issubclass(w.category, UserWarning) and "set_is_last_backward" in str(w.message)]
+                   if issubclass(w.category, UserWarning)
+                   and "set_is_last_backward" in str(w.message)]
         opt.zero_grad()
         ref_opt.zero_grad()
     _assert_params(model, ref, "after 3 steps")
@@ -802,7 +819,8 @@ def _inference_then_train(rank: int, strategy: str, when: str) -> None:
         out = model(parts[rank][0])
         ref_out = ref(torch.cat([p[0] for p in parts]))[_rank_rows(rank)]
     _assert_outputs(out, ref_out, model, ref, f"inference_mode forward ({when})")
-    _train(model, ref, opt, ref_opt, batches[first:], rank, f"after inference ({when})", first_step=first)
+    _train(model, ref, opt, ref_opt, batches[first:], rank, f"after inference ({when})",
+           first_step=first)
     _assert_params(model, ref, "after 3 steps")
 
 

@@ -1,18 +1,32 @@
 """Overlapped schedule: same numbers as the synchronous one, prefetch order as designed, and
-safety when control flow skips a prefetched unit."""
+safety when control flow skips a prefetched unit.
+
+The bitwise comparison has one test id per (strategy, skip) case, run on one pool of spawned
+ranks (``_pool.RankPools``, restarted after any failure).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from megatron_fsdp_v2 import clip_grad_norm_, fully_shard
-from megatron_fsdp_v2._state import get_state
+from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import TinyGPT, all_ranks_ok, lm_loss, make_batches
+from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPools]:
+    pools = RankPools()
+    yield pools
+    pools.close()
 
 
 class SkippingGPT(TinyGPT):
@@ -48,18 +62,19 @@ def _train(rank: int, world: int, strategy: str, overlap: bool, micro: int, step
     return [p.to_local().detach().clone() for p in model.parameters()]
 
 
-def _equal_worker(rank: int, world: int) -> None:
-    for strategy in STRATEGIES:
-        for skip_at in (None, {2: 1}):
-            sync = _train(rank, world, strategy, overlap=False, micro=2, skip_at=skip_at)
-            overlapped = _train(rank, world, strategy, overlap=True, micro=2, skip_at=skip_at)
-            ok = all(torch.equal(a, b) for a, b in zip(sync, overlapped))
-            assert all_ranks_ok(ok), f"{strategy} skip={skip_at}: overlap changed the numbers"
+def _equal_worker(rank: int, world: int, strategy: str, skip_at: dict[int, int] | None) -> None:
+    sync = _train(rank, world, strategy, overlap=False, micro=2, skip_at=skip_at)
+    overlapped = _train(rank, world, strategy, overlap=True, micro=2, skip_at=skip_at)
+    ok = all(torch.equal(a, b) for a, b in zip(sync, overlapped))
+    assert all_ranks_ok(ok), f"{strategy} skip={skip_at}: overlap changed the numbers"
 
 
-@pytest.mark.parametrize("world_size", [2])
-def test_overlap_matches_synchronous_bitwise(world_size: int) -> None:
-    run_distributed(_equal_worker, world_size, timeout_s=300)
+@pytest.mark.parametrize("skip_at", [None, {2: 1}], ids=["all-blocks", "skip-block1-at-step2"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("world_size", [2], ids=lambda w: f"w{w}")
+def test_overlap_matches_synchronous_bitwise(ranks: RankPools, world_size: int, strategy: str,
+                                             skip_at: dict[int, int] | None) -> None:
+    ranks.run(_equal_worker, world_size, strategy, skip_at, timeout_s=300)
 
 
 def _events_worker(rank: int, world: int) -> None:
@@ -70,7 +85,7 @@ def _events_worker(rank: int, world: int) -> None:
     fully_shard(model, sharding_strategy="optim_grads_params")
     batches = make_batches("lm", 3, 1, world, per_rank=2)
     lm_loss(model, batches[0][0][rank]).backward()  # records the forward order
-    ctx = get_state(model).ctx
+    ctx = state_of(model).ctx
     ctx.events = []
     lm_loss(model, batches[1][0][rank]).backward()
     expected = [
@@ -83,7 +98,8 @@ def _events_worker(rank: int, world: int) -> None:
         # backward: the root first (its outputs get gradients first), then each block gathers
         # itself only if not prefetched and prefetches the one before it
         ("unshard", "<root>"),
-        ("unshard", "blocks.2"), ("prefetch", "blocks.1"), ("reshard", "blocks.2"), ("reduce", "blocks.2"),
+        ("unshard", "blocks.2"), ("prefetch", "blocks.1"), ("reshard", "blocks.2"),
+        ("reduce", "blocks.2"),
         ("prefetch", "blocks.0"), ("reshard", "blocks.1"), ("reduce", "blocks.1"),
         ("reshard", "blocks.0"), ("reduce", "blocks.0"),
         # final callback: the root, whose inputs (token ids) never get gradients
@@ -96,8 +112,9 @@ def _events_worker(rank: int, world: int) -> None:
     model.skip = 1
     with torch.no_grad():
         model(batches[2][0][rank][:, :-1])
-    assert ("prefetch", "blocks.1") in ctx.events and ctx.events[-1] == ("reshard", "blocks.1"), ctx.events
-    assert all(not g.is_unsharded for s in ctx.states for g in s.groups)
+    assert ("prefetch", "blocks.1") in ctx.events, ctx.events
+    assert ctx.events[-1] == ("reshard", "blocks.1"), ctx.events
+    assert all(not g.is_gathered for s in ctx.states for g in s.groups)
     assert ctx.allocator.live_bytes == 0
 
     # ZeRO-1/2: all refresh all-gathers are launched at the root's pre-forward, in order.
@@ -109,10 +126,12 @@ def _events_worker(rank: int, world: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     lm_loss(model, batches[0][0][rank]).backward()
     opt.step()
-    ctx = get_state(model).ctx
+    ctx = state_of(model).ctx
     ctx.events = []
     lm_loss(model, batches[1][0][rank]).backward()
-    assert ctx.events[:3] == [("refresh", "<root>"), ("refresh", "blocks.0"), ("refresh", "blocks.1")], ctx.events
+    assert ctx.events[:3] == [
+        ("refresh", "<root>"), ("refresh", "blocks.0"), ("refresh", "blocks.1")
+    ], ctx.events
     assert [e for e in ctx.events if e[0] == "reduce"] == [
         ("reduce", "blocks.1"), ("reduce", "blocks.0"), ("reduce", "<root>")
     ], ctx.events

@@ -1,7 +1,9 @@
 """Flat-buffer kernels (torch.ops.megatron_fsdp_v2.*) against the pure-PyTorch reference.
 
-Every copy op is checked bitwise against ``megatron_fsdp_v2.ops._reference``: the
-kernels round after the multiply and after the add exactly like the reference's
+``pack_`` and the public wrappers built on it (``refresh_from_shard_``,
+``reduce_scatter_copy_in_``, ``reduce_scatter_copy_out_``: one-segment packs) are
+checked bitwise against ``megatron_fsdp_v2.ops._reference.pack_``: the kernels
+round after the multiply and after the add exactly like the reference's
 ``_foreach_mul`` / ``_foreach_add`` (no FMA contraction), so plain copies, casts,
 scaled copies and accumulation all agree bit for bit. The one tolerance is
 ``multi_tensor_sum_of_squares``: summation order differs (the CPU kernel
@@ -64,6 +66,12 @@ def _ops():
     return torch.ops.megatron_fsdp_v2
 
 
+@pytest.fixture
+def use_kernels(monkeypatch):
+    """The public wrappers call the C++/CUDA kernels, whatever MFSDP_USE_REFERENCE_OPS says."""
+    monkeypatch.setattr(mops, "_impl", _ops())
+
+
 def _randn(shape, dtype, device, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype=dtype, device=device)
@@ -105,28 +113,14 @@ def test_pack(device, src_dtype, dst_dtype, scale, accumulate):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scale, accumulate", MODES)
-@pytest.mark.parametrize("src_dtype, dst_dtype", DTYPE_PAIRS)
-def test_unpack(device, src_dtype, dst_dtype, scale, accumulate):
-    offsets, total = _layout()
-    flat = _randn((total,), src_dtype, device, seed=100)
-    outputs = [_randn(s, dst_dtype, device, seed=i) for i, s in enumerate(SHAPES)]
-    expected = [t.clone() for t in outputs]
-    ref.unpack_(flat, offsets, expected, scale=scale, accumulate=accumulate)
-    _ops().unpack_(flat, offsets, outputs, scale=scale, accumulate=accumulate)
-    for out, exp in zip(outputs, expected):
-        assert_bitwise_equal(out, exp)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("src_dtype, dst_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("numel, offset", [(0, 0), (1, 4), (4369, 11), (1000, 3000)])
-def test_refresh_from_shard(device, src_dtype, dst_dtype, numel, offset):
+def test_refresh_from_shard(use_kernels, device, src_dtype, dst_dtype, numel, offset):
     shard = _randn((numel,), src_dtype, device, seed=1)
     weight = _randn((5003,), dst_dtype, device, seed=2)
     expected = weight.clone()
-    ref.refresh_from_shard_(shard, expected, offset)
-    _ops().refresh_from_shard_(shard, weight, offset)
+    ref.pack_([shard], [offset], expected)
+    mops.refresh_from_shard_(shard, weight, offset)
     assert_bitwise_equal(weight, expected)
     # the slot now holds the shard cast once; the rest is untouched
     assert_bitwise_equal(weight[offset:offset + numel], shard.to(dst_dtype))
@@ -136,12 +130,12 @@ def test_refresh_from_shard(device, src_dtype, dst_dtype, numel, offset):
 @pytest.mark.parametrize("src_dtype, dst_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("pre_scale", [1.0, 0.125, 1 / 3])
 @pytest.mark.parametrize("numel", [0, 1, 4369])
-def test_reduce_scatter_copy_in(device, src_dtype, dst_dtype, pre_scale, numel):
+def test_reduce_scatter_copy_in(use_kernels, device, src_dtype, dst_dtype, pre_scale, numel):
     grad = _randn((numel,), src_dtype, device, seed=1)
     rs_input = _randn((numel,), dst_dtype, device, seed=2)
     expected = rs_input.clone()
-    ref.reduce_scatter_copy_in_(grad, expected, pre_scale=pre_scale)
-    _ops().reduce_scatter_copy_in_(grad, rs_input, pre_scale=pre_scale)
+    ref.pack_([grad], [0], expected, scale=pre_scale)
+    mops.reduce_scatter_copy_in_(grad, rs_input, pre_scale=pre_scale)
     assert_bitwise_equal(rs_input, expected)
 
 
@@ -149,12 +143,13 @@ def test_reduce_scatter_copy_in(device, src_dtype, dst_dtype, pre_scale, numel):
 @pytest.mark.parametrize("scale, accumulate", MODES)
 @pytest.mark.parametrize("src_dtype, dst_dtype", DTYPE_PAIRS)
 @pytest.mark.parametrize("numel", [1, 4369])
-def test_reduce_scatter_copy_out(device, src_dtype, dst_dtype, scale, accumulate, numel):
+def test_reduce_scatter_copy_out(use_kernels, device, src_dtype, dst_dtype, scale, accumulate,
+                                 numel):
     reduced = _randn((numel,), src_dtype, device, seed=1)
     main_grad = _randn((numel,), dst_dtype, device, seed=2)
     expected = main_grad.clone()
-    ref.reduce_scatter_copy_out_(reduced, expected, post_scale=scale, accumulate=accumulate)
-    _ops().reduce_scatter_copy_out_(reduced, main_grad, post_scale=scale, accumulate=accumulate)
+    ref.pack_([reduced], [0], expected, scale=scale, accumulate=accumulate)
+    mops.reduce_scatter_copy_out_(reduced, main_grad, post_scale=scale, accumulate=accumulate)
     assert_bitwise_equal(main_grad, expected)
 
 
@@ -199,16 +194,14 @@ def test_pack_large(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_public_wrappers(device):
+def test_public_wrappers(use_kernels, device):
     """The typed wrappers accept Python sequences and reach the same kernels."""
     offsets, total = _layout()
     inputs = [_randn(s, torch.float32, device, seed=i) for i, s in enumerate(SHAPES)]
     flat = torch.zeros(total, dtype=torch.bfloat16, device=device)
-    mops.pack_(tuple(inputs), tuple(offsets), flat, scale=2.0)
-    outputs = [torch.empty(s, dtype=torch.float32, device=device) for s in SHAPES]
-    mops.unpack_(flat, iter(offsets), outputs, scale=0.5)
-    for out, inp in zip(outputs, inputs):
-        assert_bitwise_equal(out, (inp * 2.0).bfloat16().float() * 0.5)
+    mops.pack_(tuple(inputs), iter(offsets), flat, scale=2.0)
+    for off, inp in zip(offsets, inputs):
+        assert_bitwise_equal(flat[off:off + inp.numel()], (inp * 2.0).bfloat16().reshape(-1))
     shard = torch.arange(8, dtype=torch.float32, device=device)
     weight = torch.zeros(16, dtype=torch.bfloat16, device=device)
     mops.refresh_from_shard_(shard, weight, 8)
@@ -239,12 +232,6 @@ def test_cuda_many_segments_split_launches(accumulate):
     ref.pack_(inputs, offsets, expected, scale=0.3, accumulate=accumulate)
     _ops().pack_(inputs, offsets, flat, scale=0.3, accumulate=accumulate)
     assert_bitwise_equal(flat, expected)
-    outputs = [torch.zeros(n, device="cuda") for n in sizes]
-    _ops().unpack_(flat, offsets, outputs)
-    expected_out = [torch.zeros(n, device="cuda") for n in sizes]
-    ref.unpack_(flat, offsets, expected_out)
-    for out, exp in zip(outputs, expected_out):
-        assert_bitwise_equal(out, exp)
     torch.testing.assert_close(
         _ops().multi_tensor_sum_of_squares(inputs),
         ref.multi_tensor_sum_of_squares(inputs), rtol=1e-5, atol=0,
@@ -295,41 +282,34 @@ def test_cuda_current_stream_and_graph_capture():
 def _opcheck_cases(device):
     offsets, total = _layout()
     inputs = [_randn(s, torch.float32, device, seed=i) for i, s in enumerate(SHAPES)]
-    outputs = [_randn(s, torch.bfloat16, device, seed=i) for i, s in enumerate(SHAPES)]
     flat = _randn((total,), torch.bfloat16, device, seed=7)
     vec32 = _randn((64,), torch.float32, device, seed=8)
-    vec16 = _randn((64,), torch.bfloat16, device, seed=9)
     weight = _randn((200,), torch.bfloat16, device, seed=10)
     return {
-        "pack_": ((inputs, offsets, flat), {"scale": 0.5, "accumulate": True}),
-        "unpack_": ((flat, offsets, outputs), {"scale": 2.0, "accumulate": False}),
-        "refresh_from_shard_": ((vec32, weight, 100), {}),
-        "reduce_scatter_copy_in_": ((vec32, vec16), {"pre_scale": 0.25}),
-        "reduce_scatter_copy_out_": ((vec16, vec32), {"post_scale": 4.0, "accumulate": True}),
-        "multi_tensor_sum_of_squares": (([vec32, vec32[:7]],), {}),
+        "pack_list": ("pack_", (inputs, offsets, flat), {"scale": 0.5, "accumulate": True}),
+        # the shape of refresh_from_shard_ / reduce-scatter copy-in and copy-out
+        "pack_one_segment": ("pack_", ([vec32], [100], weight), {"scale": 0.25}),
+        "multi_tensor_sum_of_squares": ("multi_tensor_sum_of_squares", ([vec32, vec32[:7]],), {}),
     }
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", list(_opcheck_cases("cpu")))
-def test_opcheck(device, name):
-    args, kwargs = _opcheck_cases(device)[name]
-    op = getattr(_ops(), name).default
-    torch.library.opcheck(op, args, kwargs)
+@pytest.mark.parametrize("case", list(_opcheck_cases("cpu")))
+def test_opcheck(device, case):
+    name, args, kwargs = _opcheck_cases(device)[case]
+    torch.library.opcheck(getattr(_ops(), name).default, args, kwargs)
 
 
-def test_mutating_schemas_annotate_mutation():
-    for name, mutated in [
-        ("pack_", "flat"),
-        ("unpack_", "outputs"),
-        ("refresh_from_shard_", "model_weight"),
-        ("reduce_scatter_copy_in_", "reduce_scatter_input"),
-        ("reduce_scatter_copy_out_", "main_grad_shard"),
-    ]:
-        schema = getattr(_ops(), name).default._schema
-        written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
-        assert written == [mutated], (name, written)
-        assert len(schema.returns) == 0
+def test_op_library_schemas():
+    """pack_ is the only mutating op and writes only `flat`; every op name the CPU-only
+    fallback registers (ops._load._OP_NAMES) exists."""
+    from megatron_fsdp_v2.ops import _load
+
+    for name in _load._OP_NAMES:
+        assert hasattr(_ops(), name), name
+    schema = _ops().pack_.default._schema
+    written = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+    assert written == ["flat"] and len(schema.returns) == 0
 
 
 def test_torch_compile_fullgraph_smoke():
@@ -341,7 +321,7 @@ def test_torch_compile_fullgraph_smoke():
     shard, weight = torch.randn(8), torch.zeros(16, dtype=torch.bfloat16)
     grads, grad_flat = [torch.randn(4, 5), torch.randn(7)], torch.ones(27)
     expected_weight, expected_flat = weight.clone(), grad_flat.clone()
-    ref.refresh_from_shard_(shard, expected_weight, 8)
+    ref.pack_([shard], [8], expected_weight)
     ref.pack_(grads, [0, 20], expected_flat, scale=0.5, accumulate=True)
 
     torch._dynamo.reset()
@@ -372,7 +352,7 @@ def _err(id_, *values):
     return pytest.param(*values, id=id_)
 
 
-BF16, F16, I32, I64 = torch.bfloat16, torch.float16, torch.int32, torch.int64
+BF16, I32, I64 = torch.bfloat16, torch.int32, torch.int64
 
 # (pack_ args, message regex)
 PACK_ERRORS = [
@@ -418,20 +398,12 @@ def test_device_mismatch_in_cpu_kernel():
     meta = _z(5, device="meta")
     with pytest.raises(RuntimeError, match=r"`inputs\[0\]` is on meta but `flat` is on cpu"):
         _ops().pack_.default.redispatch(cpu_only, [meta], [0], _z(20))
-    with pytest.raises(RuntimeError, match=r"`grad` is on meta but `reduce_scatter_input`"):
-        _ops().reduce_scatter_copy_in_.default.redispatch(cpu_only, meta, _z(5))
+    with pytest.raises(RuntimeError, match=r"`tensors\[1\]` is on meta but `tensors\[0\]`"):
+        _ops().multi_tensor_sum_of_squares.default.redispatch(cpu_only, [_z(5), meta])
 
 
-# (op name, args, message regex)
+# (public wrapper, args, message regex); the wrappers built on pack_ name themselves
 OTHER_ERRORS = [
-    _err("unpack_length", "unpack_", (_z(20), [0, 1], [_z(3)]),
-         r"list length mismatch: got 1 tensors in `outputs` but 2"),
-    _err("unpack_dtype", "unpack_", (_z(20), [0, 5], [_z(3), _z(3, dtype=F16)]),
-         r"dtype mismatch in `outputs`"),
-    _err("unpack_range", "unpack_", (_z(20), [18], [_z(3)]),
-         r"offsets\[0\] out of range: outputs\[0\] at offset 18"),
-    _err("unpack_flat_2d", "unpack_", (_z(2, 10), [0], [_z(3)]),
-         r"`flat` must be a 1-D flat buffer"),
     _err("refresh_range", "refresh_from_shard_", (_z(8), _z(16), 9),
          r"shard_offset out of range: `main_weight_shard` at shard_offset 9 with numel 8"),
     _err("refresh_2d", "refresh_from_shard_", (_z(8), _z(4, 4), 0),
@@ -455,9 +427,10 @@ OTHER_ERRORS = [
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name, args, message", OTHER_ERRORS)
-def test_other_errors(impl, name, args, message):
+def test_other_errors(monkeypatch, impl, name, args, message):
+    monkeypatch.setattr(mops, "_impl", _impl(impl))
     with pytest.raises(RuntimeError, match=message):
-        getattr(_impl(impl), name)(*args)
+        getattr(mops, name)(*args)
 
 
 # ----------------------------------------------------------------------------

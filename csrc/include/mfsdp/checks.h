@@ -1,12 +1,12 @@
-// User-facing argument checks shared by the CPU and CUDA backends.
+// User-facing argument checks of the front end (csrc/ops.cpp), run once per call
+// for every backend.
 //
 // Every message starts with the op name and names the offending argument, so a
 // failure inside a bucket of hundreds of parameters points at one of them.
 // These are TORCH_CHECKs (RuntimeError in Python). What the dispatcher already
 // guarantees (e.g. "this CPU kernel got a CPU flat buffer") is asserted with
-// TORCH_INTERNAL_ASSERT at the call site instead.
-//
-// Header-only and pybind11-free: included from .cpp and .cu files alike.
+// TORCH_INTERNAL_ASSERT at the call site instead. The Python validators in
+// megatron_fsdp_v2/ops/_checks.py repeat these messages word for word.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -18,6 +18,8 @@
 
 namespace mfsdp {
 
+// The Python package's list is SUPPORTED_DTYPES in megatron_fsdp_v2/api.py; the
+// kernels' AT_DISPATCH_FLOATING_TYPES_AND2(kHalf, kBFloat16) covers exactly these.
 inline bool is_supported_dtype(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
 }
@@ -47,7 +49,7 @@ inline void check_same_device(const at::Tensor& t, const std::string& arg, const
               " but `", ref_arg, "` is on ", ref.device());
 }
 
-// A list of tensors exchanged with a flat buffer (pack_ / unpack_): one offset per
+// A list of tensors copied into a flat buffer (pack_): one offset per
 // tensor, every tensor contiguous, one dtype and one device for the whole list, and
 // each [offset, offset + numel) inside the flat buffer.
 inline void check_list_and_flat(at::TensorList tensors, const char* list_arg,
@@ -77,32 +79,6 @@ inline void check_list_and_flat(at::TensorList tensors, const char* list_arg,
                 numel, " needs elements [", offset, ", ", offset + numel, ") but `", flat_arg,
                 "` has numel ", flat_numel);
   }
-}
-
-// A 1-D source/destination pair on one device (refresh / reduce-scatter copies).
-inline void check_pair(const at::Tensor& src, const char* src_arg, const at::Tensor& dst,
-                       const char* dst_arg, const char* op) {
-  check_flat_buffer(src, op, src_arg);
-  check_flat_buffer(dst, op, dst_arg);
-  check_same_device(src, src_arg, dst, dst_arg, op);
-}
-
-inline void check_same_numel(const at::Tensor& src, const char* src_arg, const at::Tensor& dst,
-                             const char* dst_arg, const char* op) {
-  TORCH_CHECK(src.numel() == dst.numel(), op, ": numel mismatch: `", src_arg, "` has ",
-              src.numel(), " elements but `", dst_arg, "` has ", dst.numel());
-}
-
-// dst[dst_offset : dst_offset + src.numel()] must lie inside dst.
-inline void check_range(const at::Tensor& src, const char* src_arg, const at::Tensor& dst,
-                        const char* dst_arg, int64_t dst_offset, const char* offset_arg,
-                        const char* op) {
-  const int64_t numel = src.numel();
-  const int64_t dst_numel = dst.numel();
-  TORCH_CHECK(dst_offset >= 0 && dst_offset <= dst_numel && numel <= dst_numel - dst_offset, op,
-              ": ", offset_arg, " out of range: `", src_arg, "` at ", offset_arg, " ", dst_offset,
-              " with numel ", numel, " needs elements [", dst_offset, ", ", dst_offset + numel,
-              ") but `", dst_arg, "` has numel ", dst_numel);
 }
 
 // A non-empty list of contiguous tensors of one supported dtype on one device.

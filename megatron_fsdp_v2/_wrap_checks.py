@@ -1,8 +1,7 @@
-"""Wrap-time helpers: argument validation, the default mesh, the library's communication group
-(with its collective timeout), collecting and validating the parameters a unit manages, and the
-cross-rank consistency check. Everything that can reject a call runs before any collective and
-before any buffer is built, so a bad call leaves the module untouched (see
-design.md §8)."""
+"""Wrap-time checks: argument validation, collecting and validating the parameters a unit
+manages, the cross-rank consistency check, and the padding warning. Everything that can reject
+a call runs before any collective (except the cross-rank check, which shares a failure) and
+before any buffer is built, so a bad call leaves the module untouched (see design.md §8)."""
 
 from __future__ import annotations
 
@@ -17,61 +16,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from . import _registry
+from ._comm_groups import LAUNCH_HINT, default_mesh
 from ._layout import BufferLayout
 from .api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 
 __all__ = [
-    "DEFAULT_TIMEOUT",
     "ManagedParam",
     "check_module",
     "check_ranks_agree",
     "collect_managed_params",
-    "comm_group",
-    "default_mesh",
     "raise_on_every_rank",
     "validate_options",
     "warn_if_padded",
 ]
-
-# Default timeout of the library's collectives (see ``comm_group``): well under torch's default
-# (10 minutes), so a rank that died or diverged fails the others in bounded time.
-DEFAULT_TIMEOUT = timedelta(minutes=5)
-
-# Attribute set on a module's original parameters once a unit manages them (they become the
-# compute parameters, views into the unit's flat buffers).
-COMPUTE_PARAM_ATTR = "_mfsdp_compute_param_of"
-
-_LAUNCH_HINT = (
-    "launch with torchrun (e.g. `torchrun --nproc_per_node=2 train.py`) and call "
-    "torch.distributed.init_process_group('nccl' on GPUs or 'gloo' on CPU) before fully_shard"
-)
-
-_default_meshes: dict[str, DeviceMesh] = {}
-
-
-def _group_alive(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` is still registered (not destroyed by ``destroy_process_group``)."""
-    try:
-        dist.get_process_group_ranks(group)
-    except (KeyError, ValueError, RuntimeError):
-        return False
-    return True
-
-
-def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over the whole world: ``cuda`` for NCCL, ``cpu`` otherwise (gloo)."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise ValueError(f"fully_shard needs an initialized default process group: {_LAUNCH_HINT}")
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = _default_meshes.get(device_type)
-    if mesh is None or not _group_alive(mesh.get_group()):
-        mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        _default_meshes[device_type] = mesh
-    return mesh
-
 
 def validate_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
     if mesh is None:
@@ -82,7 +43,7 @@ def validate_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
             f"(world_size,))) or None, got {type(mesh).__name__}"
         )
     if not dist.is_initialized():
-        raise ValueError(f"fully_shard needs an initialized default process group: {_LAUNCH_HINT}")
+        raise ValueError(f"fully_shard needs an initialized default process group: {LAUNCH_HINT}")
     if mesh.ndim != 1:
         raise ValueError(
             f"mesh must be 1-D (the data-parallel dimension), got a {mesh.ndim}-D mesh of shape "
@@ -162,54 +123,6 @@ def check_module(module: Any) -> None:
             )
 
 
-# ---------------------------------------------------------------------- communication group
-# [Note: collective timeout]
-# All of the library's collectives run on a process group created here, over the mesh's ranks,
-# with ``timeout`` (default DEFAULT_TIMEOUT). When a rank fails (an exception in forward,
-# backward or the optimizer step) and leaves the others inside a collective, they raise after
-# ``timeout`` instead of waiting for torch's default (10 minutes) or forever: gloo raises from the
-# collective (or from ``work.wait()``); NCCL's watchdog aborts the communicator and, by default,
-# the process, which torchrun then reports. ``new_group`` is itself collective over the mesh's
-# ranks: ``fully_shard`` creates the group on its first call with a given (mesh, timeout) and
-# every rank makes the same calls in the same order (wrapping is identical on every rank), so
-# the creations match. The group is cached per (mesh ranks, timeout, backend), so a model of many
-# units uses one group (one NCCL communicator) per distinct timeout.
-
-_comm_groups: dict[tuple[tuple[int, ...], float, str], dist.ProcessGroup] = {}
-
-
-def comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
-    """The process group the units on ``mesh`` communicate on: the mesh's own group when
-    ``timeout`` is ``None`` or the mesh has one rank, else a group over the mesh's ranks with that
-    timeout (created once, then cached)."""
-    mesh_group = mesh.get_group()
-    if timeout is None or mesh.size() == 1:
-        return mesh_group
-    ranks = tuple(dist.get_process_group_ranks(mesh_group))
-    backend = str(dist.get_backend(mesh_group))
-    key = (ranks, timeout.total_seconds(), backend)
-    group = _comm_groups.get(key)
-    if group is not None and _group_alive(group):
-        return group
-    covers_world = len(ranks) == dist.get_world_size()
-    group = dist.new_group(
-        list(ranks),
-        timeout=timeout,
-        backend=None if backend == str(dist.get_backend()) else backend,
-        # A sub-mesh (e.g. mesh["dp"] of a 2-D mesh): only its members call new_group.
-        use_local_synchronization=not covers_world,
-        group_desc=f"megatron_fsdp_v2 (timeout {timeout.total_seconds():g}s)",
-    )
-    _comm_groups[key] = group
-    return group
-
-
-def _clear_comm_groups() -> None:
-    """Forget the cached groups, so the next ``fully_shard`` creates fresh ones (tests: after a
-    collective timed out, its group no longer matches across ranks and must not be reused)."""
-    _comm_groups.clear()
-
-
 # ---------------------------------------------------------------------- parameters
 
 @dataclass
@@ -219,7 +132,7 @@ class ManagedParam:
 
 
 def _is_wrapped(module: nn.Module) -> bool:
-    return hasattr(module, "_mfsdp_state")
+    return _registry.state_of(module) is not None
 
 
 def _check_ignored(module: nn.Module, ignored_params: Any) -> set[int]:
@@ -263,7 +176,9 @@ def collect_managed_params(
     managed: list[ManagedParam] = []
     seen: set[int] = set()
     for prefix, submodule in module.named_modules():
-        if submodule is not module and any(prefix.startswith(w + ".") or prefix == w for w in wrapped_children):
+        if submodule is not module and any(
+            prefix.startswith(w + ".") or prefix == w for w in wrapped_children
+        ):
             continue
         if submodule is not module and _is_wrapped(submodule):
             wrapped_children.append(prefix)
@@ -273,11 +188,9 @@ def collect_managed_params(
                 continue
             fqn = f"{prefix}.{name}" if prefix else name
             seen.add(id(param))
-            owner = getattr(param, COMPUTE_PARAM_ATTR, None)
-            if owner is None and hasattr(param, "_mfsdp_param_group"):
-                group = param._mfsdp_param_group
-                owner = f"'{group.fqns[param._mfsdp_index]}' of another unit"
-            if owner is not None:
+            record = _registry.record_of(param)
+            if record is not None:
+                owner = f"'{record.fqn}' of {record.group.owner}"
                 raise ValueError(
                     f"parameter '{fqn}' is already managed by another fully_shard unit ({owner}). "
                     "A parameter shared between modules (e.g. tied embedding and output "
@@ -314,7 +227,7 @@ def collect_managed_params(
             )
     devices = {m.param.device for m in managed}
     if len(devices) > 1:
-        first = {}
+        first: dict[str, str] = {}
         for m in managed:
             first.setdefault(str(m.param.device), m.fqn)
         found = ", ".join(f"'{fqn}' on {device}" for device, fqn in sorted(first.items()))
@@ -391,10 +304,14 @@ def check_ranks_agree(
     if world == 1:
         return
     digest = int.from_bytes(hashlib.sha256("\n".join(lines).encode()).digest()[:7], "little")
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if mesh.device_type == "cuda"
+        else torch.device("cpu")
+    )
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     everyone = torch.empty(world, dtype=torch.int64, device=device)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(everyone, mine, group=group)
+    all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    all_gather_single(everyone, mine, group=group)
     if bool((everyone == mine).all()):
         return
     all_lines: list[list[str] | None] = [None] * world

@@ -1,0 +1,184 @@
+"""What a root unit shares with every unit of its tree (``FSDPContext``): the recorded forward
+order, in-flight reductions, the final callback of backward, and recovery after a forward or
+backward that raised. See [Note: hook schedule] in ``_state.py``."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+from ._allocator import BucketAllocator
+from ._flat_param_group import FlatParamGroup
+
+if TYPE_CHECKING:
+    from ._state import FSDPState
+
+__all__ = ["FSDPContext", "TrainingState"]
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+
+
+class FSDPContext:
+    """What the root shares with every unit of its tree."""
+
+    def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
+        self.root = root
+        self.states = states  # pre-order of the module tree: root first
+        self.allocator = BucketAllocator()
+        self.final_callback_queued = False
+        self.callback_failed = False  # the final callback raised: see recover()
+        self.unrecoverable: str | None = None  # why recover() failed; raised again on use
+        self.overlap = root.overlap
+        # [Note: prefetch order] Units in the order their forward ran in the first forward
+        # pass (not registration order). Forward prefetches the next unit's gather, backward
+        # the previous one's; a unit that is skipped or runs out of order just waits for (or
+        # issues) its own gather, and stray prefetches are resharded at the root's post-forward
+        # and the final callback.
+        self.forward_order: list[FSDPState] = []
+        self._order_index: dict[int, int] = {}
+        self.recording_order = True
+        # Units whose gradient collectives may still be in flight, oldest first. At most
+        # ``max_inflight_reductions`` units' reduction buckets are alive at once.
+        self.reducing: deque[FSDPState] = deque()
+        self.max_inflight_reductions = 1
+        # Debug/test event log of (event, unit fqn); None disables logging.
+        self.events: list[tuple[str, str]] | None = None
+
+    def log(self, event: str, state: FSDPState) -> None:
+        if self.events is not None:
+            self.events.append((event, state.fqn))
+
+    def record_forward(self, state: FSDPState) -> None:
+        if self.recording_order and id(state) not in self._order_index:
+            self._order_index[id(state)] = len(self.forward_order)
+            self.forward_order.append(state)
+
+    def neighbor(self, state: FSDPState, step: int) -> FSDPState | None:
+        """The unit ``step`` positions after ``state`` in the recorded forward order."""
+        index = self._order_index.get(id(state))
+        if index is None or self.recording_order:
+            return None
+        index += step
+        return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
+
+    def drain_reductions(self, keep: int) -> None:
+        """Finish the oldest in-flight reductions until at most ``keep`` units have some."""
+        while len(self.reducing) > keep:
+            for group in self.reducing.popleft().groups:
+                group.grads.wait_for_reduction()
+
+    @property
+    def groups(self) -> Iterable[FlatParamGroup]:
+        for state in self.states:
+            yield from state.groups
+
+    def final_callback(self) -> None:
+        """End of backward: reduce what no post-backward hook reduced, then finish reductions."""
+        try:
+            for state in reversed(self.states):
+                # Also units that accumulated earlier micro-batches of the window but did not
+                # run in this one: the last backward must still reduce what they hold.
+                if state.needs_post_backward or (
+                    state.is_last_backward
+                    and any(g.grads.awaits_last_reduction for g in state.groups)
+                ):
+                    state.run_post_backward()
+            self.reducing.clear()
+            for state in self.states:
+                for group in state.groups:
+                    group.free_gathered_weights()
+                    group.grads.wait_for_reduction()
+                if state.is_last_backward:
+                    for group in state.groups:
+                        group.grads.install()
+                        # The optimizer step that usually follows changes the main weights:
+                        # refresh once before the next forward whatever updates them (an
+                        # optimizer the step hook does not see, writes through to_local()).
+                        group.mark_main_weights_updated()
+        except BaseException:
+            self.callback_failed = True  # reductions may be half-waited: recover() next forward
+            raise
+        finally:
+            self.final_callback_queued = False
+            for state in self.states:
+                state.reset_to_idle()
+
+    @property
+    def step_failed(self) -> bool:
+        """Whether the last forward or backward raised before finishing (checked at the root's
+        next pre-forward): a unit still in forward (its post-forward never ran), a backward whose
+        final callback never ran, or a final callback that raised."""
+        return (
+            self.final_callback_queued or self.callback_failed or self.unrecoverable is not None
+            or any(s.training_state is not TrainingState.IDLE for s in self.states)
+        )
+
+    def recover(self) -> None:
+        """Return every unit to the state a new step starts from, after a forward or backward
+        that raised (an exception or ``KeyboardInterrupt`` in user code or a hook). Requires that
+        every rank failed at the same point, so that in-flight collectives match.
+
+        * In-flight gathers and reductions are waited for (they are matched across ranks and
+          write into buffers about to be reused) and their results dropped; gathered ZeRO-3
+          weights are freed, so the next forward gathers afresh instead of reusing buffers that
+          may be half-gathered or stale (e.g. after an optimizer step in between).
+        * Hook state is reset: training states, pending post-backward counts, the queued final
+          callback, in-flight reduction bookkeeping; DTensor parameters are registered again.
+        * After a failed *backward*, every gradient not yet consumed by an optimizer step is
+          discarded, as ``zero_grad(set_to_none=True)`` would: the compute parameters' ``.grad``
+          of the failed backward, the main gradients (including micro-batches accumulated earlier
+          in the window, whose sums cannot be separated from the failed one's) and installed
+          ``.grad`` s. A failed *forward* wrote no gradient and leaves gradients untouched.
+
+        Raises ``RuntimeError`` if waiting for an in-flight collective fails (e.g. the ranks
+        failed at different points and their collectives no longer match): the process group
+        is then unusable and the job must restart; every later forward raises it again.
+
+        Runs at once when an exception leaves the root's forward (an ``always_call`` forward
+        hook), else lazily: at the root's next pre-forward, or before ``state_dict()`` /
+        ``load_state_dict()`` of any unit (a ``KeyboardInterrupt``, or a failed backward).
+        """
+        if self.unrecoverable is not None:
+            raise RuntimeError(self.unrecoverable)
+        discard_grads = self.final_callback_queued or self.callback_failed or any(
+            s.training_state is TrainingState.PRE_BACKWARD for s in self.states
+        )
+        error: BaseException | None = None
+        for state in self.states:
+            for group in state.groups:
+                if error is None:
+                    try:
+                        group.wait_for_compute_weights()
+                        group.grads.wait_for_reduction()
+                    except Exception as e:  # noqa: BLE001 - reported below, after the reset
+                        error = e
+                if error is not None:
+                    # The group is broken: free no buffer a collective may still write into
+                    # (and wait for no further one: each could take the whole timeout).
+                    continue
+                group.free_gathered_weights()
+                for param in group.params:
+                    param.grad = None
+                if discard_grads:
+                    group.grads.zero_grad(set_to_none=True)
+        self.reducing.clear()
+        self.final_callback_queued = False
+        self.callback_failed = False
+        for state in self.states:
+            state.reset_to_idle()
+            state.forget_graph()
+        if error is not None:
+            self.unrecoverable = (
+                "fully_shard cannot recover from the failed forward/backward: a collective it "
+                f"left in flight did not complete ({type(error).__name__}: {error}). The ranks "
+                "most likely failed at different points, so their collectives no longer match "
+                "and the process group is unusable; restart the job (e.g. from the last "
+                "checkpoint)"
+            )
+            raise RuntimeError(self.unrecoverable) from error

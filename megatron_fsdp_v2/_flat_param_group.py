@@ -1,0 +1,361 @@
+"""One flat parameter group: its buffers and their lifecycle (compute weights made ready and
+freed, gradients staged and reduced), executing the group's :class:`~._plan.BufferPlan`. No
+hooks here (``_state.py`` decides *when*), no collective launch details (``_reduce.py``), no
+strategy branches (``_plan.py``); gradients (``main_grad``, the gradient path, what the optimizer
+sees as ``.grad``) are in ``_grads.py``.
+
+[Note: buffer roles]
+Every group owns up to three persistent flat buffers, laid out identically (see
+[Note: row-aligned flat buffers] in ``_layout.py``); the plan says each one's extent:
+
+* ``model_weight``: the compute weights, in the compute dtype. Compute parameters (the module's
+  original ``nn.Parameter`` objects) are views into the unsharded buffer (``model_weight``
+  itself, or the temporary ``unsharded_model_weight`` bucket of a group that gathers), bound
+  once: at wrap time, or at the first gather.
+* ``main_weight``: what the optimizer updates, exposed as DTensor parameters whose local tensors
+  are views into it. A separate buffer only when the main dtype differs from the compute dtype;
+  otherwise it *is* this rank's part of ``model_weight``.
+* ``main_grad``: what the optimizer reads, exposed as DTensor gradients viewing it. Allocated
+  lazily and freed when gradients are cleared; the tensor object survives (storage freeing), so
+  cached gradient views stay valid.
+
+[Note: replicated-buffer refresh]
+With replicated compute weights and sharded main weights (``optim``, ``optim_grads``), an
+optimizer step leaves every rank's ``model_weight`` stale outside its own shard. The group is
+marked stale (see design.md §4 for what marks it); the next ``ready_compute_weights`` (the unit's
+pre-forward) casts this rank's main shard into its own slot of ``model_weight``
+(``refresh_from_shard_``) and runs one in-place ``all_gather_into_tensor`` over ``model_weight``:
+the strategy's single all-gather. Writes through ``p.to_local()``/``p.data`` in the middle of an
+accumulation window are not seen (``FSDPModule.mark_main_weights_updated``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from . import _collectives as comm
+from . import _reduce, ops
+from ._allocator import BucketAllocator
+from ._grads import GroupGrads
+from ._layout import BufferLayout, ItemLayout
+from ._plan import Extent, Refresh, make_plan
+from .api import ResolvedDtypes, ShardingStrategy
+
+__all__ = ["FlatParamGroup", "ParamRecord"]
+
+
+@dataclass(eq=False)
+class ParamRecord:
+    """One managed parameter (FSDP2's ``FSDPParam``): its names, its two faces and its place."""
+
+    fqn: str  # relative to the unit's module
+    group: FlatParamGroup
+    index: int  # in the group
+    item: ItemLayout
+    compute_param: nn.Parameter  # the module's original object; autograd sees it in forward
+    dist_param: nn.Parameter  # the optimizer-facing DTensor parameter
+    local_rows: tuple[int, int]  # global dim-0 rows of the optimizer-facing local shard
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class FlatParamGroup:
+    """The flat buffers of one (device, dtype, requires_grad) group of one FSDP unit."""
+
+    def __init__(
+        self,
+        *,
+        group_id: tuple[int, int],
+        params: Sequence[nn.Parameter],
+        fqns: Sequence[str],
+        layout: BufferLayout,
+        mesh: DeviceMesh,
+        process_group: dist.ProcessGroup | None = None,
+        strategy: ShardingStrategy,
+        dtypes: ResolvedDtypes,
+        grad_pre_scale: float,
+        allocator: BucketAllocator,
+        sync_from_rank0: bool = False,
+    ) -> None:
+        """Builds the buffers but leaves the module's parameters untouched: :meth:`bind`
+        turns them into views of the buffers once every group of the unit was built (so a
+        failure half-way changes nothing). ``sync_from_rank0``: start from the mesh rank 0's
+        values (one broadcast), as DDP does."""
+        self.layout = layout
+        self.mesh = mesh
+        # Collectives run on ``process_group`` (a group over the mesh's ranks; see
+        # ``_comm_groups.comm_group``), default: the mesh's own group.
+        self.process_group = process_group if process_group is not None else mesh.get_group()
+        self.rank = mesh.get_local_rank()
+        self.world_size = mesh.size()
+        self.strategy = strategy
+        self.plan = make_plan(strategy, dtypes, layout, self.rank)
+        self.dtypes = dtypes
+        self.grad_pre_scale = grad_pre_scale
+        self.allocator = allocator
+        self.device = params[0].device
+        self.streams = comm.streams_for(self.device)
+        # Names this group in errors and in the collective-order check; the root's lazy init
+        # replaces it with the unit's fully qualified name.
+        self.name = f"group of {fqns[0]!r}" + (f" (+{len(fqns) - 1})" if len(fqns) > 1 else "")
+        self.debug_collectives = os.environ.get("MFSDP_DEBUG_COLLECTIVES", "0") == "1"
+        self.owner = ""  # "<Class> at 0x...": the unit, in error messages (set by fully_shard)
+        self.uncovered = layout.uncovered_ranges()  # padding and alignment gaps
+        self._group_id = group_id
+
+        self._build_weight_buffers(self._initial_flat(params, sync_from_rank0))
+        self.records = [
+            ParamRecord(fqn, self, index, item, param, self._build_dist_param(param, index),
+                        self._local_rows(index))
+            for index, (param, fqn, item) in enumerate(zip(params, fqns, layout.items))
+        ]
+        self.requires_grad = params[0].requires_grad
+        self.grads = GroupGrads(self)  # main_grad, the gradient path, what the optimizer sees
+        self._pending_weights: _reduce.Pending | None = None
+        self._weights_stale = False
+        self._gathered = False
+        self._main_version = self._dist_param_version()
+
+    # ------------------------------------------------------------------ records
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [r.compute_param for r in self.records]
+
+    @property
+    def dist_params(self) -> list[nn.Parameter]:
+        return [r.dist_param for r in self.records]
+
+    @property
+    def fqns(self) -> list[str]:
+        return [r.fqn for r in self.records]
+
+    def local_row_range(self, index: int) -> tuple[int, int]:
+        """Global dim-0 rows of parameter ``index`` in this rank's optimizer-facing shard."""
+        return self.records[index].local_rows
+
+    # ------------------------------------------------------------------ construction
+
+    def _initial_flat(self, params: Sequence[nn.Parameter], sync_from_rank0: bool) -> torch.Tensor:
+        """The parameters' current values packed into one full flat buffer of their own dtype
+        (padding zeroed), broadcast from mesh rank 0 when ``sync_from_rank0``. Temporary: it
+        lives while the group is built, like the parameters themselves."""
+        flat = torch.zeros(self.layout.total_numel, dtype=params[0].dtype, device=self.device)
+        offsets = [item.offset for item in self.layout.items]
+        # .contiguous() copies only the rare non-contiguous parameter (e.g. a strided view).
+        ops.pack_([p.detach().contiguous().view(-1) for p in params], offsets, flat)
+        if sync_from_rank0 and self.world_size > 1:
+            comm.broadcast_from_first(flat, self.process_group)
+        return flat
+
+    def _build_weight_buffers(self, initial: torch.Tensor) -> None:
+        plan, dtypes, device = self.plan, self.dtypes, self.device
+        lo, hi = plan.model_weight_span
+        self.model_weight = torch.empty(hi - lo, dtype=dtypes.model, device=device)
+        ops.pack_([initial[lo:hi]], [0], self.model_weight)
+        main_lo, main_hi = plan.main_weight_span
+        if plan.main_weight_separate:
+            self.main_weight = torch.empty(main_hi - main_lo, dtype=dtypes.main, device=device)
+            ops.pack_([initial[main_lo:main_hi]], [0], self.main_weight)
+        else:
+            self.main_weight = self.model_weight[main_lo - lo : main_hi - lo]
+        self._views_bound = False
+
+    def bind(self) -> None:
+        """Make the compute parameters zero-copy views of the unsharded weights, which releases
+        their original storage. A group that gathers has no unsharded bucket until its first
+        gather (so wrapping never holds a full-size copy): until then they hold an empty
+        placeholder."""
+        if not self.plan.gathers_weights:
+            self._bind_compute_views(self.model_weight)
+            return
+        with torch.no_grad():
+            for record in self.records:
+                record.compute_param.data = torch.empty(
+                    0, dtype=self.dtypes.model, device=self.device
+                )
+
+    def _bind_compute_views(self, unsharded_model_weight: torch.Tensor) -> None:
+        # Outside inference mode: a view made inside it could never be updated in place again.
+        with torch.no_grad(), torch.inference_mode(False):
+            for record in self.records:
+                item = record.item
+                flat = unsharded_model_weight[item.offset : item.end]
+                record.compute_param.data = flat.view(item.shape)
+        self._views_bound = True
+
+    def local_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        """Item ``index``'s rows in ``buffer``, which holds the main-weight span (the span the
+        optimizer-facing parameters and gradients cover)."""
+        item = self.layout.items[index]
+        start, end = self.plan.main_weight_span
+        lo, hi = self.layout.local_item_range(index, start, end)
+        rows = (hi - lo) // item.row_numel
+        return buffer[lo - start : hi - start].view(rows, *item.shape[1:])
+
+    def _local_rows(self, index: int) -> tuple[int, int]:
+        item = self.layout.items[index]
+        lo, hi = self.layout.local_item_range(index, *self.plan.main_weight_span)
+        start = min(max(lo - item.offset, 0), item.numel) // item.row_numel
+        return start, start + (hi - lo) // item.row_numel
+
+    def to_dtensor(self, local: torch.Tensor, index: int) -> DTensor:
+        shape = self.layout.items[index].shape
+        placement = Shard(0) if self.plan.optimizer_placement is Extent.SHARD else Replicate()
+        return DTensor.from_local(
+            local, self.mesh, [placement], run_check=False, shape=shape,
+            stride=_contiguous_stride(shape),
+        )
+
+    def _build_dist_param(self, param: nn.Parameter, index: int) -> nn.Parameter:
+        local = self.local_view(self.main_weight, index)
+        dist_param = nn.Parameter(self.to_dtensor(local, index), requires_grad=param.requires_grad)
+        # Optimizer grouping and user code read attributes set on the original parameters.
+        for name, value in vars(param).items():
+            setattr(dist_param, name, value)
+        return dist_param
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def needs_refresh(self) -> bool:
+        return self._weights_stale
+
+    def mark_main_weights_updated(self) -> None:
+        """The main weights changed: rebuild compute weights before their next use (a no-op
+        where compute weights are the main weights)."""
+        if self.plan.refresh is not Refresh.NONE:
+            self._weights_stale = True
+
+    def _dist_param_version(self) -> int:
+        return sum(r.dist_param._version for r in self.records)
+
+    def detect_main_weight_edits(self) -> None:
+        """Mark the group stale when an in-place op on an optimizer-facing parameter (e.g.
+        ``nn.init.normal_(p)``, ``p.copy_(x)``) bumped its version counter since the last look."""
+        version = self._dist_param_version()
+        if version != self._main_version:
+            self._main_version = version
+            self.mark_main_weights_updated()
+
+    def sync_requires_grad(self) -> None:
+        """Follow ``requires_grad_`` calls on the optimizer-facing parameters after wrapping:
+        the compute parameters autograd sees must agree with them."""
+        changed = False
+        for record in self.records:
+            wanted = record.dist_param.requires_grad
+            if record.compute_param.requires_grad != wanted:
+                record.compute_param.requires_grad_(wanted)
+                changed = True
+        if changed:
+            self.requires_grad = any(r.dist_param.requires_grad for r in self.records)
+            self.grads.forget_views()  # views exist only for parameters that train
+
+    def temporary_key(self, role: str) -> tuple[tuple[int, int], str]:
+        """The allocator key of this group's temporary bucket ``role`` (see the plan's
+        ``temporaries``)."""
+        return (self._group_id, role)
+
+    def issue(
+        self, what: str, launch: comm.Launch, *, async_op: bool, reduce: bool
+    ) -> comm.CommHandle | None:
+        """Launch one of this group's collectives (see [Note: asynchronous collectives])."""
+        if self.debug_collectives:
+            comm.check_collective_order(
+                self.process_group, f"{what} of {self.name} ({self.layout.total_numel} elements)",
+                self.device,
+            )
+        return self.streams.run(launch, async_op=async_op, reduce=reduce)
+
+    def ready_compute_weights(self, async_op: bool = False) -> bool:
+        """Make the compute weights current: gather them (a group that gathers) or refresh them
+        from updated main weights. Possibly asynchronous (:meth:`wait_for_compute_weights`).
+        Returns whether a collective was issued."""
+        # Buckets and views made under inference mode could never be updated in place again.
+        with torch.inference_mode(False):
+            if self.plan.gathers_weights:
+                return self._gather(async_op)
+            return self._refresh(async_op)
+
+    def _gather(self, async_op: bool) -> bool:
+        if self._gathered:
+            return False
+        if self._weights_stale:
+            _reduce.refresh_weights(self.plan, self.main_weight, self.model_weight,
+                                    self.process_group, self.issue, async_op=False)
+            self._weights_stale = False
+        output = self.allocator.allocate(
+            self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
+            self.dtypes.model, self.device,
+        )
+        if not self._views_bound:  # views stay valid across storage freeing from now on
+            self._bind_compute_views(output)
+        self._pending_weights = _reduce.gather_weights(
+            output, self.model_weight, self.process_group, self.issue, async_op
+        )
+        self._gathered = True
+        return True
+
+    def _refresh(self, async_op: bool) -> bool:
+        if not self._weights_stale:
+            return False
+        self._weights_stale = False
+        self._pending_weights = _reduce.refresh_weights(
+            self.plan, self.main_weight, self.model_weight, self.process_group, self.issue,
+            async_op,
+        )
+        return self._pending_weights is not None
+
+    def wait_for_compute_weights(self) -> None:
+        pending, self._pending_weights = self._pending_weights, None
+        if pending is not None:
+            pending.wait()
+
+    def free_gathered_weights(self) -> bool:
+        """Free the gathered weights of a group that gathers; returns whether it did. Waits for
+        an in-flight gather or refresh first (one launched for a unit that control flow then
+        skipped must finish before its buffer is reused or overwritten)."""
+        self.wait_for_compute_weights()
+        if not self._gathered:
+            return False
+        self.allocator.free(self.temporary_key("unsharded_model_weight"))
+        self._gathered = False
+        return True
+
+    @property
+    def is_gathered(self) -> bool:
+        return self._gathered
+
+    # ------------------------------------------------------------------ accounting
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of each persistent buffer role this rank holds (grads at their step-time size)."""
+        model = self.model_weight.numel() * self.model_weight.element_size()
+        main = (
+            self.main_weight.numel() * self.main_weight.element_size()
+            if self.plan.main_weight_separate else 0
+        )
+        grad = self.grads.memory_bytes()
+        padding_elems = self.layout.padding_numel
+        if self.plan.model_weight is Extent.SHARD:
+            padding_elems //= self.world_size
+        return {
+            "model_weights": model,
+            "main_weights": main,
+            "main_grads": grad,
+            "padding": padding_elems * self.dtypes.model.itemsize,
+        }

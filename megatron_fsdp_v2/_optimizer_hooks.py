@@ -1,0 +1,94 @@
+"""The optimizer side: global ``torch.optim`` step hooks, installed by the first ``fully_shard``
+call (nothing at import time).
+
+Before a step they catch an optimizer built before wrapping (it holds the compute parameters,
+which would be updated as stale copies that never see a gradient), reduce gradients of a window
+no backward marked last, and mark the groups the optimizer holds for the refresh of their
+compute weights (see [Note: replicated-buffer refresh]); after it, mark them again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from . import _registry
+from ._flat_param_group import FlatParamGroup
+from ._grads import finalize_unsynchronized
+
+__all__ = ["install_optimizer_hooks", "note_wrap"]
+
+def note_wrap() -> None:
+    """A unit was wrapped: optimizers cached before it are checked again, and the hooks exist."""
+    _registry.wrap_generation[0] += 1
+    install_optimizer_hooks()
+
+
+def install_optimizer_hooks() -> None:
+    if not _registry.optimizer_hook_handles:
+        _registry.optimizer_hook_handles.extend([
+            register_optimizer_step_pre_hook(_optimizer_pre_step),
+            register_optimizer_step_post_hook(_optimizer_post_step),
+        ])
+
+
+@dataclass
+class _OptimizerGroups:
+    param_count: int
+    generation: int
+    groups: list[FlatParamGroup] = field(default_factory=list)
+    stale_params: list[str] = field(default_factory=list)
+
+
+def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
+    # Runs twice per step: the cache check must not walk the parameters.
+    param_count = sum(len(g["params"]) for g in optimizer.param_groups)
+    cached = _registry.optimizer_cache.get(optimizer)
+    if (
+        cached is not None and cached.param_count == param_count
+        and cached.generation == _registry.wrap_generation[0]
+    ):
+        return cached
+    info = _OptimizerGroups(param_count, _registry.wrap_generation[0])
+    seen: set[int] = set()
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            record = _registry.record_of(p)
+            if record is None:
+                continue
+            if p is record.compute_param:
+                info.stale_params.append(
+                    f"'{record.fqn}' of {record.group.owner}, shape {tuple(record.item.shape)}"
+                )
+            elif id(record.group) not in seen:
+                seen.add(id(record.group))
+                info.groups.append(record.group)
+    _registry.optimizer_cache[optimizer] = info
+    return info
+
+
+def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    info = _optimizer_groups(optimizer)
+    if info.stale_params:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds parameters that fully_shard replaced "
+            f"({len(info.stale_params)}, first: {info.stale_params[0]}): the optimizer was "
+            "built before wrapping, so it would update stale copies and never see gradients. "
+            "Build the optimizer after fully_shard (after wrapping the root), from "
+            "model.parameters()"
+        )
+    finalize_unsynchronized(info.groups, "optimizer.step()")
+    # Marked before the step too: a step that raises half-way has still changed main weights.
+    for group in info.groups:
+        group.mark_main_weights_updated()
+
+
+def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in _optimizer_groups(optimizer).groups:
+        group.mark_main_weights_updated()

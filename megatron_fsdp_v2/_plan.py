@@ -1,0 +1,168 @@
+"""The buffer plan: what a ZeRO strategy means for one flat parameter group, as data.
+
+[Note: buffer plan]
+A :class:`BufferPlan` is computed once per group from (strategy, dtypes, layout, rank) and
+states what design.md §3/§4 state as prose: for each buffer role its extent (the full buffer,
+this rank's shard) and whether it aliases another role, the gradient path, which collectives
+reduce gradients and refresh weights, and which temporary buckets exist. ``FlatParamGroup``
+executes a plan and holds no strategy branches; ``tests/unit/test_plan.py`` checks the table
+against design.md's.
+
+Collectives are listed as *steps* (a tuple), each naming its mesh axis. A 1-D mesh has one axis
+(``"shard"``) and one step per path. A second, outer mesh axis (HSDP) adds steps (e.g. an outer
+all-reduce after the inner reduce-scatter) instead of branches in the group.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ._layout import BufferLayout
+from .api import ResolvedDtypes, ShardingStrategy
+
+__all__ = [
+    "BufferPlan", "Collective", "CollectiveStep", "Extent", "GradPath", "Refresh", "make_plan",
+]
+
+
+class Extent(enum.Enum):
+    """How much of a group's flat buffer a role holds on this rank."""
+
+    FULL = "full"
+    SHARD = "shard"
+
+
+class GradPath(enum.Enum):
+    ACCUMULATE_THEN_REDUCE = "accumulate"
+    """Micro-batches add into a full-size ``main_grad``; one collective on the last one
+    (``no_shard``, ``optim``)."""
+    REDUCE_EACH_MICRO_BATCH = "reduce each"
+    """Every micro-batch is staged into a temporary ``reduce_scatter_input`` and reduced; the
+    results add up in the ``main_grad`` shard (``optim_grads``, ``optim_grads_params``)."""
+
+
+class Refresh(enum.Enum):
+    """How compute weights follow an update of the main weights (see
+    [Note: replicated-buffer refresh] in ``_flat_param_group.py``)."""
+
+    NONE = "none"
+    """Compute weights *are* the main weights (same buffer): nothing to do."""
+    CAST = "cast"
+    """Cast the main weights into the model weights locally (no collective)."""
+    CAST_OWN_SLOT_THEN_GATHER = "cast own slot, all-gather"
+    """Cast this rank's main shard into its slot of the replicated model weights, then one
+    in-place all-gather (ZeRO-1/2)."""
+    CAST_SHARD = "cast shard"
+    """Cast the main shard into the sharded model weights; the next gather spreads it (ZeRO-3
+    with a separate main buffer)."""
+
+
+class Collective(enum.Enum):
+    ALL_REDUCE = "all-reduce"
+    REDUCE_SCATTER = "reduce-scatter"
+    ALL_GATHER = "all-gather"
+
+
+@dataclass(frozen=True)
+class CollectiveStep:
+    op: Collective
+    axis: str = "shard"  # the mesh axis it runs over; "shard" is the 1-D mesh
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """One group's buffers and collectives. Spans are ``[start, end)`` in flat-buffer elements."""
+
+    strategy: ShardingStrategy
+    model_weight: Extent
+    main_weight: Extent
+    main_weight_separate: bool
+    """Its own buffer (the main dtype differs from the compute dtype); else a view of
+    ``model_weight`` (the rank's slot of it when ``model_weight`` is full and main is sharded)."""
+    main_grad: Extent
+    optimizer_placement: Extent
+    """What the optimizer-facing DTensors hold: ``SHARD`` -> ``Shard(0)``, ``FULL`` ->
+    ``Replicate()``. Always the main weights' extent; the main gradients the optimizer sees
+    are the same span of ``main_grad``."""
+    gathers_weights: bool
+    """Compute weights are gathered into a temporary ``unsharded_model_weight`` bucket around
+    forward and backward, and freed after each (ZeRO-3)."""
+    grad_path: GradPath
+    reduce_steps: tuple[CollectiveStep, ...]
+    refresh: Refresh
+    refresh_steps: tuple[CollectiveStep, ...]
+    gather_steps: tuple[CollectiveStep, ...]
+    temporaries: tuple[str, ...]
+    """Temporary bucket roles this group may allocate (storage-freeing allocator)."""
+    model_weight_span: tuple[int, int]
+    main_weight_span: tuple[int, int]
+    main_grad_span: tuple[int, int]
+    shard_span: tuple[int, int]
+
+    @property
+    def reduces_in_place(self) -> bool:
+        """Whether the gradient collective runs on ``main_grad`` itself (accumulate path, same
+        dtype): otherwise through a temporary bucket in the communication dtype."""
+        return (
+            "grad_comm" not in self.temporaries
+            and self.grad_path is GradPath.ACCUMULATE_THEN_REDUCE
+        )
+
+
+def make_plan(
+    strategy: ShardingStrategy, dtypes: ResolvedDtypes, layout: BufferLayout, rank: int
+) -> BufferPlan:
+    """The plan of one group. The only place that turns a strategy into buffer decisions."""
+    full = (0, layout.total_numel)
+    shard = layout.shard_range(rank)
+    shards_main = strategy is not ShardingStrategy.NO_SHARD
+    shards_grads = strategy in (ShardingStrategy.OPTIM_GRADS, ShardingStrategy.OPTIM_GRADS_PARAMS)
+    gathers = strategy is ShardingStrategy.OPTIM_GRADS_PARAMS
+    separate = dtypes.main != dtypes.model
+    main_extent = Extent.SHARD if shards_main else Extent.FULL
+    grad_path = (
+        GradPath.REDUCE_EACH_MICRO_BATCH if shards_grads else GradPath.ACCUMULATE_THEN_REDUCE
+    )
+    reduce_op = Collective.REDUCE_SCATTER if shards_main else Collective.ALL_REDUCE
+
+    if gathers:
+        refresh = Refresh.CAST_SHARD if separate else Refresh.NONE
+    elif shards_main:
+        refresh = Refresh.CAST_OWN_SLOT_THEN_GATHER
+    else:
+        refresh = Refresh.CAST if separate else Refresh.NONE
+    temporaries: list[str] = []
+    if gathers:
+        temporaries.append("unsharded_model_weight")
+    if grad_path is GradPath.REDUCE_EACH_MICRO_BATCH:
+        temporaries.append("reduce_scatter_input")
+    else:
+        # The delayed collective runs in place unless the communication dtype differs; an
+        # unmarked loop (every backward "last") reduces later micro-batches through a
+        # reduce_scatter_input too (see GroupGrads.reduce).
+        if dtypes.comm != dtypes.grad:
+            temporaries.append("grad_comm")
+        temporaries.append("reduce_scatter_input")
+    return BufferPlan(
+        strategy=strategy,
+        model_weight=Extent.SHARD if gathers else Extent.FULL,
+        main_weight=main_extent,
+        main_weight_separate=separate,
+        main_grad=Extent.SHARD if shards_grads else Extent.FULL,
+        optimizer_placement=main_extent,
+        gathers_weights=gathers,
+        grad_path=grad_path,
+        reduce_steps=(CollectiveStep(reduce_op),),
+        refresh=refresh,
+        refresh_steps=(
+            (CollectiveStep(Collective.ALL_GATHER),)
+            if refresh is Refresh.CAST_OWN_SLOT_THEN_GATHER else ()
+        ),
+        gather_steps=(CollectiveStep(Collective.ALL_GATHER),) if gathers else (),
+        temporaries=tuple(temporaries),
+        model_weight_span=shard if gathers else full,
+        main_weight_span=shard if shards_main else full,
+        main_grad_span=shard if shards_grads else full,
+        shard_span=shard,
+    )

@@ -1,0 +1,152 @@
+"""How gradients are reduced and compute weights gathered or refreshed: functions over flat
+buffers that issue one group's collectives and return a :class:`Pending` handle. *When* they run
+is decided by ``_state.py``; *which* buffers exist by the group's plan (``_plan.py``).
+
+Every function takes ``issue``, the group's way to launch a collective (the debug order check,
+then a side stream or ``async_op``; see [Note: asynchronous collectives] in ``_collectives.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+import torch.distributed as dist
+
+from . import _collectives as comm
+from . import ops
+from ._allocator import BucketAllocator
+from ._plan import BufferPlan, Collective, Refresh
+
+__all__ = [
+    "Issue", "Pending", "gather_weights", "reduce_accumulated", "reduce_micro_batch",
+    "refresh_weights",
+]
+
+# issue(description, launch, async_op=..., reduce=...) -> handle or None (already done)
+Issue = Callable[..., "comm.CommHandle | None"]
+
+
+class Pending:
+    """An issued collective: :meth:`wait` blocks until its output is written; :meth:`finish`
+    also runs what consumes it (a copy-out, freeing a temporary bucket), exactly once."""
+
+    __slots__ = ("_handle", "_finish")
+
+    def __init__(
+        self, handle: comm.CommHandle | None, finish: Callable[[], None] | None = None
+    ) -> None:
+        self._handle = handle
+        self._finish = finish
+
+    def wait(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.wait()
+
+    def finish(self) -> None:
+        self.wait()
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+
+def _launch_reduction(
+    plan: BufferPlan, reduced: torch.Tensor, reduce_scatter_input: torch.Tensor,
+    group: dist.ProcessGroup, issue: Issue, async_op: bool,
+) -> comm.CommHandle | None:
+    """The plan's reduction of ``reduce_scatter_input``: an all-reduce in place, or a
+    reduce-scatter into ``reduced`` (this rank's slot of the input, or a persistent shard)."""
+    (step,) = plan.reduce_steps  # one mesh axis today; see [Note: buffer plan]
+    if step.op is Collective.ALL_REDUCE:
+        def launch(a: bool) -> dist.Work | None:
+            return comm.all_reduce_inplace(reduce_scatter_input, group, a)
+    else:
+        def launch(a: bool) -> dist.Work | None:
+            return comm.reduce_scatter_into(reduced, reduce_scatter_input, group, a)
+    return issue(step.op.value, launch, async_op=async_op, reduce=True)
+
+
+def reduce_accumulated(
+    plan: BufferPlan, main_grad: torch.Tensor, comm_dtype: torch.dtype,
+    group: dist.ProcessGroup, allocator: BucketAllocator, workspace_key: Hashable,
+    issue: Issue, async_op: bool,
+) -> Pending:
+    """The delayed collective of the accumulate path (``no_shard``: all-reduce, ``optim``:
+    reduce-scatter) over a full-size ``main_grad``: in place when the communication dtype is the
+    gradient dtype, else through a workspace bucket in the communication dtype."""
+    shard = slice(*plan.shard_span)
+    if comm_dtype == main_grad.dtype:
+        return Pending(_launch_reduction(plan, main_grad[shard], main_grad, group, issue, async_op))
+    workspace = allocator.allocate(workspace_key, main_grad.numel(), comm_dtype, main_grad.device)
+    ops.reduce_scatter_copy_in_(main_grad, workspace)
+    whole = plan.reduce_steps[0].op is Collective.ALL_REDUCE
+    reduced, target = (workspace, main_grad) if whole else (workspace[shard], main_grad[shard])
+
+    def finish() -> None:
+        ops.reduce_scatter_copy_out_(reduced, target)
+        allocator.free(workspace_key)
+
+    return Pending(_launch_reduction(plan, reduced, workspace, group, issue, async_op), finish)
+
+
+def reduce_micro_batch(
+    plan: BufferPlan, reduce_scatter_input: torch.Tensor, target: torch.Tensor, accumulate: bool,
+    group: dist.ProcessGroup, allocator: BucketAllocator, input_key: Hashable,
+    issue: Issue, async_op: bool,
+) -> Pending:
+    """Reduce one micro-batch's staged ``reduce_scatter_input`` (a temporary bucket) and write
+    or add the result into ``target``, the optimizer-facing part of ``main_grad``."""
+    whole = plan.reduce_steps[0].op is Collective.ALL_REDUCE
+    reduced: torch.Tensor | None
+    if whole:
+        reduced = reduce_scatter_input
+        output = reduce_scatter_input
+    elif not accumulate and reduce_scatter_input.dtype == target.dtype:
+        reduced = None  # first write, same dtype: reduce straight into the persistent shard
+        output = target
+    else:
+        reduced = reduce_scatter_input[slice(*plan.shard_span)]
+        output = reduced
+
+    def finish() -> None:
+        if reduced is not None:
+            ops.reduce_scatter_copy_out_(reduced, target, accumulate=accumulate)
+        allocator.free(input_key)
+
+    return Pending(
+        _launch_reduction(plan, output, reduce_scatter_input, group, issue, async_op), finish
+    )
+
+
+def gather_weights(
+    unsharded_model_weight: torch.Tensor, model_weight_shard: torch.Tensor,
+    group: dist.ProcessGroup, issue: Issue, async_op: bool,
+) -> Pending:
+    """ZeRO-3: gather every rank's model-weight shard into the temporary unsharded bucket."""
+    def launch(a: bool) -> dist.Work | None:
+        return comm.all_gather_into(unsharded_model_weight, model_weight_shard, group, a)
+
+    return Pending(issue("all-gather", launch, async_op=async_op, reduce=False))
+
+
+def refresh_weights(
+    plan: BufferPlan, main_weight: torch.Tensor, model_weight: torch.Tensor,
+    group: dist.ProcessGroup, issue: Issue, async_op: bool,
+) -> Pending | None:
+    """Rebuild compute weights from updated main weights (see [Note: replicated-buffer
+    refresh] in ``_flat_param_group.py``). Returns the pending all-gather, if the plan has one."""
+    if plan.refresh is Refresh.NONE:
+        return None
+    if plan.main_weight_separate:
+        # Cast the main weights (all of them, or this rank's shard) into their place.
+        offset = plan.main_weight_span[0] - plan.model_weight_span[0]
+        ops.refresh_from_shard_(main_weight, model_weight, offset)
+    if plan.refresh is not Refresh.CAST_OWN_SLOT_THEN_GATHER:
+        return None
+    own_slot = model_weight[slice(*plan.shard_span)]
+
+    def launch(a: bool) -> dist.Work | None:
+        return comm.all_gather_into(model_weight, own_slot, group, a)
+
+    return Pending(issue("refresh all-gather", launch, async_op=async_op, reduce=False))

@@ -1,0 +1,87 @@
+"""Process-wide bookkeeping of the library, behind typed accessors: which module has which unit
+state, which parameter belongs to which record, the library's process groups and default meshes,
+the ``FSDP<Class>`` classes, and the optimizer step hooks. Nothing here is created at import
+time; :func:`reset` forgets everything (tests).
+
+Modules and parameters are keyed weakly by identity (``torch.utils.weak.WeakIdKeyDictionary``:
+tensors compare elementwise, so a plain ``WeakKeyDictionary`` cannot hold them), never through
+attributes set on them, so user objects carry no private strings of ours.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from ._flat_param_group import FlatParamGroup, ParamRecord
+    from ._state import FSDPState
+
+__all__ = [
+    "record_of", "register_records", "reset", "set_state", "state_of", "group_of",
+]
+
+_states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Module -> FSDPState
+# Both the compute parameter and the optimizer-facing (DTensor) parameter map to the record.
+_records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> ParamRecord
+# Library process groups with a collective timeout, keyed by (mesh ranks, seconds, backend).
+comm_groups: dict[tuple[tuple[int, ...], float, str], Any] = {}
+# Default 1-D meshes over the whole world, per device type.
+default_meshes: dict[str, Any] = {}
+# Side streams for collectives, per device (see _collectives.CommStreams).
+comm_streams: dict[Any, Any] = {}
+# FSDP<Class> subclasses, per original class.
+fsdp_classes: dict[type, type] = {}
+# The handles of the optimizer step hooks, once installed, the per-optimizer cache of the groups
+# it updates, and the number of wraps so far (a cached entry older than the last wrap is stale).
+optimizer_hook_handles: list[Any] = []
+optimizer_cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+wrap_generation = [0]
+
+
+def state_of(module: nn.Module) -> FSDPState | None:
+    """The unit state of ``module``, or None if it was not passed to ``fully_shard``."""
+    return _states.get(module)
+
+
+def set_state(module: nn.Module, state: FSDPState) -> None:
+    _states[module] = state
+
+
+def record_of(param: torch.Tensor) -> ParamRecord | None:
+    """The record of a managed parameter (its compute or optimizer-facing object), or None."""
+    try:
+        return _records.get(param)
+    except TypeError:  # not weak-referenceable (e.g. a plain Python number)
+        return None
+
+
+def group_of(param: torch.Tensor) -> FlatParamGroup | None:
+    record = record_of(param)
+    return record.group if record is not None else None
+
+
+def register_records(records: list[ParamRecord]) -> None:
+    for record in records:
+        _records[record.compute_param] = record
+        _records[record.dist_param] = record
+
+
+def reset() -> None:
+    """Forget all of the library's process-wide state (tests). Installed optimizer hooks are
+    removed; wrapped modules keep working only if re-wrapped."""
+    _states.clear()
+    _records.clear()
+    comm_groups.clear()
+    default_meshes.clear()
+    comm_streams.clear()
+    fsdp_classes.clear()
+    for handle in optimizer_hook_handles:
+        handle.remove()
+    optimizer_hook_handles.clear()
+    optimizer_cache.clear()
+    wrap_generation[0] = 0

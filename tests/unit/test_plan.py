@@ -1,0 +1,79 @@
+"""The buffer plan (``_plan.py``) against design.md's tables (§3 buffers per strategy, §4 the
+collective schedule): the plan is the only place a strategy turns into buffer decisions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_fsdp_v2._layout import build_layout
+from megatron_fsdp_v2._plan import Collective, Extent, GradPath, Refresh, make_plan
+from megatron_fsdp_v2.api import MixedPrecisionPolicy, ShardingStrategy
+
+FULL, SHARD = Extent.FULL, Extent.SHARD
+ACC, EACH = GradPath.ACCUMULATE_THEN_REDUCE, GradPath.REDUCE_EACH_MICRO_BATCH
+AR, RS, AG = Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER
+
+# strategy: (model_weight, main_weight, main_grad, gathers, grad path, reduction,
+#            refresh with one dtype, refresh with bf16 compute + fp32 main)
+TABLE = {
+    "no_shard": (FULL, FULL, FULL, False, ACC, AR, Refresh.NONE, Refresh.CAST),
+    "optim": (FULL, SHARD, FULL, False, ACC, RS, Refresh.CAST_OWN_SLOT_THEN_GATHER,
+              Refresh.CAST_OWN_SLOT_THEN_GATHER),
+    "optim_grads": (FULL, SHARD, SHARD, False, EACH, RS, Refresh.CAST_OWN_SLOT_THEN_GATHER,
+                    Refresh.CAST_OWN_SLOT_THEN_GATHER),
+    "optim_grads_params": (SHARD, SHARD, SHARD, True, EACH, RS, Refresh.NONE, Refresh.CAST_SHARD),
+}
+
+LAYOUT = build_layout([torch.Size([7, 5]), torch.Size([3])], 3)  # 3 ranks, uneven
+SAME = MixedPrecisionPolicy().resolve(torch.float32)
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16).resolve(torch.float32)
+
+
+@pytest.mark.parametrize("strategy", list(TABLE))
+@pytest.mark.parametrize("dtypes", [SAME, BF16], ids=["fp32", "bf16_compute_fp32_main"])
+def test_plan_matches_design_table(strategy: str, dtypes) -> None:
+    model, main, grad, gathers, path, reduce_op, refresh_same, refresh_mixed = TABLE[strategy]
+    plan = make_plan(ShardingStrategy.parse(strategy), dtypes, LAYOUT, rank=1)
+    assert (plan.model_weight, plan.main_weight, plan.main_grad) == (model, main, grad)
+    assert plan.optimizer_placement is main  # Shard(0) iff main weights are sharded
+    assert plan.gathers_weights is gathers
+    assert plan.grad_path is path
+    assert [s.op for s in plan.reduce_steps] == [reduce_op]
+    separate = dtypes is BF16
+    assert plan.main_weight_separate is separate
+    assert plan.refresh is (refresh_mixed if separate else refresh_same)
+    # One all-gather per iteration for ZeRO-1/2 (the refresh), two per micro-batch for ZeRO-3.
+    assert [s.op for s in plan.refresh_steps] == (
+        [AG] if plan.refresh is Refresh.CAST_OWN_SLOT_THEN_GATHER else []
+    )
+    assert [s.op for s in plan.gather_steps] == ([AG] if gathers else [])
+    assert all(
+        s.axis == "shard"
+        for s in (*plan.reduce_steps, *plan.refresh_steps, *plan.gather_steps)
+    )
+
+
+@pytest.mark.parametrize("strategy", list(TABLE))
+def test_plan_spans(strategy: str) -> None:
+    plan = make_plan(ShardingStrategy.parse(strategy), SAME, LAYOUT, rank=1)
+    full, shard = (0, LAYOUT.total_numel), LAYOUT.shard_range(1)
+    assert plan.shard_span == shard
+    span = {FULL: full, SHARD: shard}
+    assert plan.model_weight_span == span[plan.model_weight]
+    assert plan.main_weight_span == span[plan.main_weight]
+    assert plan.main_grad_span == span[plan.main_grad]
+
+
+def test_temporaries() -> None:
+    def temporaries(strategy: str, dtypes=SAME) -> tuple[str, ...]:
+        return make_plan(ShardingStrategy.parse(strategy), dtypes, LAYOUT, 0).temporaries
+
+    assert temporaries("optim_grads_params") == ("unsharded_model_weight", "reduce_scatter_input")
+    assert temporaries("optim_grads") == ("reduce_scatter_input",)
+    # The accumulate path reduces in place unless the reduction dtype differs.
+    assert "grad_comm" not in temporaries("no_shard")
+    comm_bf16 = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16).resolve(torch.float32)
+    assert "grad_comm" in temporaries("optim", comm_bf16)
+    assert make_plan(ShardingStrategy.NO_SHARD, SAME, LAYOUT, 0).reduces_in_place
+    assert not make_plan(ShardingStrategy.OPTIM, comm_bf16, LAYOUT, 0).reduces_in_place

@@ -56,19 +56,24 @@ def default_mesh() -> DeviceMesh:
 # the process, which torchrun then reports. ``new_group`` is itself collective over the mesh's
 # ranks: ``fully_shard`` creates the group on its first call with a given (mesh, timeout) and
 # every rank makes the same calls in the same order (wrapping is identical on every rank), so
-# the creations match. The group is cached per (mesh ranks, timeout, backend), so a model of many
-# units uses one group (one NCCL communicator) per distinct timeout.
+# the creations match. The group is cached per (mesh ranks, timeout, backend, axis), so a model of
+# many units uses one group (one NCCL communicator) per distinct timeout and axis. On a 2-D (HSDP)
+# mesh each axis gets its own: the inner (``"shard"``) group, created first, then the outer one;
+# both are sub-meshes, so only their members call ``new_group`` (``use_local_synchronization``).
 
-def comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
-    """The process group the units on ``mesh`` communicate on: the mesh's own group when
+def comm_group(
+    mesh: DeviceMesh, timeout: timedelta | None, axis: str = "shard"
+) -> dist.ProcessGroup:
+    """The process group the units on the 1-D ``mesh`` communicate on: the mesh's own group when
     ``timeout`` is ``None`` or the mesh has one rank, else a group over the mesh's ranks with that
-    timeout (created once, then cached)."""
+    timeout (created once, then cached). ``axis``: ``"shard"`` (a 1-D mesh, or the inner axis of
+    a 2-D one) or ``"outer"`` (HSDP's replicate axis)."""
     mesh_group = mesh.get_group()
     if timeout is None or mesh.size() == 1:
         return mesh_group
     ranks = tuple(dist.get_process_group_ranks(mesh_group))
     backend = str(dist.get_backend(mesh_group))
-    key = (ranks, timeout.total_seconds(), backend)
+    key = (ranks, timeout.total_seconds(), backend, axis)
     group = _registry.comm_groups.get(key)
     if group is not None and group_alive(group):
         return group
@@ -79,7 +84,7 @@ def comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup
         backend=None if backend == str(dist.get_backend()) else backend,
         # A sub-mesh (e.g. mesh["dp"] of a 2-D mesh): only its members call new_group.
         use_local_synchronization=not covers_world,
-        group_desc=f"megatron_fsdp_v2 (timeout {timeout.total_seconds():g}s)",
+        group_desc=f"megatron_fsdp_v2 {axis} (timeout {timeout.total_seconds():g}s)",
     )
     assert isinstance(group, dist.ProcessGroup)  # every caller is a member of the mesh
     _registry.comm_groups[key] = group
@@ -93,10 +98,13 @@ def clear_comm_groups() -> None:
 
 
 def library_comm_groups() -> list[dist.ProcessGroup]:
-    """The distinct live process groups ``comm_group`` created in this process: the same on
-    every rank of a mesh, because every rank makes the same ``fully_shard`` calls."""
+    """The distinct live process groups ``comm_group`` created in this process for the inner
+    (``"shard"``) axis, the one every step collective but HSDP's outer all-reduce runs on: the
+    same on every rank of a mesh, because every rank makes the same ``fully_shard`` calls."""
     groups: list[dist.ProcessGroup] = []
-    for group in _registry.comm_groups.values():
+    for key, group in _registry.comm_groups.items():
+        if key[3] != "shard":
+            continue
         if group_alive(group) and all(group is not g for g in groups):
             groups.append(group)
     return groups

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from . import _collectives as comm
 from . import _reduce, ops
@@ -85,7 +85,9 @@ class FlatParamGroup:
         layout: BufferLayout,
         mesh: DeviceMesh,
         process_group: dist.ProcessGroup | None = None,
+        outer_process_group: dist.ProcessGroup | None = None,
         strategy: ShardingStrategy,
+        outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD,
         dtypes: ResolvedDtypes,
         grad_pre_scale: float,
         allocator: BucketAllocator,
@@ -94,16 +96,34 @@ class FlatParamGroup:
         """Builds the buffers but leaves the module's parameters untouched: :meth:`bind`
         turns them into views of the buffers once every group of the unit was built (so a
         failure half-way changes nothing). ``sync_from_rank0``: start from the mesh rank 0's
-        values (one broadcast), as DDP does."""
+        values (one broadcast per mesh axis), as DDP does.
+
+        ``mesh``: 1-D, or 2-D for HSDP (dim 0 the outer axis, dim 1 the inner one). The layout,
+        ``strategy`` and every collective of the inner schedule are over the inner (last) axis;
+        ``outer_strategy`` applies along dim 0 of a 2-D mesh (see [Note: buffer plan])."""
         self.layout = layout
-        self.mesh = mesh
-        # Collectives run on ``process_group`` (a group over the mesh's ranks; see
-        # ``_comm_groups.comm_group``), default: the mesh's own group.
-        self.process_group = process_group if process_group is not None else mesh.get_group()
-        self.rank = mesh.get_local_rank()
-        self.world_size = mesh.size()
+        self.mesh = mesh  # the optimizer-facing DTensors live on it (all of its dims)
+        inner = mesh.ndim - 1
+        # Collectives run on ``process_group`` (a group over the inner axis' ranks; see
+        # ``_comm_groups.comm_group``), default: the mesh's own group for that axis.
+        self.process_group = (
+            process_group if process_group is not None else mesh.get_group(inner)
+        )
+        # HSDP: the ranks that hold the same inner shard (None on a 1-D mesh).
+        self.outer_process_group = outer_process_group
+        if mesh.ndim == 2 and outer_process_group is None:
+            self.outer_process_group = mesh.get_group(0)
+        self.rank = mesh.get_local_rank(inner)
+        self.world_size = mesh.size(inner)  # of the inner axis: the layout's
         self.strategy = strategy
-        self.plan = make_plan(strategy, dtypes, layout, self.rank)
+        replicas = mesh.size(0) if mesh.ndim == 2 else 1
+        self.plan = make_plan(
+            strategy, dtypes, layout, self.rank, outer=outer_strategy if replicas > 1 else None
+        )
+        # Outer axes first: (Replicate(), Shard(0)) on an HSDP mesh.
+        self._placements: tuple[Placement, ...] = (Replicate(),) * inner + (
+            Shard(0) if self.plan.optimizer_placement is Extent.SHARD else Replicate(),
+        )
         self.dtypes = dtypes
         self.grad_pre_scale = grad_pre_scale
         self.allocator = allocator
@@ -158,9 +178,19 @@ class FlatParamGroup:
         offsets = [item.offset for item in self.layout.items]
         # .contiguous() copies only the rare non-contiguous parameter (e.g. a strided view).
         ops.pack_([p.detach().contiguous().view(-1) for p in params], offsets, flat)
-        if sync_from_rank0 and self.world_size > 1:
-            comm.broadcast_from_first(flat, self.process_group)
+        if sync_from_rank0:
+            # Outer axis first (from its first rank), then the inner one: every rank ends with
+            # mesh rank (0, 0)'s values.
+            for group in self.sync_groups:
+                comm.broadcast_from_first(flat, group)
         return flat
+
+    @property
+    def sync_groups(self) -> list[dist.ProcessGroup]:
+        """The groups a start-from-the-first-rank broadcast runs over, in order (outer axis
+        first); groups of one rank are left out."""
+        groups = [self.outer_process_group, self.process_group]
+        return [g for g in groups if g is not None and dist.get_world_size(g) > 1]
 
     def _build_weight_buffers(self, initial: torch.Tensor) -> None:
         plan, dtypes, device = self.plan, self.dtypes, self.device
@@ -215,9 +245,8 @@ class FlatParamGroup:
 
     def to_dtensor(self, local: torch.Tensor, index: int) -> DTensor:
         shape = self.layout.items[index].shape
-        placement = Shard(0) if self.plan.optimizer_placement is Extent.SHARD else Replicate()
         return DTensor.from_local(
-            local, self.mesh, [placement], run_check=False, shape=shape,
+            local, self.mesh, self._placements, run_check=False, shape=shape,
             stride=_contiguous_stride(shape),
         )
 
@@ -271,12 +300,16 @@ class FlatParamGroup:
         return (self._group_id, role)
 
     def issue(
-        self, what: str, launch: comm.Launch, *, async_op: bool, reduce: bool
+        self, what: str, launch: comm.Launch, *, async_op: bool, reduce: bool,
+        process_group: dist.ProcessGroup | None = None,
     ) -> comm.CommHandle | None:
-        """Launch one of this group's collectives (see [Note: asynchronous collectives])."""
+        """Launch one of this group's collectives on ``process_group`` (default: the inner
+        one; see [Note: asynchronous collectives]). ``launch`` must run on that group: it is
+        the group the debug order check runs on."""
         if self.debug_collectives:
             comm.check_collective_order(
-                self.process_group, f"{what} of {self.name} ({self.layout.total_numel} elements)",
+                process_group if process_group is not None else self.process_group,
+                f"{what} of {self.name} ({self.layout.total_numel} elements)",
                 self.device,
             )
         return self.streams.run(launch, async_op=async_op, reduce=reduce)

@@ -19,6 +19,18 @@ micro-batch of a window. Per parameter, as in single-process torch:
   accumulating. Replaced by another tensor: adopt its values. Zeroed in place on the accumulate
   path (``zero_grad(set_to_none=False)``): the zeros are valid local partial sums, so the next
   window takes the one-collective path again.
+
+[Note: HSDP window carry]
+On a 2-D mesh with an outer ``no_shard`` axis the plan has ``window_steps``: at the end of each
+window (:meth:`GroupGrads.reduce_across_replicas`) the inner-reduced shard is all-reduced over
+the outer group. That is only right if ``main_grad`` held nothing but this window's
+contributions. A window can start with globally reduced values in it (gradients not cleared
+between steps, an unmarked loop where every backward is "last", a second backward over a
+retained graph): all-reducing those again would count them R times. So the first reduction of a
+window (``pending_install`` False) that finds ``main_grad`` REDUCED moves what the optimizer-
+facing part holds into a temporary ``window_carry`` bucket and restarts from EMPTY; after the
+window's outer all-reduce the carry is added back and freed. Clearing gradients in between
+(``zero_grad``, all installed gradients set to ``None``) drops the carry.
 """
 
 from __future__ import annotations
@@ -69,6 +81,8 @@ class GroupGrads:
         self._received = [False] * n
         # Something was staged or reduced that the optimizer has not been shown yet.
         self.pending_install = False
+        # [Note: HSDP window carry] main_grad_local's values at the window start, if any.
+        self._carrying = False
 
     # ------------------------------------------------------------------ main_grad
 
@@ -92,6 +106,7 @@ class GroupGrads:
         return main_grad[lo - offset : hi - offset]
 
     def release_storage(self) -> None:
+        self._drop_carry()
         if self._main_grad is not None:
             self._main_grad.untyped_storage().resize_(0)
         self.state = GradState.EMPTY
@@ -143,6 +158,11 @@ class GroupGrads:
                 has_new = self._received[index] = True
         if not has_new and not (is_last_backward and self.state is GradState.ACCUMULATING):
             return False
+        if (
+            group.plan.window_steps and not self.pending_install
+            and self.state is GradState.REDUCED
+        ):
+            self._carry_over()
         delayed = (
             group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE
             and self.state is not GradState.REDUCED
@@ -185,6 +205,52 @@ class GroupGrads:
             group.process_group, group.allocator, key, group.issue, async_op,
         ))
         self.state = GradState.REDUCED
+
+    # ------------------------------------------------------------------ HSDP outer axis
+
+    def _carry_key(self) -> tuple[tuple[int, int], str]:
+        return self.group.temporary_key("window_carry")
+
+    def _carry_over(self) -> None:
+        """A window starts on reduced values: set them aside (see [Note: HSDP window carry])."""
+        local = self.main_grad_local()
+        carry = self.group.allocator.allocate(
+            self._carry_key(), local.numel(), local.dtype, local.device
+        )
+        carry.copy_(local)
+        self._carrying = True
+        self.state = GradState.EMPTY  # the next write overwrites main_grad
+
+    def _restore_carry(self) -> None:
+        if self._carrying:
+            carry = self.group.allocator.get(self._carry_key())
+            assert carry is not None
+            self.main_grad_local().add_(carry)
+            self._drop_carry()
+
+    def _drop_carry(self) -> None:
+        if self._carrying:
+            self.group.allocator.free(self._carry_key())
+            self._carrying = False
+
+    def reduce_across_replicas(self, async_op: bool) -> None:
+        """End of a window whose inner reductions were waited on: the plan's ``window_steps``
+        (HSDP: all-reduce the optimizer-facing shard over the outer group), then the window
+        carry added back, both when :meth:`wait_for_reduction` runs. Only for a group that
+        reduced in this window, which is the same on every rank; nothing on a 1-D mesh."""
+        group = self.group
+        if not group.plan.window_steps:
+            return
+        if not self.pending_install or self.state is not GradState.REDUCED:
+            return
+        assert not self._pending, "inner reductions must be waited on first"
+        outer = group.outer_process_group
+        assert outer is not None
+        self._pending += _reduce.reduce_window(
+            group.plan, self.main_grad_local(), group.dtypes.comm, {"outer": outer},
+            group.allocator, group.temporary_key("outer_comm"), group.issue, async_op,
+        )
+        self._pending.append(_reduce.Pending(None, self._restore_carry))
 
     @property
     def awaits_last_reduction(self) -> bool:
@@ -248,6 +314,7 @@ class GroupGrads:
             record.compute_param.grad = None
         self._received = [False] * len(self._received)
         self.pending_install = False
+        self._drop_carry()
         if set_to_none or self.state is GradState.EMPTY:
             self.release_storage()
             return
@@ -297,6 +364,8 @@ class GroupGrads:
             return False
         if self.state is GradState.ACCUMULATING:
             self.reduce_accumulated(async_op=False)
+        self.wait_for_reduction()
+        self.reduce_across_replicas(async_op=False)
         self.wait_for_reduction()
         self.install()
         return True

@@ -9,8 +9,11 @@ executes a plan and holds no strategy branches; ``tests/unit/test_plan.py`` chec
 against design.md's.
 
 Collectives are listed as *steps* (a tuple), each naming its mesh axis. A 1-D mesh has one axis
-(``"shard"``) and one step per path. A second, outer mesh axis (HSDP) adds steps (e.g. an outer
-all-reduce after the inner reduce-scatter) instead of branches in the group.
+(``"shard"``) and one step per path. A second, outer mesh axis (HSDP, ``"outer"``: dim 0 of a
+2-D mesh) adds steps instead of branches in the group: with ``outer=NO_SHARD`` the plan has
+``window_steps = (all-reduce over "outer",)``, run once per group at the end of each
+accumulation window over the inner-reduced optimizer-facing gradient shard
+(``_reduce.reduce_window``; see design.md §"HSDP"). ``window_steps`` is empty on a 1-D mesh.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ class Collective(enum.Enum):
 @dataclass(frozen=True)
 class CollectiveStep:
     op: Collective
-    axis: str = "shard"  # the mesh axis it runs over; "shard" is the 1-D mesh
+    axis: str = "shard"  # the mesh axis: "shard" (the 1-D mesh, or dim 1 of a 2-D one) or "outer"
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,9 @@ class BufferPlan:
     refresh: Refresh
     refresh_steps: tuple[CollectiveStep, ...]
     gather_steps: tuple[CollectiveStep, ...]
+    window_steps: tuple[CollectiveStep, ...]
+    """Collectives at the end of each accumulation window, after ``reduce_steps`` were waited
+    on, over the optimizer-facing part of ``main_grad`` (HSDP: the outer all-reduce)."""
     temporaries: tuple[str, ...]
     """Temporary bucket roles this group may allocate (storage-freeing allocator)."""
     model_weight_span: tuple[int, int]
@@ -111,9 +117,17 @@ class BufferPlan:
 
 
 def make_plan(
-    strategy: ShardingStrategy, dtypes: ResolvedDtypes, layout: BufferLayout, rank: int
+    strategy: ShardingStrategy, dtypes: ResolvedDtypes, layout: BufferLayout, rank: int,
+    outer: ShardingStrategy | None = None,
 ) -> BufferPlan:
-    """The plan of one group. The only place that turns a strategy into buffer decisions."""
+    """The plan of one group. The only place that turns a strategy into buffer decisions.
+
+    ``strategy`` applies along the inner (``"shard"``) axis, whose ``layout`` and ``rank`` these
+    are. ``outer``: the strategy along the outer mesh axis of a 2-D (HSDP) mesh with more than
+    one replica, ``None`` otherwise. Only ``NO_SHARD`` is built (one outer all-reduce per
+    window)."""
+    if outer is not None and outer is not ShardingStrategy.NO_SHARD:
+        raise NotImplementedError(f"outer sharding strategy {outer.value!r} is not built yet")
     full = (0, layout.total_numel)
     shard = layout.shard_range(rank)
     shards_main = strategy is not ShardingStrategy.NO_SHARD
@@ -144,6 +158,14 @@ def make_plan(
         if dtypes.comm != dtypes.grad:
             temporaries.append("grad_comm")
         temporaries.append("reduce_scatter_input")
+    window_steps: tuple[CollectiveStep, ...] = ()
+    if outer is not None:
+        window_steps = (CollectiveStep(Collective.ALL_REDUCE, "outer"),)
+        # What main_grad held when the window started (already reduced over every rank), kept
+        # aside so the outer all-reduce does not count it R times (GroupGrads.reduce).
+        temporaries.append("window_carry")
+        if dtypes.comm != dtypes.grad:
+            temporaries.append("outer_comm")
     return BufferPlan(
         strategy=strategy,
         model_weight=Extent.SHARD if gathers else Extent.FULL,
@@ -160,6 +182,7 @@ def make_plan(
             if refresh is Refresh.CAST_OWN_SLOT_THEN_GATHER else ()
         ),
         gather_steps=(CollectiveStep(Collective.ALL_GATHER),) if gathers else (),
+        window_steps=window_steps,
         temporaries=tuple(temporaries),
         model_weight_span=shard if gathers else full,
         main_weight_span=shard if shards_main else full,

@@ -8,7 +8,7 @@ then a side stream or ``async_op``; see [Note: asynchronous collectives] in ``_c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from ._plan import BufferPlan, Collective, Refresh
 
 __all__ = [
     "Issue", "Pending", "gather_weights", "reduce_accumulated", "reduce_micro_batch",
-    "refresh_weights",
+    "reduce_window", "refresh_weights",
 ]
 
 # issue(description, launch, async_op=..., reduce=...) -> handle or None (already done)
@@ -117,6 +117,41 @@ def reduce_micro_batch(
     return Pending(
         _launch_reduction(plan, output, reduce_scatter_input, group, issue, async_op), finish
     )
+
+
+def reduce_window(
+    plan: BufferPlan, local_grad: torch.Tensor, comm_dtype: torch.dtype,
+    groups: Mapping[str, dist.ProcessGroup], allocator: BucketAllocator,
+    workspace_key: Hashable, issue: Issue, async_op: bool,
+) -> list[Pending]:
+    """The plan's ``window_steps`` (HSDP ``no_shard`` outer axis: one all-reduce over the outer
+    group) over ``local_grad``, the optimizer-facing part of ``main_grad``, once its inner
+    reductions were waited on. ``groups`` maps a step's axis to its process group. In place when
+    the communication dtype is the gradient dtype, else through a workspace bucket."""
+    pending: list[Pending] = []
+    for step in plan.window_steps:
+        assert step.op is Collective.ALL_REDUCE, step  # the only window step built so far
+        group = groups[step.axis]
+        finish: Callable[[], None] | None = None
+        buffer = local_grad
+        if comm_dtype != local_grad.dtype:
+            buffer = allocator.allocate(
+                workspace_key, local_grad.numel(), comm_dtype, local_grad.device
+            )
+            ops.reduce_scatter_copy_in_(local_grad, buffer)
+
+            def finish(buffer: torch.Tensor = buffer) -> None:
+                ops.reduce_scatter_copy_out_(buffer, local_grad)
+                allocator.free(workspace_key)
+
+        def launch(a: bool, buffer: torch.Tensor = buffer,
+                   group: dist.ProcessGroup = group) -> dist.Work | None:
+            return comm.all_reduce_inplace(buffer, group, a)
+
+        handle = issue(f"{step.axis} {step.op.value}", launch, async_op=async_op, reduce=True,
+                       process_group=group)
+        pending.append(Pending(handle, finish))
+    return pending
 
 
 def gather_weights(

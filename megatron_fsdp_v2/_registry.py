@@ -28,8 +28,9 @@ __all__ = [
 _states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Module -> FSDPState
 # Both the compute parameter and the optimizer-facing (DTensor) parameter map to the record.
 _records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> ParamRecord
-# Library process groups with a collective timeout, keyed by (mesh ranks, seconds, backend).
-comm_groups: dict[tuple[tuple[int, ...], float, str], Any] = {}
+# Library process groups with a collective timeout, keyed by (mesh ranks, seconds, backend,
+# mesh axis: "shard" or HSDP's "outer").
+comm_groups: dict[tuple[tuple[int, ...], float, str, str], Any] = {}
 # Default 1-D meshes over the whole world, per device type.
 default_meshes: dict[str, Any] = {}
 # Side streams for collectives, per device (see _collectives.CommStreams).

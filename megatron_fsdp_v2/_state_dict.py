@@ -138,6 +138,11 @@ def attach_chunk_metadata(value: DTensor, group: FlatParamGroup, index: int, key
     first dimension) chunk metadata at this rank's true row offset. No-op for ``Replicate()``."""
     if not is_row_sharded(group) or not any(isinstance(p, Shard) for p in value.placements):
         return
+    if group.mesh.ndim > 1:
+        raise NotImplementedError(
+            f"state-dict entry '{key}': sharded state dicts of units on a 2-D (HSDP) mesh are "
+            "not supported yet (their chunk metadata assumes a 1-D mesh); nothing was saved"
+        )
     shape = group.layout.items[index].shape
     lo, hi = group.local_row_range(index)
     local = value._local_tensor

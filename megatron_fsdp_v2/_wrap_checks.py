@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import math
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,7 +20,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from . import _registry
-from ._comm_groups import LAUNCH_HINT, default_mesh
 from ._layout import BufferLayout
 from .api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 
@@ -33,23 +32,6 @@ __all__ = [
     "validate_options",
     "warn_if_padded",
 ]
-
-def validate_mesh(mesh: DeviceMesh | None) -> DeviceMesh:
-    if mesh is None:
-        return default_mesh()
-    if not isinstance(mesh, DeviceMesh):
-        raise TypeError(
-            f"mesh must be a torch.distributed.DeviceMesh (e.g. init_device_mesh('cuda', "
-            f"(world_size,))) or None, got {type(mesh).__name__}"
-        )
-    if not dist.is_initialized():
-        raise ValueError(f"fully_shard needs an initialized default process group: {LAUNCH_HINT}")
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"mesh must be 1-D (the data-parallel dimension), got a {mesh.ndim}-D mesh of shape "
-            f"{tuple(mesh.shape)}; pass mesh['dp'] or a 1-D init_device_mesh(...)"
-        )
-    return mesh
 
 
 def validate_options(
@@ -280,18 +262,40 @@ def unit_signature(
     return lines
 
 
+_RAISED_ON = "[fully_shard: raised on rank"
+
 # A signature line that carries a wrap-time error instead of a description (see
 # raise_on_every_rank): "<marker><exception class name>: <message>".
 _ERROR_MARKER = "\x00fully_shard error on this rank\x00"
 
 
-def raise_on_every_rank(
-    error: TypeError | ValueError, mesh: DeviceMesh, group: dist.ProcessGroup | None = None
-) -> None:
+Axes = Sequence[tuple[DeviceMesh, "dist.ProcessGroup | None"]]
+
+
+def raise_on_every_rank(error: TypeError | ValueError, axes: Axes) -> None:
     """A check failed on this rank: take part in the cross-rank check with the error instead of
-    a signature, so that every rank (this one included) raises it at once. Never returns."""
-    check_ranks_agree([f"{_ERROR_MARKER}{type(error).__name__}: {error}"], mesh, group)
+    a signature, so that every rank (this one included) raises it at once. Never returns.
+    ``axes``: (1-D mesh, its group) of each mesh axis, as for :func:`check_mesh_agrees`."""
+    check_mesh_agrees([f"{_ERROR_MARKER}{type(error).__name__}: {error}"], axes)
     raise error  # only reached on a 1-rank mesh
+
+
+def check_mesh_agrees(lines: list[str], axes: Axes) -> None:
+    """:func:`check_ranks_agree` over each axis of the mesh in turn (a 2-D mesh: inner, then
+    outer), which covers every rank of it. A mismatch or error found on one axis is carried
+    into the checks of the later axes instead of the lines, so every rank of the whole mesh
+    raises, not only those of the axis that saw it."""
+    error: TypeError | ValueError | None = None
+    for mesh, group in axes:
+        try:
+            check_ranks_agree(
+                lines if error is None else [f"{_ERROR_MARKER}{type(error).__name__}: {error}"],
+                mesh, group,
+            )
+        except (TypeError, ValueError) as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def check_ranks_agree(
@@ -320,9 +324,9 @@ def check_ranks_agree(
         if other and other[0].startswith(_ERROR_MARKER):
             kind, _, message = other[0][len(_ERROR_MARKER):].partition(": ")
             exc_type = TypeError if kind == "TypeError" else ValueError
-            raise exc_type(
-                f"{message} [fully_shard: raised on rank {rank}; every rank raises this error]"
-            )
+            if _RAISED_ON not in message:  # not already carried over from another axis
+                message += f" {_RAISED_ON} {rank}; every rank raises this error]"
+            raise exc_type(message)
     reference = all_lines[0] or []
     for rank, other in enumerate(all_lines):
         other = other or []

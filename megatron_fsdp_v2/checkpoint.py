@@ -52,6 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _checkpoint_group as _cg
 from . import _full_state_dict as _full
+from . import _registry
 from . import _state_dict as _sd
 from ._checkpoint_checks import (
     MODEL_KEY,
@@ -97,6 +98,19 @@ def _check_options(options: _dsd.StateDictOptions | None, api: str) -> _dsd.Stat
             "state dicts"
         )
     return options
+
+
+def _reject_hsdp(model: nn.Module, api: str) -> None:
+    """Checkpoints of units on a 2-D (HSDP) mesh are not built yet: refuse before any
+    collective (the same decision on every rank: it depends on wrap-time state only)."""
+    for module in model.modules():
+        state = _registry.state_of(module)
+        if state is not None and any(g.mesh.ndim > 1 for g in state.groups):
+            raise NotImplementedError(
+                f"megatron_fsdp_v2.checkpoint.{api} does not support models on a 2-D (HSDP) "
+                "mesh yet: their chunk metadata and full-state-dict collectives assume a 1-D "
+                "mesh. Nothing was read or written"
+            )
 
 
 # ---------------------------------------------------------------------- sharded state dicts
@@ -150,6 +164,7 @@ def get_state_dict(
     optimizer whose state is still empty is first initialized by a zero-learning-rate step
     (torch's behaviour), so that every state entry exists to load into.
     """
+    _reject_hsdp(model, "get_state_dict")
     options = _check_options(options, "get_state_dict")
     optims = _as_tuple(optimizers)
     if optims:
@@ -184,6 +199,7 @@ def set_state_dict(
     Afterwards every unit refreshes its compute weights from the loaded main weights before the
     next forward. Returns ``(missing_keys, unexpected_keys)`` like torch.
     """
+    _reject_hsdp(model, "set_state_dict")
     options = _check_options(options, "set_state_dict")
     optims = _as_tuple(optimizers)
     found = {
@@ -250,6 +266,7 @@ def save(
     ``CheckpointException`` turned into a ``RuntimeError``. Assumes that every rank sees the
     same filesystem, as a later load does.
     """
+    _reject_hsdp(model, "save")
     # DCP's coordination group: the caller's, else the units' group if it covers the job
     # (see [Note: checkpoint collectives] in _checkpoint_group.py).
     group = _cg.dcp_group(model, process_group)
@@ -293,6 +310,7 @@ def load(
     DCP's ``CheckpointException``). Every rank of ``process_group`` (default: all) calls it;
     the checks, DCP and the agreement use the same group as :func:`save`.
     """
+    _reject_hsdp(model, "load")
     group = _cg.dcp_group(model, process_group)  # as in save
     root = local_dir(checkpoint_id, storage_reader)
     if storage_reader is None:
@@ -340,6 +358,7 @@ def get_full_state_dict(
     group (global rank 0 when the model's mesh spans the job) gets the tensors and the others
     return ``{}``; ``cpu_offload`` (default) moves them to CPU as they are gathered.
     """
+    _reject_hsdp(model, "get_full_state_dict")
     keep = not rank0_only or _cg.rank_and_size(_cg.model_group(model))[0] == 0
     return _full.full_state_dict(model, keep=keep, cpu_offload=cpu_offload)
 
@@ -366,6 +385,7 @@ def load_full_state_dict(
     the first mismatching key on every rank before anything is written. The next forward uses
     the loaded weights. Returns ``(missing_keys, unexpected_keys)``.
     """
+    _reject_hsdp(model, "load_full_state_dict")
     expected = _sd.expected_entries(model)
     group = _cg.model_group(model)
     rank, size = _cg.rank_and_size(group)

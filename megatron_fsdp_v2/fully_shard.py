@@ -8,6 +8,7 @@ from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -18,16 +19,16 @@ from ._comm_groups import DEFAULT_TIMEOUT, comm_group
 from ._flat_param_group import FlatParamGroup
 from ._layout import build_layout, split_for_padding
 from ._memory import MemoryReport, memory_report
+from ._mesh import parse_outer_strategy, validate_mesh
 from ._optimizer_hooks import note_wrap
 from ._slots import owned_modules
 from ._state import FSDPState
 from ._wrap_checks import (
+    check_mesh_agrees,
     check_module,
-    check_ranks_agree,
     collect_managed_params,
     raise_on_every_rank,
     unit_signature,
-    validate_mesh,
     validate_options,
     warn_if_padded,
 )
@@ -194,6 +195,7 @@ def fully_shard(
     overlap: bool = True,
     timeout: timedelta | float | None = DEFAULT_TIMEOUT,
     sync_module_states: bool = True,
+    outer_dp_sharding_strategy: ShardingStrategy | str | int = "no_shard",
 ) -> FSDPModule:
     """Shard ``module``'s parameters, gradients and/or optimizer state over a data-parallel mesh.
 
@@ -207,10 +209,14 @@ def fully_shard(
 
     Args:
         mesh: 1-D ``DeviceMesh``; default: the whole world on ``cuda`` (NCCL) or ``cpu`` (gloo).
+            Or a 2-D mesh with dimension names for HSDP, e.g. ``init_device_mesh("cuda", (R, S),
+            mesh_dim_names=("replicate", "shard"))`` (other names are taken by position): dim 0
+            is the outer (replicate) axis, dim 1 the inner (shard) axis.
         sharding_strategy: ``"no_shard"`` (0), ``"optim"`` (1), ``"optim_grads"`` (2) or
-            ``"optim_grads_params"`` (3). Per parameter group and iteration of N micro-batches
-            (marked with ``set_is_last_backward``/``no_sync``) they issue 1 all-reduce; 1
-            all-gather + 1 reduce-scatter; 1 all-gather + N reduce-scatters; 2N all-gathers + N
+            ``"optim_grads_params"`` (3), over the mesh (the inner axis of a 2-D mesh). Per
+            parameter group and iteration of N micro-batches (marked with
+            ``set_is_last_backward``/``no_sync``) they issue 1 all-reduce; 1 all-gather + 1
+            reduce-scatter; 1 all-gather + N reduce-scatters; 2N all-gathers + N
             reduce-scatters.
         mp_policy: dtypes of compute weights, main weights, grads and reduction.
         ignored_params: parameters left as plain, unmanaged ``nn.Parameter`` s.
@@ -231,10 +237,15 @@ def fully_shard(
             ranks created with this timeout (one per distinct value). ``None``: the mesh's own
             group and its timeout.
         sync_module_states: start every rank from the mesh's first rank's parameters and
-            buffers (one broadcast per parameter group, and one per buffer), as DDP does at
-            construction; this applies to every strategy, ZeRO-3 included. ``False`` keeps
-            each rank's own values: only safe when every rank built identical weights (same
-            seed), else replicas silently train different models.
+            buffers (one broadcast per parameter group, and one per buffer; per mesh axis on a
+            2-D mesh), as DDP does at construction; this applies to every strategy, ZeRO-3
+            included. ``False`` keeps each rank's own values: only safe when every rank built
+            identical weights (same seed), else replicas silently train different models.
+        outer_dp_sharding_strategy: the strategy along the outer axis of a 2-D (HSDP) mesh.
+            ``"no_shard"`` (the default): every replica keeps the inner schedule and all-reduces
+            the reduced gradient shard over the outer axis once per accumulation window;
+            gradients are averaged over all R x S ranks. ``"optim"`` is not implemented yet
+            (``NotImplementedError``). With a 1-D mesh only ``"no_shard"`` is accepted.
 
     Invalid arguments raise ``TypeError``/``ValueError`` before any collective, leaving
     ``module`` untouched. An invalid parameter found on some ranks only (with ``check_ranks``)
@@ -247,11 +258,13 @@ def fully_shard(
             "(children first, then the root)"
         )
     strategy = ShardingStrategy.parse(sharding_strategy)
+    outer_strategy = parse_outer_strategy(outer_dp_sharding_strategy)
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     timeout = validate_options(gradient_scaling_factor, max_padding_ratio, timeout)
-    mesh = validate_mesh(mesh)
+    axes = validate_mesh(mesh, outer_strategy)
+    mesh = axes.mesh
     # Checks of what this rank holds (its parameters) may fail on one rank only. With
     # check_ranks, the failure is shared in the cross-rank check below, so that every rank
     # raises the same error at once instead of the others waiting for the timeout.
@@ -263,26 +276,39 @@ def fully_shard(
         if not check_ranks or mesh.size() == 1:
             raise
         local_error = e
-    # The first collectives: create (once) the timeout group, then agree across ranks.
+    # The first collectives: create (once) the timeout groups (inner axis first), then agree
+    # across ranks, over each axis (which covers the whole mesh).
     try:
-        process_group = comm_group(mesh, timeout)
+        process_group = comm_group(axes.inner, timeout)
+        outer_group = comm_group(axes.outer, timeout, "outer") if axes.outer is not None else None
     except Exception:
         if local_error is not None:  # e.g. a mesh of another device type, never initialized
             raise local_error from None
         raise
+    checked_axes: list[tuple[DeviceMesh, dist.ProcessGroup | None]] = [
+        (axes.inner, process_group)
+    ]
+    if axes.outer is not None:
+        checked_axes.append((axes.outer, outer_group))
     if local_error is not None:
-        raise_on_every_rank(local_error, mesh, process_group)
+        raise_on_every_rank(local_error, checked_axes)
     if check_ranks:
+        extra: dict[str, Any] = {}
+        if axes.outer is not None:  # 1-D signatures stay as they were
+            extra["mesh"] = f"{tuple(mesh.shape)} {mesh.mesh_dim_names}"
+            extra["outer_dp_sharding_strategy"] = outer_strategy.value
         signature = unit_signature(
             module, managed, strategy, mp_policy, gradient_scaling_factor, timeout=timeout,
             max_padding_ratio=max_padding_ratio, overlap=overlap,
-            sync_module_states=sync_module_states,
+            sync_module_states=sync_module_states, **extra,
         )
-        check_ranks_agree(signature, mesh, process_group)
+        check_mesh_agrees(signature, checked_axes)
 
-    world_size = mesh.size()
+    world_size = axes.inner.size()  # the layout's: shards are over the inner axis
+    # Averaging is over every rank of the mesh (R x S on a 2-D mesh).
     pre_scale = (
-        float(gradient_scaling_factor) if gradient_scaling_factor is not None else 1.0 / world_size
+        float(gradient_scaling_factor) if gradient_scaling_factor is not None
+        else 1.0 / mesh.size()
     )
     # Group by (device, dtype, requires_grad), in first-seen order.
     buckets: dict[tuple[Any, ...], list[int]] = {}
@@ -304,15 +330,20 @@ def fully_shard(
                     layout=layout,
                     mesh=mesh,
                     process_group=process_group,
+                    outer_process_group=outer_group,
                     strategy=strategy,
+                    outer_strategy=outer_strategy,
                     dtypes=dtypes_by_param[indices[0]],
                     grad_pre_scale=pre_scale,
                     allocator=allocator,
                     sync_from_rank0=sync_module_states,
                 )
             )
-    if sync_module_states and world_size > 1:
-        _broadcast_buffers(module, process_group)
+    if sync_module_states:
+        # Outer axis first, then the inner one: every rank gets mesh rank (0, 0)'s buffers.
+        for axis_group in (outer_group, process_group):
+            if axis_group is not None and dist.get_world_size(axis_group) > 1:
+                _broadcast_buffers(module, axis_group)
     # Every group is built: only now are the module's parameters changed (FlatParamGroup.bind).
     owner = f"{type(module).__name__} at 0x{id(module):x}"
     for group in groups:

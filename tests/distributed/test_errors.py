@@ -251,13 +251,18 @@ def _local_cases(rank: int, world: int) -> list[tuple[str, Callable[[], None]]]:
         expect_rejected(lambda: nn.Linear(4, 4), lambda m: fully_shard(m, mesh=[0, 1]),
                         TypeError, r"mesh must be a torch.distributed.DeviceMesh .* got list")
 
-    mesh_2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("pp", "dp"))  # collective
+    mesh_3d = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("pp", "rep", "dp"))
+    mesh_2d = init_device_mesh("cpu", (1, world))  # collective; no dimension names
 
-    @case("2-D mesh")
+    @case("3-D mesh, unnamed 2-D mesh")
     def _() -> None:
+        expect_rejected(lambda: nn.Linear(4, 4), lambda m: fully_shard(m, mesh=mesh_3d),
+                        ValueError, rf"mesh must be 1-D \(data parallel\) or 2-D \(HSDP: "
+                                    rf"replicate x shard\), got a 3-D mesh of shape "
+                                    rf"\(1, 1, {world}\); pass a 1-D sub-mesh \(e.g. "
+                                    rf"mesh\['dp'\]\)")
         expect_rejected(lambda: nn.Linear(4, 4), lambda m: fully_shard(m, mesh=mesh_2d),
-                        ValueError, rf"mesh must be 1-D \(the data-parallel dimension\), got a "
-                                    rf"2-D mesh of shape \(1, {world}\); pass mesh\['dp'\]")
+                        ValueError, r"a 2-D mesh \(HSDP\) needs dimension names")
 
     @case("main_grads_dtype differs from the parameters' dtype")
     def _() -> None:

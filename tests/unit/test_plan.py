@@ -77,3 +77,23 @@ def test_temporaries() -> None:
     assert "grad_comm" in temporaries("optim", comm_bf16)
     assert make_plan(ShardingStrategy.NO_SHARD, SAME, LAYOUT, 0).reduces_in_place
     assert not make_plan(ShardingStrategy.OPTIM, comm_bf16, LAYOUT, 0).reduces_in_place
+
+
+@pytest.mark.parametrize("strategy", list(TABLE))
+def test_hsdp_outer_no_shard_adds_one_window_step(strategy: str) -> None:
+    """HSDP adds steps, not branches: the inner plan is unchanged and an outer no_shard axis
+    adds one all-reduce over "outer" at the end of each window; a 1-D mesh has none."""
+    inner = make_plan(ShardingStrategy.parse(strategy), SAME, LAYOUT, 1)
+    assert inner.window_steps == ()
+    hsdp = make_plan(ShardingStrategy.parse(strategy), SAME, LAYOUT, 1,
+                     outer=ShardingStrategy.NO_SHARD)
+    assert [(s.op, s.axis) for s in hsdp.window_steps] == [(AR, "outer")]
+    for field in ("model_weight", "main_weight", "main_grad", "optimizer_placement", "grad_path",
+                  "reduce_steps", "refresh_steps", "gather_steps", "main_grad_span"):
+        assert getattr(hsdp, field) == getattr(inner, field), field
+    assert hsdp.temporaries == (*inner.temporaries, "window_carry")
+    comm_bf16 = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16).resolve(torch.float32)
+    assert "outer_comm" in make_plan(ShardingStrategy.parse(strategy), comm_bf16, LAYOUT, 1,
+                                     outer=ShardingStrategy.NO_SHARD).temporaries
+    with pytest.raises(NotImplementedError, match="outer sharding strategy 'optim'"):
+        make_plan(ShardingStrategy.parse(strategy), SAME, LAYOUT, 1, outer=ShardingStrategy.OPTIM)

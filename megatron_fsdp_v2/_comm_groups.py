@@ -12,7 +12,7 @@ from . import _registry
 
 __all__ = [
     "DEFAULT_TIMEOUT", "LAUNCH_HINT", "clear_comm_groups", "comm_group", "default_mesh",
-    "group_alive", "library_comm_groups",
+    "group_alive", "library_comm_groups", "mesh_comm_group",
 ]
 
 LAUNCH_HINT = (
@@ -72,7 +72,23 @@ def comm_group(
     if timeout is None or mesh.size() == 1:
         return mesh_group
     ranks = tuple(dist.get_process_group_ranks(mesh_group))
-    backend = str(dist.get_backend(mesh_group))
+    return _timeout_group(ranks, str(dist.get_backend(mesh_group)), timeout, axis)
+
+
+def mesh_comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
+    """A process group over every rank of the (2-D) ``mesh``, axis ``"mesh"``: where HSDP with
+    outer ``optim`` all-reduces gradient norms (each rank holds a distinct sub-shard). With
+    ``timeout`` ``None``: the flattened mesh's own group."""
+    if timeout is None:
+        return mesh._flatten().get_group()
+    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
+    backend = str(dist.get_backend(mesh.get_group(0)))
+    return _timeout_group(ranks, backend, timeout, "mesh")
+
+
+def _timeout_group(
+    ranks: tuple[int, ...], backend: str, timeout: timedelta, axis: str
+) -> dist.ProcessGroup:
     key = (ranks, timeout.total_seconds(), backend, axis)
     group = _registry.comm_groups.get(key)
     if group is not None and group_alive(group):
@@ -99,11 +115,14 @@ def clear_comm_groups() -> None:
 
 def library_comm_groups() -> list[dist.ProcessGroup]:
     """The distinct live process groups ``comm_group`` created in this process for the inner
-    (``"shard"``) axis, the one every step collective but HSDP's outer all-reduce runs on: the
-    same on every rank of a mesh, because every rank makes the same ``fully_shard`` calls."""
+    (``"shard"``) axis, the one every step collective but HSDP's outer ones runs on, and the
+    whole-mesh (``"mesh"``) groups of HSDP with outer ``optim``: the groups gradient norms are
+    all-reduced over (an outer-optim job has two, so ``clip_grad_norm_``'s fallback for an empty
+    list does not apply to it). The same on every rank of a mesh, because every rank makes the
+    same ``fully_shard`` calls."""
     groups: list[dist.ProcessGroup] = []
     for key, group in _registry.comm_groups.items():
-        if key[3] != "shard":
+        if key[3] not in ("shard", "mesh"):
             continue
         if group_alive(group) and all(group is not g for g in groups):
             groups.append(group)

@@ -86,6 +86,7 @@ class FlatParamGroup:
         mesh: DeviceMesh,
         process_group: dist.ProcessGroup | None = None,
         outer_process_group: dist.ProcessGroup | None = None,
+        mesh_process_group: dist.ProcessGroup | None = None,
         strategy: ShardingStrategy,
         outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD,
         dtypes: ResolvedDtypes,
@@ -100,7 +101,9 @@ class FlatParamGroup:
 
         ``mesh``: 1-D, or 2-D for HSDP (dim 0 the outer axis, dim 1 the inner one). The layout,
         ``strategy`` and every collective of the inner schedule are over the inner (last) axis;
-        ``outer_strategy`` applies along dim 0 of a 2-D mesh (see [Note: buffer plan])."""
+        ``outer_strategy`` applies along dim 0 of a 2-D mesh (see [Note: buffer plan]); with
+        ``OPTIM`` the layout is over ``R * S`` sub-shards, and ``mesh_process_group`` (a group
+        over the whole mesh) is where gradient norms are all-reduced."""
         self.layout = layout
         self.mesh = mesh  # the optimizer-facing DTensors live on it (all of its dims)
         inner = mesh.ndim - 1
@@ -114,15 +117,22 @@ class FlatParamGroup:
         if mesh.ndim == 2 and outer_process_group is None:
             self.outer_process_group = mesh.get_group(0)
         self.rank = mesh.get_local_rank(inner)
-        self.world_size = mesh.size(inner)  # of the inner axis: the layout's
+        self.world_size = mesh.size(inner)  # of the inner axis
         self.strategy = strategy
         replicas = mesh.size(0) if mesh.ndim == 2 else 1
         self.plan = make_plan(
-            strategy, dtypes, layout, self.rank, outer=outer_strategy if replicas > 1 else None
+            strategy, dtypes, layout, self.rank, outer=outer_strategy if replicas > 1 else None,
+            outer_rank=mesh.get_local_rank(0) if replicas > 1 else 0, outer_size=replicas,
         )
-        # Outer axes first: (Replicate(), Shard(0)) on an HSDP mesh.
-        self._placements: tuple[Placement, ...] = (Replicate(),) * inner + (
-            Shard(0) if self.plan.optimizer_placement is Extent.SHARD else Replicate(),
+        self.mesh_process_group = mesh_process_group
+        if self.plan.norm_axis == "mesh" and mesh_process_group is None:
+            self.mesh_process_group = mesh._flatten().get_group()
+        # Outer axes first: (Replicate(), Shard(0)) on an HSDP mesh, (Shard(0), Shard(0)) with
+        # outer optim.
+        extent = self.plan.optimizer_placement
+        self._placements: tuple[Placement, ...] = (
+            (Shard(0) if extent is Extent.SUB_SHARD else Replicate(),) * inner
+            + (Replicate() if extent is Extent.FULL else Shard(0),)
         )
         self.dtypes = dtypes
         self.grad_pre_scale = grad_pre_scale
@@ -184,6 +194,23 @@ class FlatParamGroup:
             for group in self.sync_groups:
                 comm.broadcast_from_first(flat, group)
         return flat
+
+    @property
+    def axis_groups(self) -> dict[str, dist.ProcessGroup]:
+        """The process group of each axis a plan step may name: ``"shard"`` (inner),
+        ``"outer"`` and ``"mesh"`` (the whole mesh) where they exist."""
+        groups = {"shard": self.process_group}
+        if self.outer_process_group is not None:
+            groups["outer"] = self.outer_process_group
+        if self.mesh_process_group is not None:
+            groups["mesh"] = self.mesh_process_group
+        return groups
+
+    @property
+    def norm_process_group(self) -> dist.ProcessGroup:
+        """Where the sum of squares of this group's optimizer-facing gradients is all-reduced
+        (``clip_grad_norm_``): the plan's ``norm_axis``."""
+        return self.axis_groups[self.plan.norm_axis]
 
     @property
     def sync_groups(self) -> list[dist.ProcessGroup]:
@@ -327,9 +354,12 @@ class FlatParamGroup:
     def _gather(self, async_op: bool) -> bool:
         if self._gathered:
             return False
+        refresh: _reduce.Pending | None = None
         if self._weights_stale:
-            _reduce.refresh_weights(self.plan, self.main_weight, self.model_weight,
-                                    self.process_group, self.issue, async_op=False)
+            # The cast, then the plan's refresh steps (HSDP outer optim: the outer all-gather
+            # that rebuilds the inner shard), which the inner gather waits for where it launches.
+            refresh = _reduce.refresh_weights(self.plan, self.main_weight, self.model_weight,
+                                              self.axis_groups, self.issue, async_op)
             self._weights_stale = False
         output = self.allocator.allocate(
             self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
@@ -338,7 +368,7 @@ class FlatParamGroup:
         if not self._views_bound:  # views stay valid across storage freeing from now on
             self._bind_compute_views(output)
         self._pending_weights = _reduce.gather_weights(
-            output, self.model_weight, self.process_group, self.issue, async_op
+            output, self.model_weight, self.process_group, self.issue, async_op, after=refresh
         )
         self._gathered = True
         return True
@@ -348,7 +378,7 @@ class FlatParamGroup:
             return False
         self._weights_stale = False
         self._pending_weights = _reduce.refresh_weights(
-            self.plan, self.main_weight, self.model_weight, self.process_group, self.issue,
+            self.plan, self.main_weight, self.model_weight, self.axis_groups, self.issue,
             async_op,
         )
         return self._pending_weights is not None

@@ -31,6 +31,11 @@ window (``pending_install`` False) that finds ``main_grad`` REDUCED moves what t
 facing part holds into a temporary ``window_carry`` bucket and restarts from EMPTY; after the
 window's outer all-reduce the carry is added back and freed. Clearing gradients in between
 (``zero_grad``, all installed gradients set to ``None``) drops the carry.
+
+With an outer ``optim`` axis the window's micro-batches add into a temporary ``window_grad``
+bucket (the inner shard; the plan's ``window_grad_span``) and the window step reduce-scatters it
+over the outer group into ``main_grad`` (this rank's sub-shard), overwriting it: the same carry
+rule keeps what ``main_grad`` held. Clearing gradients frees ``window_grad`` too.
 """
 
 from __future__ import annotations
@@ -107,6 +112,7 @@ class GroupGrads:
 
     def release_storage(self) -> None:
         self._drop_carry()
+        self._free_window_grad()
         if self._main_grad is not None:
             self._main_grad.untyped_storage().resize_(0)
         self.state = GradState.EMPTY
@@ -201,10 +207,27 @@ class GroupGrads:
         self._stage(grads, reduce_scatter_input, accumulate=False)
         accumulate = self.state is not GradState.EMPTY
         self._pending.append(_reduce.reduce_micro_batch(
-            group.plan, reduce_scatter_input, self.main_grad_local(), accumulate,
+            group.plan, reduce_scatter_input, self._reduction_target(), accumulate,
             group.process_group, group.allocator, key, group.issue, async_op,
         ))
         self.state = GradState.REDUCED
+
+    def _reduction_target(self) -> torch.Tensor:
+        """Where a micro-batch's reduction adds up: the optimizer-facing part of ``main_grad``,
+        or the plan's ``window_grad`` bucket (HSDP outer optim: the inner shard, alive across
+        the window until ``window_steps`` reduce it into ``main_grad``)."""
+        span = self.group.plan.window_grad_span
+        if span is None:
+            return self.main_grad_local()
+        group = self.group
+        return group.allocator.allocate(
+            group.temporary_key("window_grad"), span[1] - span[0], group.dtypes.grad,
+            group.device,
+        )
+
+    def _free_window_grad(self) -> None:
+        if self.group.plan.window_grad_span is not None:
+            self.group.allocator.free(self.group.temporary_key("window_grad"))
 
     # ------------------------------------------------------------------ HSDP outer axis
 
@@ -235,20 +258,25 @@ class GroupGrads:
 
     def reduce_across_replicas(self, async_op: bool) -> None:
         """End of a window whose inner reductions were waited on: the plan's ``window_steps``
-        (HSDP: all-reduce the optimizer-facing shard over the outer group), then the window
-        carry added back, both when :meth:`wait_for_reduction` runs. Only for a group that
-        reduced in this window, which is the same on every rank; nothing on a 1-D mesh."""
+        (HSDP outer no_shard: all-reduce the optimizer-facing shard over the outer group; outer
+        optim: reduce-scatter the ``window_grad`` bucket into it), then the window carry added
+        back, both when :meth:`wait_for_reduction` runs. Only for a group that reduced in this
+        window, which is the same on every rank; nothing on a 1-D mesh."""
         group = self.group
         if not group.plan.window_steps:
             return
         if not self.pending_install or self.state is not GradState.REDUCED:
             return
         assert not self._pending, "inner reductions must be waited on first"
-        outer = group.outer_process_group
-        assert outer is not None
+        window_key = group.temporary_key("window_grad")
+        window_grad = (
+            group.allocator.get(window_key) if group.plan.window_grad_span is not None else None
+        )
+        assert window_grad is None or group.allocator.is_allocated(window_key)
         self._pending += _reduce.reduce_window(
-            group.plan, self.main_grad_local(), group.dtypes.comm, {"outer": outer},
-            group.allocator, group.temporary_key("outer_comm"), group.issue, async_op,
+            group.plan, self.main_grad_local(), window_grad, group.dtypes.comm,
+            group.axis_groups, group.allocator, group.temporary_key("outer_comm"), window_key,
+            group.issue, async_op,
         )
         self._pending.append(_reduce.Pending(None, self._restore_carry))
 
@@ -315,6 +343,7 @@ class GroupGrads:
         self._received = [False] * len(self._received)
         self.pending_install = False
         self._drop_carry()
+        self._free_window_grad()
         if set_to_none or self.state is GradState.EMPTY:
             self.release_storage()
             return

@@ -47,10 +47,11 @@ def parse_outer_strategy(value: Any) -> ShardingStrategy:
 
 
 def validate_mesh(
-    mesh: DeviceMesh | None, outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD
+    mesh: DeviceMesh | None, outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD,
+    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS,
 ) -> MeshAxes:
-    """Check ``mesh`` (1-D, or 2-D for HSDP) against ``outer_strategy``; no collective, except
-    what creating the default mesh does."""
+    """Check ``mesh`` (1-D, or 2-D for HSDP) against ``outer_strategy`` and the inner
+    ``strategy``; no collective, except what creating the default mesh does."""
     if mesh is None:
         if outer_strategy is not ShardingStrategy.NO_SHARD:
             raise ValueError(_outer_on_1d(outer_strategy, "the default (1-D) mesh"))
@@ -80,11 +81,15 @@ def validate_mesh(
             f"a 2-D mesh (HSDP) needs dimension names, got an unnamed mesh of shape "
             f"{tuple(mesh.shape)}; build it with {_HSDP_MESH_HINT}"
         )
-    if outer_strategy is ShardingStrategy.OPTIM:
-        raise NotImplementedError(
+    if (
+        outer_strategy is ShardingStrategy.OPTIM
+        and strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS
+    ):
+        raise ValueError(
             "outer_dp_sharding_strategy='optim' (optimizer state sharded across the outer "
-            "replicas) is not implemented yet; use outer_dp_sharding_strategy='no_shard' "
-            "(replicas all-reduce gradients once per window)"
+            "replicas) needs sharding_strategy='optim_grads_params' along the inner axis, got "
+            f"sharding_strategy={strategy.value!r}; use outer_dp_sharding_strategy='no_shard' "
+            "with it (replicas all-reduce gradients once per window)"
         )
     return MeshAxes(mesh, inner=mesh[names[1]], outer=mesh[names[0]])
 

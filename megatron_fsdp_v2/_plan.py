@@ -14,6 +14,17 @@ Collectives are listed as *steps* (a tuple), each naming its mesh axis. A 1-D me
 ``window_steps = (all-reduce over "outer",)``, run once per group at the end of each
 accumulation window over the inner-reduced optimizer-facing gradient shard
 (``_reduce.reduce_window``; see design.md §"HSDP"). ``window_steps`` is empty on a 1-D mesh.
+
+With ``outer=OPTIM`` (inner ``optim_grads_params`` only) the layout is built over ``R * S``
+*sub-shards* (``build_layout(shapes, S * R)``): inner shard ``s`` (what ``model_weight`` holds,
+and the slot of the inner collectives) is the ``R`` consecutive sub-shards ``[s * R, (s + 1) *
+R)``, and this rank's sub-shard (outer index ``r``) is number ``s * R + r``. Main weights and
+main gradients hold only the sub-shard (``Extent.SUB_SHARD``; DTensors ``(Shard(0), Shard(0))``).
+Each micro-batch's inner reduce-scatter adds into a temporary ``window_grad`` bucket of the
+inner shard (``window_grad_span``); ``window_steps = (reduce-scatter over "outer",)`` reduces it
+into ``main_grad`` once per window. The refresh casts the main sub-shard into its slot of
+``model_weight`` and runs ``refresh_steps = (all-gather over "outer",)`` before the inner
+gathers; gradient norms are all-reduced over the whole mesh (``norm_axis = "mesh"``).
 """
 
 from __future__ import annotations
@@ -34,6 +45,9 @@ class Extent(enum.Enum):
 
     FULL = "full"
     SHARD = "shard"
+    SUB_SHARD = "sub-shard"
+    """HSDP outer ``optim``: this rank's ``1 / R`` of its inner shard (the optimizer-facing
+    DTensors are ``(Shard(0), Shard(0))``)."""
 
 
 class GradPath(enum.Enum):
@@ -59,6 +73,10 @@ class Refresh(enum.Enum):
     CAST_SHARD = "cast shard"
     """Cast the main shard into the sharded model weights; the next gather spreads it (ZeRO-3
     with a separate main buffer)."""
+    CAST_OWN_SLOT_THEN_OUTER_GATHER = "cast own slot, outer all-gather"
+    """HSDP outer ``optim``: cast the main sub-shard into its slot of the inner-shard model
+    weights (a no-op when they alias), then one in-place all-gather over the outer axis rebuilds
+    the inner shard; the inner gathers then spread it as in ZeRO-3."""
 
 
 class Collective(enum.Enum):
@@ -71,6 +89,7 @@ class Collective(enum.Enum):
 class CollectiveStep:
     op: Collective
     axis: str = "shard"  # the mesh axis: "shard" (the 1-D mesh, or dim 1 of a 2-D one) or "outer"
+
 
 
 @dataclass(frozen=True)
@@ -98,7 +117,17 @@ class BufferPlan:
     gather_steps: tuple[CollectiveStep, ...]
     window_steps: tuple[CollectiveStep, ...]
     """Collectives at the end of each accumulation window, after ``reduce_steps`` were waited
-    on, over the optimizer-facing part of ``main_grad`` (HSDP: the outer all-reduce)."""
+    on, into the optimizer-facing part of ``main_grad`` (HSDP: the outer all-reduce in place, or
+    the outer reduce-scatter of the ``window_grad`` bucket)."""
+    window_grad_span: tuple[int, int] | None
+    """Where each micro-batch's reduction lands when it is not ``main_grad``: a temporary
+    ``window_grad`` bucket over this span, alive across the window and reduced into
+    ``main_grad`` by ``window_steps`` (HSDP outer ``optim``: the inner shard). ``None``: the
+    reductions add into ``main_grad`` directly."""
+    norm_axis: str
+    """The process group gradient norms are all-reduced over: ``"shard"`` (the inner one; the
+    outer replicas hold the same gradients) or ``"mesh"`` (every rank holds a distinct
+    sub-shard: HSDP outer ``optim``)."""
     temporaries: tuple[str, ...]
     """Temporary bucket roles this group may allocate (storage-freeing allocator)."""
     model_weight_span: tuple[int, int]
@@ -118,16 +147,20 @@ class BufferPlan:
 
 def make_plan(
     strategy: ShardingStrategy, dtypes: ResolvedDtypes, layout: BufferLayout, rank: int,
-    outer: ShardingStrategy | None = None,
+    outer: ShardingStrategy | None = None, outer_rank: int = 0, outer_size: int = 1,
 ) -> BufferPlan:
     """The plan of one group. The only place that turns a strategy into buffer decisions.
 
-    ``strategy`` applies along the inner (``"shard"``) axis, whose ``layout`` and ``rank`` these
-    are. ``outer``: the strategy along the outer mesh axis of a 2-D (HSDP) mesh with more than
-    one replica, ``None`` otherwise. Only ``NO_SHARD`` is built (one outer all-reduce per
-    window)."""
+    ``strategy`` applies along the inner (``"shard"``) axis, whose ``rank`` this is. ``outer``:
+    the strategy along the outer mesh axis of a 2-D (HSDP) mesh with more than one replica,
+    ``None`` otherwise. ``NO_SHARD``: ``layout`` is over the inner axis, one outer all-reduce per
+    window. ``OPTIM`` (inner ``OPTIM_GRADS_PARAMS`` only): ``layout`` is over ``outer_size *
+    S`` sub-shards and ``outer_rank`` is this rank's index along the outer axis (see
+    [Note: buffer plan])."""
+    if outer is ShardingStrategy.OPTIM:
+        return _outer_optim_plan(strategy, dtypes, layout, rank, outer_rank, outer_size)
     if outer is not None and outer is not ShardingStrategy.NO_SHARD:
-        raise NotImplementedError(f"outer sharding strategy {outer.value!r} is not built yet")
+        raise ValueError(f"outer sharding strategy {outer.value!r}: use 'no_shard' or 'optim'")
     full = (0, layout.total_numel)
     shard = layout.shard_range(rank)
     shards_main = strategy is not ShardingStrategy.NO_SHARD
@@ -183,9 +216,60 @@ def make_plan(
         ),
         gather_steps=(CollectiveStep(Collective.ALL_GATHER),) if gathers else (),
         window_steps=window_steps,
+        window_grad_span=None,
+        norm_axis="shard",
         temporaries=tuple(temporaries),
         model_weight_span=shard if gathers else full,
         main_weight_span=shard if shards_main else full,
         main_grad_span=shard if shards_grads else full,
+        shard_span=shard,
+    )
+
+
+def _outer_optim_plan(
+    strategy: ShardingStrategy, dtypes: ResolvedDtypes, layout: BufferLayout, rank: int,
+    outer_rank: int, outer_size: int,
+) -> BufferPlan:
+    """HSDP with outer ``optim``: ZeRO-3 along the inner axis over inner shards of ``outer_size``
+    sub-shards each, optimizer state (main weights and gradients) sharded along the outer axis
+    too (see [Note: buffer plan])."""
+    if strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+        raise ValueError(
+            "outer_dp_sharding_strategy='optim' needs sharding_strategy='optim_grads_params' "
+            f"along the inner axis, got {strategy.value!r}"
+        )
+    if layout.world_size % outer_size or not 0 <= outer_rank < outer_size:
+        raise ValueError(
+            f"outer optim: a layout over {layout.world_size} sub-shards does not split into "
+            f"{outer_size} per inner shard (outer rank {outer_rank})"
+        )
+    sub = layout.shard_numel
+    inner_start = rank * outer_size * sub
+    shard = (inner_start, inner_start + outer_size * sub)  # the inner shard
+    own = (inner_start + outer_rank * sub, inner_start + (outer_rank + 1) * sub)
+    temporaries = ["unsharded_model_weight", "reduce_scatter_input", "window_grad",
+                   "window_carry"]
+    if dtypes.comm != dtypes.grad:
+        temporaries.append("outer_comm")
+    return BufferPlan(
+        strategy=strategy,
+        model_weight=Extent.SHARD,
+        main_weight=Extent.SUB_SHARD,
+        main_weight_separate=dtypes.main != dtypes.model,
+        main_grad=Extent.SUB_SHARD,
+        optimizer_placement=Extent.SUB_SHARD,
+        gathers_weights=True,
+        grad_path=GradPath.REDUCE_EACH_MICRO_BATCH,
+        reduce_steps=(CollectiveStep(Collective.REDUCE_SCATTER),),
+        refresh=Refresh.CAST_OWN_SLOT_THEN_OUTER_GATHER,
+        refresh_steps=(CollectiveStep(Collective.ALL_GATHER, "outer"),),
+        gather_steps=(CollectiveStep(Collective.ALL_GATHER),),
+        window_steps=(CollectiveStep(Collective.REDUCE_SCATTER, "outer"),),
+        window_grad_span=shard,
+        norm_axis="mesh",
+        temporaries=tuple(temporaries),
+        model_weight_span=shard,
+        main_weight_span=own,
+        main_grad_span=own,
         shard_span=shard,
     )

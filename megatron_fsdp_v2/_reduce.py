@@ -120,33 +120,56 @@ def reduce_micro_batch(
 
 
 def reduce_window(
-    plan: BufferPlan, local_grad: torch.Tensor, comm_dtype: torch.dtype,
-    groups: Mapping[str, dist.ProcessGroup], allocator: BucketAllocator,
-    workspace_key: Hashable, issue: Issue, async_op: bool,
+    plan: BufferPlan, local_grad: torch.Tensor, window_grad: torch.Tensor | None,
+    comm_dtype: torch.dtype, groups: Mapping[str, dist.ProcessGroup],
+    allocator: BucketAllocator, workspace_key: Hashable, window_key: Hashable,
+    issue: Issue, async_op: bool,
 ) -> list[Pending]:
-    """The plan's ``window_steps`` (HSDP ``no_shard`` outer axis: one all-reduce over the outer
-    group) over ``local_grad``, the optimizer-facing part of ``main_grad``, once its inner
-    reductions were waited on. ``groups`` maps a step's axis to its process group. In place when
-    the communication dtype is the gradient dtype, else through a workspace bucket."""
+    """The plan's ``window_steps`` into ``local_grad``, the optimizer-facing part of
+    ``main_grad``, once the window's inner reductions were waited on. ``groups`` maps a step's
+    axis to its process group.
+
+    * all-reduce (HSDP outer ``no_shard``): ``local_grad`` in place;
+    * reduce-scatter (HSDP outer ``optim``): the ``window_grad`` bucket (the inner shard the
+      micro-batches added into, at ``plan.window_grad_span``) into ``local_grad``, its slot;
+      the bucket (``window_key``) is freed when the step finishes.
+
+    In place when the communication dtype is the gradient dtype, else through a workspace
+    bucket in the communication dtype."""
     pending: list[Pending] = []
     for step in plan.window_steps:
-        assert step.op is Collective.ALL_REDUCE, step  # the only window step built so far
         group = groups[step.axis]
-        finish: Callable[[], None] | None = None
-        buffer = local_grad
+        if step.op is Collective.ALL_REDUCE:
+            source, slot = local_grad, slice(None)
+        else:
+            assert step.op is Collective.REDUCE_SCATTER and window_grad is not None, step
+            assert plan.window_grad_span is not None
+            source = window_grad
+            offset = plan.window_grad_span[0]
+            slot = slice(plan.main_grad_span[0] - offset, plan.main_grad_span[1] - offset)
+        frees_window = source is window_grad
+        buffer = source
         if comm_dtype != local_grad.dtype:
-            buffer = allocator.allocate(
-                workspace_key, local_grad.numel(), comm_dtype, local_grad.device
-            )
-            ops.reduce_scatter_copy_in_(local_grad, buffer)
+            buffer = allocator.allocate(workspace_key, source.numel(), comm_dtype, source.device)
+            ops.reduce_scatter_copy_in_(source, buffer)
+        copies_out = buffer is not local_grad and (buffer is not source or not frees_window)
+        # Same dtype, reduce-scatter: straight into local_grad. Otherwise into the buffer's slot
+        # (in place), copied out afterwards.
+        output = local_grad if buffer is source and frees_window else buffer[slot]
 
-            def finish(buffer: torch.Tensor = buffer) -> None:
-                ops.reduce_scatter_copy_out_(buffer, local_grad)
+        def finish(buffer: torch.Tensor = buffer, output: torch.Tensor = output,
+                   copies_out: bool = copies_out, frees_window: bool = frees_window) -> None:
+            if copies_out:
+                ops.reduce_scatter_copy_out_(output, local_grad)
                 allocator.free(workspace_key)
+            if frees_window:
+                allocator.free(window_key)
 
-        def launch(a: bool, buffer: torch.Tensor = buffer,
-                   group: dist.ProcessGroup = group) -> dist.Work | None:
-            return comm.all_reduce_inplace(buffer, group, a)
+        def launch(a: bool, buffer: torch.Tensor = buffer, output: torch.Tensor = output,
+                   group: dist.ProcessGroup = group, op: Collective = step.op) -> dist.Work | None:
+            if op is Collective.ALL_REDUCE:
+                return comm.all_reduce_inplace(buffer, group, a)
+            return comm.reduce_scatter_into(output, buffer, group, a)
 
         handle = issue(f"{step.axis} {step.op.value}", launch, async_op=async_op, reduce=True,
                        process_group=group)
@@ -156,10 +179,15 @@ def reduce_window(
 
 def gather_weights(
     unsharded_model_weight: torch.Tensor, model_weight_shard: torch.Tensor,
-    group: dist.ProcessGroup, issue: Issue, async_op: bool,
+    group: dist.ProcessGroup, issue: Issue, async_op: bool, after: Pending | None = None,
 ) -> Pending:
-    """ZeRO-3: gather every rank's model-weight shard into the temporary unsharded bucket."""
+    """ZeRO-3: gather every rank's model-weight shard into the temporary unsharded bucket.
+    ``after``: a refresh that rebuilds the shard first (HSDP outer ``optim``: the outer
+    all-gather), waited on where the gather launches (on CUDA: by the side stream, in stream
+    order; on gloo: the work, before the gather is issued)."""
     def launch(a: bool) -> dist.Work | None:
+        if after is not None:
+            after.wait()
         return comm.all_gather_into(unsharded_model_weight, model_weight_shard, group, a)
 
     return Pending(issue("all-gather", launch, async_op=async_op, reduce=False))
@@ -167,21 +195,28 @@ def gather_weights(
 
 def refresh_weights(
     plan: BufferPlan, main_weight: torch.Tensor, model_weight: torch.Tensor,
-    group: dist.ProcessGroup, issue: Issue, async_op: bool,
+    groups: Mapping[str, dist.ProcessGroup], issue: Issue, async_op: bool,
 ) -> Pending | None:
     """Rebuild compute weights from updated main weights (see [Note: replicated-buffer
-    refresh] in ``_flat_param_group.py``). Returns the pending all-gather, if the plan has one."""
+    refresh] in ``_flat_param_group.py``): cast the main weights into their slot of
+    ``model_weight`` (when separate), then the plan's ``refresh_steps`` (in-place all-gathers of
+    that slot over the step's axis; ``groups`` maps an axis to its process group). Returns the
+    pending all-gather, if the plan has one."""
     if plan.refresh is Refresh.NONE:
         return None
+    offset = plan.main_weight_span[0] - plan.model_weight_span[0]
     if plan.main_weight_separate:
         # Cast the main weights (all of them, or this rank's shard) into their place.
-        offset = plan.main_weight_span[0] - plan.model_weight_span[0]
         ops.refresh_from_shard_(main_weight, model_weight, offset)
-    if plan.refresh is not Refresh.CAST_OWN_SLOT_THEN_GATHER:
+    if not plan.refresh_steps:
         return None
-    own_slot = model_weight[slice(*plan.shard_span)]
+    (step,) = plan.refresh_steps
+    assert step.op is Collective.ALL_GATHER, step
+    own_slot = model_weight[offset : offset + main_weight.numel()]
+    group = groups[step.axis]
 
     def launch(a: bool) -> dist.Work | None:
         return comm.all_gather_into(model_weight, own_slot, group, a)
 
-    return Pending(issue("refresh all-gather", launch, async_op=async_op, reduce=False))
+    what = "refresh all-gather" if step.axis == "shard" else f"{step.axis} refresh all-gather"
+    return Pending(issue(what, launch, async_op=async_op, reduce=False, process_group=group))

@@ -130,7 +130,8 @@ def strip_metadata(tensors: Any) -> None:
 
 
 def is_row_sharded(group: FlatParamGroup) -> bool:
-    return group.plan.optimizer_placement is Extent.SHARD
+    # SHARD (1-D, HSDP outer no_shard) or SUB_SHARD (HSDP outer optim).
+    return group.plan.optimizer_placement is not Extent.FULL
 
 
 def attach_chunk_metadata(value: DTensor, group: FlatParamGroup, index: int, key: str) -> None:

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import _registry, _state_dict
 from ._allocator import BucketAllocator
 from ._collectives import broadcast_from_first
-from ._comm_groups import DEFAULT_TIMEOUT, comm_group
+from ._comm_groups import DEFAULT_TIMEOUT, comm_group, mesh_comm_group
 from ._flat_param_group import FlatParamGroup
 from ._layout import build_layout, split_for_padding
 from ._memory import MemoryReport, memory_report
@@ -244,8 +244,12 @@ def fully_shard(
         outer_dp_sharding_strategy: the strategy along the outer axis of a 2-D (HSDP) mesh.
             ``"no_shard"`` (the default): every replica keeps the inner schedule and all-reduces
             the reduced gradient shard over the outer axis once per accumulation window;
-            gradients are averaged over all R x S ranks. ``"optim"`` is not implemented yet
-            (``NotImplementedError``). With a 1-D mesh only ``"no_shard"`` is accepted.
+            gradients are averaged over all R x S ranks. ``"optim"`` (inner
+            ``"optim_grads_params"`` only, else ``ValueError``): main weights, gradients and
+            optimizer state are sharded over all R x S ranks (DTensors ``(Shard(0), Shard(0))``);
+            each window ends with one outer reduce-scatter of the inner-reduced shard, and
+            after the step one outer all-gather rebuilds the inner shard before the inner
+            gathers. With a 1-D mesh only ``"no_shard"`` is accepted.
 
     Invalid arguments raise ``TypeError``/``ValueError`` before any collective, leaving
     ``module`` untouched. An invalid parameter found on some ranks only (with ``check_ranks``)
@@ -263,7 +267,7 @@ def fully_shard(
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     timeout = validate_options(gradient_scaling_factor, max_padding_ratio, timeout)
-    axes = validate_mesh(mesh, outer_strategy)
+    axes = validate_mesh(mesh, outer_strategy, strategy)
     mesh = axes.mesh
     # Checks of what this rank holds (its parameters) may fail on one rank only. With
     # check_ranks, the failure is shared in the cross-rank check below, so that every rank
@@ -276,11 +280,16 @@ def fully_shard(
         if not check_ranks or mesh.size() == 1:
             raise
         local_error = e
+    replicas = axes.outer.size() if axes.outer is not None else 1
+    outer_optim = replicas > 1 and outer_strategy is ShardingStrategy.OPTIM
     # The first collectives: create (once) the timeout groups (inner axis first), then agree
     # across ranks, over each axis (which covers the whole mesh).
     try:
         process_group = comm_group(axes.inner, timeout)
         outer_group = comm_group(axes.outer, timeout, "outer") if axes.outer is not None else None
+        # HSDP outer optim: every rank holds a distinct sub-shard, so gradient norms are
+        # all-reduced over the whole mesh (one group, not one all-reduce per axis).
+        mesh_group = mesh_comm_group(mesh, timeout) if outer_optim else None
     except Exception:
         if local_error is not None:  # e.g. a mesh of another device type, never initialized
             raise local_error from None
@@ -304,7 +313,9 @@ def fully_shard(
         )
         check_mesh_agrees(signature, checked_axes)
 
-    world_size = axes.inner.size()  # the layout's: shards are over the inner axis
+    # The layout's: shards over the inner axis, or R * S sub-shards with outer optim (inner
+    # shard s is sub-shards [s * R, (s + 1) * R); see [Note: buffer plan]).
+    world_size = axes.inner.size() * (replicas if outer_optim else 1)
     # Averaging is over every rank of the mesh (R x S on a 2-D mesh).
     pre_scale = (
         float(gradient_scaling_factor) if gradient_scaling_factor is not None
@@ -331,6 +342,7 @@ def fully_shard(
                     mesh=mesh,
                     process_group=process_group,
                     outer_process_group=outer_group,
+                    mesh_process_group=mesh_group,
                     strategy=strategy,
                     outer_strategy=outer_strategy,
                     dtypes=dtypes_by_param[indices[0]],

@@ -42,8 +42,10 @@ __all__ = ["clip_grad_norm_"]
 def _process_group(p: DTensor) -> dist.ProcessGroup:
     # The library's own group for fully_shard parameters (it carries the collective timeout,
     # see fully_shard's ``timeout``); the mesh's group otherwise.
+    # On an HSDP mesh with outer optim it spans the whole mesh (every rank holds a distinct
+    # sub-shard); otherwise the inner group (outer replicas hold the same gradients).
     owner = _registry.group_of(p)
-    return owner.process_group if owner is not None else p.device_mesh.get_group()
+    return owner.norm_process_group if owner is not None else p.device_mesh.get_group()
 
 
 def _group_key(group: dist.ProcessGroup) -> tuple[tuple[int, ...], str]:

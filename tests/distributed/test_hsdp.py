@@ -381,9 +381,10 @@ def _errors_worker(rank: int, world: int) -> None:
         assert sum(comm.get_comm_counts().values()) == 0, comm.get_comm_counts()
         assert dist.distributed_c10d._world.group_count == groups_before, "a group was created"
 
-    rejected(NotImplementedError, r"outer_dp_sharding_strategy='optim' .* not implemented yet; "
-             r"use outer_dp_sharding_strategy='no_shard'",
-             mesh=named, outer_dp_sharding_strategy="optim")
+    # Outer optim needs inner optim_grads_params (test_hsdp_outer_optim.py covers it).
+    rejected(ValueError, r"outer_dp_sharding_strategy='optim' .* needs "
+             r"sharding_strategy='optim_grads_params' .* got sharding_strategy='optim'",
+             mesh=named, sharding_strategy="optim", outer_dp_sharding_strategy="optim")
     rejected(ValueError, r"outer_dp_sharding_strategy must be 'no_shard' or 'optim', got "
              r"'optim_grads'", mesh=named, outer_dp_sharding_strategy="optim_grads")
     rejected(ValueError, r"unknown sharding_strategy 'bogus'", mesh=named,

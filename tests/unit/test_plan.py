@@ -10,7 +10,7 @@ from megatron_fsdp_v2._layout import build_layout
 from megatron_fsdp_v2._plan import Collective, Extent, GradPath, Refresh, make_plan
 from megatron_fsdp_v2.api import MixedPrecisionPolicy, ShardingStrategy
 
-FULL, SHARD = Extent.FULL, Extent.SHARD
+FULL, SHARD, SUB = Extent.FULL, Extent.SHARD, Extent.SUB_SHARD
 ACC, EACH = GradPath.ACCUMULATE_THEN_REDUCE, GradPath.REDUCE_EACH_MICRO_BATCH
 AR, RS, AG = Collective.ALL_REDUCE, Collective.REDUCE_SCATTER, Collective.ALL_GATHER
 
@@ -95,5 +95,54 @@ def test_hsdp_outer_no_shard_adds_one_window_step(strategy: str) -> None:
     comm_bf16 = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16).resolve(torch.float32)
     assert "outer_comm" in make_plan(ShardingStrategy.parse(strategy), comm_bf16, LAYOUT, 1,
                                      outer=ShardingStrategy.NO_SHARD).temporaries
-    with pytest.raises(NotImplementedError, match="outer sharding strategy 'optim'"):
-        make_plan(ShardingStrategy.parse(strategy), SAME, LAYOUT, 1, outer=ShardingStrategy.OPTIM)
+    assert hsdp.window_grad_span is None and hsdp.norm_axis == inner.norm_axis == "shard"
+    if strategy != "optim_grads_params":
+        with pytest.raises(ValueError, match="needs sharding_strategy='optim_grads_params'"):
+            make_plan(ShardingStrategy.parse(strategy), SAME, LAYOUT, 1,
+                      outer=ShardingStrategy.OPTIM, outer_size=1)
+
+
+SUB_LAYOUT = build_layout([torch.Size([7, 5]), torch.Size([3])], 3 * 2)  # S=3 x R=2 sub-shards
+
+
+@pytest.mark.parametrize("dtypes", [SAME, BF16], ids=["fp32", "bf16_compute_fp32_main"])
+@pytest.mark.parametrize("rank,outer_rank", [(0, 0), (1, 1), (2, 0)])
+def test_hsdp_outer_optim_plan(dtypes, rank: int, outer_rank: int) -> None:
+    """Outer optim over inner ZeRO-3: the layout is over R*S sub-shards; inner shard s is
+    sub-shards [s*R, (s+1)*R) and this rank's main weights and grads are sub-shard s*R + r.
+    Steps, not branches: an inner reduce-scatter per micro-batch into the window_grad bucket
+    (the inner shard), one outer reduce-scatter per window into main_grad, one outer all-gather
+    refresh before the inner gathers; norms over the whole mesh."""
+    plan = make_plan(ShardingStrategy.OPTIM_GRADS_PARAMS, dtypes, SUB_LAYOUT, rank,
+                     outer=ShardingStrategy.OPTIM, outer_rank=outer_rank, outer_size=2)
+    sub = SUB_LAYOUT.shard_numel
+    inner = (rank * 2 * sub, (rank + 1) * 2 * sub)
+    own = SUB_LAYOUT.shard_range(rank * 2 + outer_rank)
+    assert own == (inner[0] + outer_rank * sub, inner[0] + (outer_rank + 1) * sub)
+    assert (plan.model_weight, plan.main_weight, plan.main_grad) == (SHARD, SUB, SUB)
+    assert plan.optimizer_placement is SUB
+    assert (plan.model_weight_span, plan.shard_span, plan.window_grad_span) == (inner,) * 3
+    assert plan.main_weight_span == plan.main_grad_span == own
+    assert plan.gathers_weights and plan.grad_path is EACH
+    assert plan.main_weight_separate is (dtypes is BF16)
+    # Cast own slot (a no-op when main aliases model), then the outer all-gather, always: the
+    # optimizer updates only this rank's sub-shard of the inner shard.
+    assert plan.refresh is Refresh.CAST_OWN_SLOT_THEN_OUTER_GATHER
+    steps = {name: [(s.op, s.axis) for s in getattr(plan, name)]
+             for name in ("reduce_steps", "window_steps", "refresh_steps", "gather_steps")}
+    assert steps == {
+        "reduce_steps": [(RS, "shard")],
+        "window_steps": [(RS, "outer")],
+        "refresh_steps": [(AG, "outer")],
+        "gather_steps": [(AG, "shard")],
+    }
+    assert plan.norm_axis == "mesh"
+    assert plan.temporaries == ("unsharded_model_weight", "reduce_scatter_input", "window_grad",
+                                "window_carry")
+    comm_bf16 = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16).resolve(torch.float32)
+    assert "outer_comm" in make_plan(ShardingStrategy.OPTIM_GRADS_PARAMS, comm_bf16, SUB_LAYOUT,
+                                     rank, outer=ShardingStrategy.OPTIM, outer_rank=outer_rank,
+                                     outer_size=2).temporaries
+    # 1-D plans and outer no_shard keep their reductions in main_grad.
+    one_d = make_plan(ShardingStrategy.OPTIM_GRADS_PARAMS, dtypes, LAYOUT, 1)
+    assert one_d.window_grad_span is None and one_d.norm_axis == "shard"

@@ -3,6 +3,15 @@
     python benchmarks/bench_training.py --out /tmp/bench/training.md   # CPU/gloo, NCCL on GPUs
     python benchmarks/bench_training.py --model-size tiny --vocab 512 --seq-len 32 --steps 2 \
         --rounds 1
+    python benchmarks/bench_training.py --world-size 4 --mesh 2,2 \
+        --systems optim_grads,optim_grads_params,fsdp2_noreshard,fsdp2   # HSDP vs FSDP2's HSDP
+
+With ``--mesh R,S`` (R x S = ``--world-size``) our systems run HSDP: the strategy along the S
+ranks of each replica, gradients all-reduced across the R replicas once per step
+(``outer_dp_sharding_strategy="no_shard"``); the FSDP2 peers run FSDP2's HSDP on the same 2-D
+mesh (``torch.distributed.fsdp.fully_shard(module, mesh=<2-D mesh>)``: shards along dim 1,
+replicates along dim 0, all-reduces across replicas after every reduce-scatter). DDP and
+ZeRO-1 stay 1-D over the world.
 
 Every system trains the same GPT (``examples/model.py``) from the same initial weights on the
 same synthetic tokens with the same AdamW, gradient clipping and micro-batching. Each run of a
@@ -126,12 +135,21 @@ def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tu
     def torch_clip(m: torch.nn.Module) -> Callable[[], Any]:
         return lambda: torch.nn.utils.clip_grad_norm_(m.parameters(), clip) if clip > 0 else None
 
+    hsdp_mesh = None
+    if a.get("mesh") and (system in OURS or system.startswith("fsdp2")):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        hsdp_mesh = init_device_mesh(device.type, tuple(a["mesh"]),
+                                     mesh_dim_names=("replicate", "shard"))
     if system in OURS:
         import megatron_fsdp_v2 as mfsdp
 
+        wrap: dict[str, Any] = dict(sharding_strategy=system)
+        if hsdp_mesh is not None:
+            wrap.update(mesh=hsdp_mesh, outer_dp_sharding_strategy="no_shard")
         for block in model.blocks:
-            mfsdp.fully_shard(block, sharding_strategy=system)
-        mfsdp.fully_shard(model, sharding_strategy=system)
+            mfsdp.fully_shard(block, **wrap)
+        mfsdp.fully_shard(model, **wrap)
         opt = torch.optim.AdamW(model.parameters(), **adamw)
 
         def ours_clip() -> Any:
@@ -157,7 +175,9 @@ def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tu
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        # HSDP (--mesh R,S): FSDP2 shards along dim 1 and replicates along dim 0.
+        mesh = hsdp_mesh if hsdp_mesh is not None else init_device_mesh(
+            device.type, (dist.get_world_size(),))
         reshard = system == "fsdp2"
         for block in model.blocks:
             fsdp2_fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
@@ -324,9 +344,25 @@ def _last_line(text: str) -> str:
     return lines[-1].strip() if lines else text
 
 
-def expected_comm_bytes(system: str, num_params: int, n: int, m: int) -> float:
+def expected_comm_bytes(system: str, num_params: int, n: int, m: int,
+                        mesh: tuple[int, int] | None = None) -> float:
     """Ring bytes per rank per step for fp32 parameters/gradients of ``num_params`` elements
-    (no padding, no clipping all-reduce), from each system's collective pattern."""
+    (no padding, no clipping all-reduce), from each system's collective pattern. With an HSDP
+    ``mesh`` (R, S), ours and FSDP2 shard over S and all-reduce over R."""
+    if mesh is not None and (system in OURS or system.startswith("fsdp2")):
+        r, sz = mesh
+        full = 4.0 * num_params
+        psi_s = full * (sz - 1) / sz  # one all-gather or reduce-scatter over the inner axis
+        outer_shard = 2 * (full / sz) * (r - 1) / r  # all-reduce of a shard over the replicas
+        outer_full = 2 * full * (r - 1) / r
+        return {
+            "no_shard": 2 * psi_s + outer_full,  # inner all-reduce, then the outer one
+            "optim": 2 * psi_s + outer_shard,
+            "optim_grads": (m + 1) * psi_s + outer_shard,
+            "optim_grads_params": 3 * m * psi_s + outer_shard,
+            "fsdp2_noreshard": m * (2 * psi_s + outer_shard),  # outer all-reduce per micro-batch
+            "fsdp2": m * (3 * psi_s + outer_shard),
+        }[system]
     psi = 4.0 * num_params * (n - 1) / n  # one all-gather or reduce-scatter of everything
     return psi * {
         "no_shard": 2,             # 1 all-reduce
@@ -338,6 +374,14 @@ def expected_comm_bytes(system: str, num_params: int, n: int, m: int) -> float:
         "optim_grads_params": 3 * m,  # per micro-batch: 2 all-gathers + 1 reduce-scatter
         "fsdp2": 3 * m,
     }[system]
+
+
+def label_of(system: str, a: dict[str, Any]) -> str:
+    """The table label: ``(HSDP RxS)`` appended to the systems that run on the 2-D mesh."""
+    mesh = a.get("mesh")
+    if mesh and (system in OURS or system.startswith("fsdp2")):
+        return f"{SYSTEMS[system]} (HSDP {mesh[0]}x{mesh[1]})"
+    return SYSTEMS[system]
 
 
 def summarize(system: str, measured: list[dict[str, Any]], timed_runs: list[list[dict[str, Any]]],
@@ -356,11 +400,11 @@ def summarize(system: str, measured: list[dict[str, Any]], timed_runs: list[list
     tokens = a["world_size"] * a["micro_batches"] * a["batch_size"] * a["seq_len"]
     out: dict[str, Any] = {
         "system": system,
-        "label": SYSTEMS[system],
+        "label": label_of(system, a),
         "comm": comm,
         "comm_mib": comm["total_wire_bytes"] / MiB,
         "comm_expected_mib": expected_comm_bytes(system, a["num_params"], a["world_size"],
-                                                 a["micro_batches"]) / MiB,
+                                                 a["micro_batches"], a.get("mesh")) / MiB,
         "losses": longest,
         "loss_run_spread": max(abs(x - y) for c in curves for x, y in zip(c, longest)),
         "per_rank": [{k: v for k, v in r.items() if k not in ("losses", "times")}
@@ -405,7 +449,9 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
     lines = [
         f"## Training benchmark: {a['num_params'] / 1e6:.1f}M-param GPT (dim {a['dim']}, "
         f"{a['layers']} blocks, {a['heads']} heads, vocab {a['vocab']}), world size "
-        f"{a['world_size']} on {a['device_desc']}",
+        f"{a['world_size']} on {a['device_desc']}"
+        + (f", HSDP mesh {a['mesh'][0]}x{a['mesh'][1]} (replicate x shard) for ours and FSDP2"
+           if a.get("mesh") else ""),
         "",
         f"{a['micro_batches']} micro-batch(es) x {a['batch_size']} x {a['seq_len']} tokens per "
         f"rank per step, fp32, AdamW, clip {a['clip']}. Timing: {a['rounds']} round(s) over the "
@@ -420,7 +466,8 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
     ]
     for name in a["systems"]:
         if name in failures:
-            lines.append(f"| {SYSTEMS[name]} | excluded: {failures[name]} | | | | | | | | |")
+            lines.append(f"| {label_of(name, a)} | excluded: {failures[name]} "
+                         "| | | | | | | | |")
             continue
         r = rows[name]
         loss_diff = (f"{max(abs(x - y) for x, y in zip(r['losses'], ddp['losses'])):.1e}"
@@ -443,7 +490,8 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
             continue
         if ours not in rows or peer not in rows:
             missing = "ours" if ours not in rows else "peer"
-            lines.append(f"| {SYSTEMS[ours]} | {SYSTEMS[peer]} | n/a ({missing} excluded) | | | |")
+            lines.append(f"| {label_of(ours, a)} | {label_of(peer, a)} | n/a ({missing} "
+                         "excluded) | | | |")
             continue
         o, p = rows[ours], rows[peer]
         lines.append(f"| {o['label']} | {p['label']} | "
@@ -469,6 +517,13 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
         "broadcast of an S-byte buffer. expected: the same from each system's collective pattern "
         "for fp32 parameters (no padding, no clipping all-reduce).",
     ]
+    if a.get("mesh"):
+        notes.append(
+            f"- HSDP {a['mesh'][0]}x{a['mesh'][1]}: ours shard over the {a['mesh'][1]} ranks of "
+            "a replica and all-reduce the reduced gradient shard over the replicas once per step "
+            "(outer no_shard); FSDP2's HSDP all-reduces over the replicas after every "
+            "micro-batch's reduce-scatter. expected: inner ring bytes over S plus outer "
+            "all-reduce bytes over R.")
     if cuda:
         notes.append("- peak memory: torch.cuda.max_memory_allocated over the whole run, max over "
                      "ranks.")
@@ -508,6 +563,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch per rank")
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--mesh", default=None, metavar="R,S",
+                   help="HSDP on an R x S mesh (R x S = --world-size) for ours (outer no_shard) "
+                        "and FSDP2 (its HSDP); default: 1-D over the world")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help="comma-separated subset of: " + ", ".join(SYSTEMS))
     p.add_argument("--steps", type=int, default=4, help="timed steps per round")
@@ -529,6 +587,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 1 or args.rounds < 0 or args.warmup < 0:
         p.error("--steps must be >= 1, --rounds and --warmup >= 0")
+    if args.mesh is not None:
+        try:
+            shape = [int(v) for v in args.mesh.split(",")]
+        except ValueError:
+            shape = []
+        if len(shape) != 2 or min(shape) < 1:
+            p.error(f"--mesh takes R,S (e.g. 2,2), got {args.mesh!r}")
+        if shape[0] * shape[1] != args.world_size:
+            p.error(f"--mesh {args.mesh} needs --world-size {shape[0] * shape[1]}, "
+                    f"got {args.world_size}")
+        args.mesh = shape
     return args
 
 
@@ -568,7 +637,9 @@ def main(argv: list[str] | None = None) -> int:
              measure_steps=max(3, args.warmup + 1), load_start=os.getloadavg()[0],
              torch_version=torch.__version__)
     print(f"{num_params / 1e6:.1f}M-param GPT dim={dim} layers={layers} heads={heads}; world size "
-          f"{args.world_size} on {device_desc}; systems: {', '.join(systems)}; 1 measurement run + "
+          f"{args.world_size} on {device_desc}"
+          f"{'; HSDP mesh ' + 'x'.join(map(str, args.mesh)) if args.mesh else ''}; "
+          f"systems: {', '.join(systems)}; 1 measurement run + "
           f"{args.rounds} timing round(s) of {args.warmup} warm-up + {args.steps} timed steps",
           flush=True)
 

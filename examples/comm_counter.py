@@ -94,6 +94,14 @@ def _bytes(obj: Any) -> int:
 
 def _group_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     for a in list(args) + list(kwargs.values()):
+        if isinstance(a, torch.ScriptObject):
+            # c10d ops at the dispatcher take the group as a boxed ScriptObject (so does the
+            # ReduceOp, which unbox rejects): without this, a sub-group (HSDP's inner and
+            # outer axes) would be counted at the world size.
+            try:
+                return int(dist.ProcessGroup.unbox(a).size())
+            except Exception:  # noqa: BLE001 - another boxed class (ReduceOp)
+                continue
         size = getattr(a, "size", None)
         if callable(size) and not isinstance(a, torch.Tensor):
             try:

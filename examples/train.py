@@ -1,6 +1,7 @@
 """Train a small GPT on synthetic tokens with megatron_fsdp_v2.
 
     torchrun --nproc_per_node=4 examples/train.py --strategy optim_grads
+    torchrun --nproc_per_node=4 examples/train.py --mesh 2,2   # HSDP: 2 replicas x 2 shards
 
 Runs on CPU over gloo by default, and on GPUs over NCCL (one GPU per local rank) when CUDA is
 available. Every step rank 0 prints the loss (mean over ranks), throughput, the bytes this rank
@@ -59,7 +60,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mesh", type=parse_mesh, default=None, metavar="R,S",
+                   help="HSDP on an R x S mesh (R replicas, outer no_shard; --strategy along "
+                        "the S ranks of each replica); default: a 1-D mesh over the world")
     return p.parse_args(argv)
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``--mesh R,S``: the (replicate, shard) shape of an HSDP mesh."""
+    try:
+        r, s = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh takes R,S (e.g. 2,2), got {text!r}") from None
+    if r < 1 or s < 1:
+        raise argparse.ArgumentTypeError(f"--mesh sizes must be positive, got {text!r}")
+    return r, s
+
+
+def build_mesh(shape: tuple[int, int] | None, device: torch.device):
+    """The 2-D (replicate, shard) mesh of ``--mesh``, or ``None`` (fully_shard's 1-D default)."""
+    if shape is None:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape[0] * shape[1] != dist.get_world_size():
+        raise SystemExit(f"--mesh {shape[0]},{shape[1]} needs {shape[0] * shape[1]} ranks, "
+                         f"got a world of {dist.get_world_size()}")
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def setup_distributed() -> torch.device:
@@ -102,9 +129,15 @@ def main(argv: list[str] | None = None) -> None:
         mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
         if args.bf16 else None
     )
+    mesh = build_mesh(args.mesh, device)
+    # HSDP (--mesh R,S): the strategy along the inner axis, gradients all-reduced across the R
+    # replicas once per step (outer no_shard).
+    wrap = dict(sharding_strategy=args.strategy, mp_policy=mp_policy, mesh=mesh)
+    if mesh is not None:
+        wrap["outer_dp_sharding_strategy"] = "no_shard"
     for block in model.blocks:
-        mfsdp.fully_shard(block, sharding_strategy=args.strategy, mp_policy=mp_policy)
-    mfsdp.fully_shard(model, sharding_strategy=args.strategy, mp_policy=mp_policy)
+        mfsdp.fully_shard(block, **wrap)
+    mfsdp.fully_shard(model, **wrap)
     # Built after wrapping, on the sharded (DTensor) parameters.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
@@ -113,7 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print(f"GPT {num_params / 1e6:.2f}M params (dim={cfg.dim} layers={cfg.layers} "
               f"heads={cfg.heads} vocab={cfg.vocab} seq={cfg.seq_len}) | "
-              f"strategy={args.strategy} world={world} device={device.type} "
+              f"strategy={args.strategy} world={world} "
+              f"mesh={'x'.join(map(str, args.mesh)) if args.mesh else world} "
+              f"device={device.type} "
               f"backend={dist.get_backend()} | {args.micro_batches} micro-batches x "
               f"{args.batch_size} seqs/rank = {tokens_per_step} tokens/step | "
               f"{'bf16 compute, fp32 main' if args.bf16 else 'fp32'}", flush=True)

@@ -29,6 +29,19 @@ timeout, not the default group's:
   per-rank I/O takes longer than ``fully_shard``'s ``timeout`` needs a larger ``timeout`` or an
   explicit ``process_group``.
 
+HSDP (a 2-D mesh, outer ``no_shard``): the units' inner group covers one replica's S ranks
+only, not the job, so it cannot carry agreements that every rank of the mesh must join, nor
+DCP's coordination. :func:`model_group` then returns :func:`mesh_group`: a group over every rank
+of the 2-D mesh with the units' timeout (created on the first checkpoint call that needs it, by
+every rank of the mesh, like every checkpoint collective; cached with the units' groups under
+the axis ``"mesh"``). Everything above then applies unchanged with "the units' group" read as
+that whole-mesh group: the agreements, ``load_full_state_dict``'s broadcast (so it reaches every
+rank, inner and outer), "rank 0" (the mesh's lowest global rank, global rank 0 when the mesh
+spans the job), and :func:`dcp_group` (the whole-mesh group when it covers the job, else DCP's
+default group). Only ``get_full_state_dict``'s all-gathers stay on each parameter group's own
+(inner) group: every replica holds the same inner shards, so each replica gathers its own copy
+and no outer collective is needed.
+
 Collectives that are not ours keep their own groups: ``DTensor.full_tensor()`` of a DTensor
 ``fully_shard`` does not manage (e.g. an ignored tensor-parallel weight) runs on that DTensor's
 mesh.
@@ -38,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -45,6 +59,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _registry
+from ._comm_groups import group_alive
 
 __all__ = [
     "Failure",
@@ -54,6 +69,7 @@ __all__ = [
     "dcp_group",
     "describe",
     "gather_to_coordinator",
+    "mesh_group",
     "model_group",
     "no_checkpoint_exception",
     "raise_first",
@@ -69,11 +85,42 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def mesh_group(group: Any) -> dist.ProcessGroup:
+    """A process group over every rank of ``group``'s 2-D (HSDP) mesh, with the collective
+    timeout of its inner communication group (see the note at the top). Collective over the
+    mesh's ranks on its first call for a (ranks, timeout, backend); cached afterwards."""
+    inner = group.process_group
+    ranks = tuple(sorted(int(r) for r in group.mesh.mesh.flatten().tolist()))
+    backend = str(dist.get_backend(inner))
+    timeout_s: float | None = None
+    for key, cached in _registry.comm_groups.items():
+        if cached is inner:
+            timeout_s = key[1]
+            break
+    key = (ranks, -1.0 if timeout_s is None else timeout_s, backend, "mesh")
+    found = _registry.comm_groups.get(key)
+    if found is not None and group_alive(found):
+        return found
+    covers_world = len(ranks) == dist.get_world_size()
+    created = dist.new_group(
+        list(ranks),
+        timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
+        backend=None if backend == str(dist.get_backend()) else backend,
+        use_local_synchronization=not covers_world,
+        group_desc="megatron_fsdp_v2 mesh (checkpoints)",
+    )
+    assert isinstance(created, dist.ProcessGroup)  # every caller is a member of the mesh
+    _registry.comm_groups[key] = created
+    return created
+
+
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The communication group of ``model``'s units (see the note at the top), ``None`` when
-    it has none or ``torch.distributed`` is not initialized."""
+    it has none or ``torch.distributed`` is not initialized. For units on a 2-D (HSDP) mesh:
+    the group over the whole mesh (:func:`mesh_group`), not the inner group."""
     if not _distributed():
         return None
+    chosen_group: Any = None
     chosen: dist.ProcessGroup | None = None
     chosen_ranks: tuple[int, ...] = ()
     chosen_name = ""
@@ -83,6 +130,13 @@ def model_group(model: nn.Module) -> dist.ProcessGroup | None:
         if state is None:
             continue
         for group in state.groups:
+            if chosen_group is not None and group.mesh.ndim != chosen_group.mesh.ndim:
+                raise ValueError(
+                    f"the units of this model live on meshes of different dimensions "
+                    f"({group.name}: {group.mesh.ndim}-D, {chosen_group.name}: "
+                    f"{chosen_group.mesh.ndim}-D); megatron_fsdp_v2's checkpoint functions need "
+                    "every unit of a model on the same mesh"
+                )
             pg = group.process_group
             if id(pg) in checked:
                 continue
@@ -90,12 +144,15 @@ def model_group(model: nn.Module) -> dist.ProcessGroup | None:
             ranks = tuple(dist.get_process_group_ranks(pg))
             if chosen is None:
                 chosen, chosen_ranks, chosen_name = pg, ranks, group.name
+                chosen_group = group
             elif ranks != chosen_ranks:
                 raise ValueError(
                     f"the units of this model communicate over different ranks ({group.name}: "
                     f"{list(ranks)}, {chosen_name}: {list(chosen_ranks)}); megatron_fsdp_v2's "
                     "checkpoint functions need every unit of a model on the same mesh"
                 )
+    if chosen_group is not None and chosen_group.mesh.ndim > 1:
+        return mesh_group(chosen_group)
     return chosen
 
 

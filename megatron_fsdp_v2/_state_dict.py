@@ -14,6 +14,12 @@ offset ``lo``, or no chunk at all for an empty shard (an empty chunk inside anot
 would trip DCP's overlap check). ``Replicate()`` DTensors (``no_shard``) need nothing: DTensor's
 default (one full chunk at offset 0, deduplicated on save) is right.
 
+On a 2-D (HSDP) mesh with outer ``no_shard`` the DTensors are ``(Replicate(), Shard(0))`` and
+every replica along the outer axis holds the same inner rows ``local_row_range(i)``, so the R
+replicas of a chunk carry the same offsets: DCP's save planner de-duplicates write items by
+(key, offset), so each chunk is written once, and on load every replica plans a read of its
+rows. ``(Replicate(), Replicate())`` (inner ``no_shard``) needs nothing, as on a 1-D mesh.
+
 Only state-dict tensors are marked, never live parameters or optimizer states (state dicts hold
 detached aliases; :func:`strip_metadata` cleans what an optimizer adopts on load). The attached
 callables are module-level classes, so a state dict stays picklable; DCP detaches tensors before
@@ -37,11 +43,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from . import _registry
 from ._flat_param_group import FlatParamGroup
-from ._plan import Extent
+from ._plan import Collective, CollectiveStep, Extent
 
 __all__ = [
     "ROWS_ATTR",
     "attach_chunk_metadata",
+    "check_outer_no_shard",
     "dist_param_slots",
     "expected_entries",
     "first_mismatch",
@@ -129,6 +136,21 @@ def strip_metadata(tensors: Any) -> None:
                     delattr(target, attr)
 
 
+def check_outer_no_shard(group: FlatParamGroup, what: str) -> None:
+    """Checkpoints of a unit on a 2-D (HSDP) mesh are built for outer ``no_shard`` only (every
+    replica holds the same inner rows): raise ``NotImplementedError`` for anything else."""
+    if group.mesh.ndim == 1:
+        return
+    outer = getattr(group, "outer_strategy", None)
+    outer_value = getattr(outer, "value", outer)
+    no_shard_steps = ((), (CollectiveStep(Collective.ALL_REDUCE, "outer"),))
+    if outer_value not in (None, "no_shard") or group.plan.window_steps not in no_shard_steps:
+        raise NotImplementedError(
+            f"{what}: checkpoints of units on a 2-D (HSDP) mesh support "
+            "outer_dp_sharding_strategy='no_shard' only; nothing was read or written"
+        )
+
+
 def is_row_sharded(group: FlatParamGroup) -> bool:
     # SHARD (1-D, HSDP outer no_shard) or SUB_SHARD (HSDP outer optim).
     return group.plan.optimizer_placement is not Extent.FULL
@@ -139,16 +161,12 @@ def attach_chunk_metadata(value: DTensor, group: FlatParamGroup, index: int, key
     first dimension) chunk metadata at this rank's true row offset. No-op for ``Replicate()``."""
     if not is_row_sharded(group) or not any(isinstance(p, Shard) for p in value.placements):
         return
-    if group.mesh.ndim > 1:
-        raise NotImplementedError(
-            f"state-dict entry '{key}': sharded state dicts of units on a 2-D (HSDP) mesh are "
-            "not supported yet (their chunk metadata assumes a 1-D mesh); nothing was saved"
-        )
+    check_outer_no_shard(group, f"state-dict entry '{key}'")
     shape = group.layout.items[index].shape
     lo, hi = group.local_row_range(index)
     local = value._local_tensor
     if (
-        value.placements != (Shard(0),)
+        tuple(value.placements) != tuple(group._placements)
         or value.dim() == 0
         or value.shape[0] != shape[0]
         or local.dim() != value.dim()

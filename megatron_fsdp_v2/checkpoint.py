@@ -100,17 +100,15 @@ def _check_options(options: _dsd.StateDictOptions | None, api: str) -> _dsd.Stat
     return options
 
 
-def _reject_hsdp(model: nn.Module, api: str) -> None:
-    """Checkpoints of units on a 2-D (HSDP) mesh are not built yet: refuse before any
-    collective (the same decision on every rank: it depends on wrap-time state only)."""
+def _check_hsdp(model: nn.Module, api: str) -> None:
+    """Units on a 2-D (HSDP) mesh checkpoint with outer ``no_shard`` only (see
+    ``_state_dict.check_outer_no_shard``): refuse anything else before any collective (the same
+    decision on every rank: it depends on wrap-time state only)."""
     for module in model.modules():
         state = _registry.state_of(module)
-        if state is not None and any(g.mesh.ndim > 1 for g in state.groups):
-            raise NotImplementedError(
-                f"megatron_fsdp_v2.checkpoint.{api} does not support models on a 2-D (HSDP) "
-                "mesh yet: their chunk metadata and full-state-dict collectives assume a 1-D "
-                "mesh. Nothing was read or written"
-            )
+        if state is not None:
+            for group in state.groups:
+                _sd.check_outer_no_shard(group, f"megatron_fsdp_v2.checkpoint.{api}")
 
 
 # ---------------------------------------------------------------------- sharded state dicts
@@ -164,7 +162,7 @@ def get_state_dict(
     optimizer whose state is still empty is first initialized by a zero-learning-rate step
     (torch's behaviour), so that every state entry exists to load into.
     """
-    _reject_hsdp(model, "get_state_dict")
+    _check_hsdp(model, "get_state_dict")
     options = _check_options(options, "get_state_dict")
     optims = _as_tuple(optimizers)
     if optims:
@@ -199,7 +197,7 @@ def set_state_dict(
     Afterwards every unit refreshes its compute weights from the loaded main weights before the
     next forward. Returns ``(missing_keys, unexpected_keys)`` like torch.
     """
-    _reject_hsdp(model, "set_state_dict")
+    _check_hsdp(model, "set_state_dict")
     options = _check_options(options, "set_state_dict")
     optims = _as_tuple(optimizers)
     found = {
@@ -266,7 +264,7 @@ def save(
     ``CheckpointException`` turned into a ``RuntimeError``. Assumes that every rank sees the
     same filesystem, as a later load does.
     """
-    _reject_hsdp(model, "save")
+    _check_hsdp(model, "save")
     # DCP's coordination group: the caller's, else the units' group if it covers the job
     # (see [Note: checkpoint collectives] in _checkpoint_group.py).
     group = _cg.dcp_group(model, process_group)
@@ -310,7 +308,7 @@ def load(
     DCP's ``CheckpointException``). Every rank of ``process_group`` (default: all) calls it;
     the checks, DCP and the agreement use the same group as :func:`save`.
     """
-    _reject_hsdp(model, "load")
+    _check_hsdp(model, "load")
     group = _cg.dcp_group(model, process_group)  # as in save
     root = local_dir(checkpoint_id, storage_reader)
     if storage_reader is None:
@@ -354,11 +352,13 @@ def get_full_state_dict(
     (fp32 when a separate main buffer exists). Loadable into the unwrapped model class.
 
     Every rank must call it (one all-gather per parameter group over the units' communication
-    group, one group at a time). With ``rank0_only`` (default) only the first rank of that
-    group (global rank 0 when the model's mesh spans the job) gets the tensors and the others
-    return ``{}``; ``cpu_offload`` (default) moves them to CPU as they are gathered.
+    group, one group at a time). With ``rank0_only`` (default) only the first rank of the
+    model's mesh (global rank 0 when the mesh spans the job) gets the tensors and the others
+    return ``{}``; ``cpu_offload`` (default) moves them to CPU as they are gathered. On a 2-D
+    (HSDP) mesh the all-gathers run over the inner group (every replica gathers its own copy of
+    the same rows) and "the first rank" is the whole mesh's lowest rank.
     """
-    _reject_hsdp(model, "get_full_state_dict")
+    _check_hsdp(model, "get_full_state_dict")
     keep = not rank0_only or _cg.rank_and_size(_cg.model_group(model))[0] == 0
     return _full.full_state_dict(model, keep=keep, cpu_offload=cpu_offload)
 
@@ -379,13 +379,15 @@ def load_full_state_dict(
     needs it (others may pass ``None``); it is broadcast one tensor at a time and each rank
     keeps only its rows, so no rank but 0 ever holds the whole model. Collectives run on the
     units' communication group (``fully_shard``'s timeout); "rank 0" is its first rank, global
-    rank 0 when the model's mesh spans the job.
+    rank 0 when the model's mesh spans the job. On a 2-D (HSDP) mesh that group is the one over
+    the whole mesh (see ``[Note: checkpoint collectives]``), so "rank 0" is the mesh's lowest
+    rank and the broadcast reaches every rank of both axes.
 
     Keys (``strict``) and shapes are checked first; a mismatch raises a ``ValueError`` naming
     the first mismatching key on every rank before anything is written. The next forward uses
     the loaded weights. Returns ``(missing_keys, unexpected_keys)``.
     """
-    _reject_hsdp(model, "load_full_state_dict")
+    _check_hsdp(model, "load_full_state_dict")
     expected = _sd.expected_entries(model)
     group = _cg.model_group(model)
     rank, size = _cg.rank_and_size(group)

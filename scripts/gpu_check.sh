@@ -105,6 +105,25 @@ later_checks() {
       "${PYTHON}" -m torch.distributed.run --standalone --nproc_per_node=1 \
       examples/train.py --strategy "${strategy}" --steps 10
   done
+  hsdp_check
+}
+
+# HSDP (2-D mesh, outer no_shard) on NCCL: needs 4 GPUs (a 2 x 2 mesh); skipped otherwise.
+hsdp_check() {
+  local gpus
+  gpus=$(timeout 60 "${PYTHON}" -c "import torch; print(torch.cuda.device_count())" || echo 0)
+  if (( gpus < 4 )); then
+    echo
+    echo "### SKIP HSDP checks: ${gpus} GPU(s) visible, a 2x2 HSDP mesh needs 4"
+    return 0
+  fi
+  step "examples/train.py 4 GPUs HSDP --mesh 2,2 optim_grads_params" 90 \
+    "${PYTHON}" -m torch.distributed.run --standalone --nproc_per_node=4 \
+    examples/train.py --mesh 2,2 --strategy optim_grads_params --steps 10
+  step "bench_training HSDP 2x2 vs FSDP2 HSDP" 150 \
+    "${PYTHON}" benchmarks/bench_training.py --device cuda --world-size 4 --mesh 2,2 \
+    --model-size small --systems optim_grads,optim_grads_params,fsdp2_noreshard,fsdp2 \
+    --steps 6 --rounds 1 --timeout 120
 }
 later_checks
 

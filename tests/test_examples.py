@@ -36,6 +36,24 @@ def test_train_example_runs(strategy: str) -> None:
     assert "memory_report rank 1:" in proc.stdout
 
 
+def test_train_example_hsdp_mesh() -> None:
+    """``--mesh 2,2``: HSDP (2 replicas x 2 shards, outer no_shard) on 4 CPU ranks."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+           os.path.join(EXAMPLES, "train.py"), "--mesh", "2,2", "--strategy", "optim_grads",
+           "--steps", "3", "--micro-batches", "2", "--batch-size", "2", "--seq-len", "16",
+           "--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "mesh=2x2" in proc.stdout, proc.stdout
+    steps = re.findall(r"step\s+(\d+)/3 \| loss ([0-9.]+) .* comm\s+([0-9.]+) MiB/rank",
+                       proc.stdout)
+    assert [int(s) for s, _, _ in steps] == [1, 2, 3], proc.stdout
+    assert all(math.isfinite(float(loss)) for _, loss, _ in steps)
+    assert all(float(comm) > 0 for _, _, comm in steps), "no collective bytes counted"
+    assert "memory_report rank 3:" in proc.stdout
+
+
 def _counter_worker(rank: int, world: int) -> dict[str, float]:
     import megatron_fsdp_v2 as mfsdp
 

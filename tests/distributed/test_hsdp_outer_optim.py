@@ -372,16 +372,19 @@ def _errors_worker(rank: int, world: int) -> None:
         rejected(ValueError, r"outer_dp_sharding_strategy='optim' .* needs "
                  rf"sharding_strategy='optim_grads_params' .* got sharding_strategy='{strategy}'",
                  mesh=named, sharding_strategy=strategy, outer_dp_sharding_strategy="optim")
-    # Checkpoints of HSDP models are not built: refused before any collective.
+    # Checkpoints of outer-optim models are not built: refused before any collective.
     model = fully_shard(nn.Linear(4, 6), mesh=named, **OUTER)
     assert model.weight.placements == (Shard(0), Shard(0))
-    with pytest.raises(NotImplementedError, match=r"checkpoint.get_state_dict does not "
-                       r"support models on a 2-D \(HSDP\) mesh"):
-        mckpt.get_state_dict(model)
-    with pytest.raises(NotImplementedError, match="get_full_state_dict"):
-        mckpt.get_full_state_dict(model)
-    with pytest.raises(NotImplementedError, match=r"state dicts of units on a 2-D \(HSDP\) mesh"):
-        model.state_dict()
+    only_no_shard = r"2-D \(HSDP\) mesh support outer_dp_sharding_strategy='no_shard' only"
+    with CommDebugMode() as comm:
+        with pytest.raises(NotImplementedError,
+                           match=r"checkpoint.get_state_dict: .*" + only_no_shard):
+            mckpt.get_state_dict(model)
+        with pytest.raises(NotImplementedError, match=r"get_full_state_dict.*" + only_no_shard):
+            mckpt.get_full_state_dict(model)
+        with pytest.raises(NotImplementedError, match=only_no_shard):
+            model.state_dict()
+    assert sum(comm.get_comm_counts().values()) == 0, comm.get_comm_counts()
 
 
 def test_errors(ranks: RankPools) -> None:

@@ -18,6 +18,7 @@ from . import _registry
 from . import _state_dict as _sd
 from ._checkpoint_group import coordinator, rank_and_size
 from ._flat_param_group import FlatParamGroup
+from ._plan import Extent
 
 __all__ = ["broadcast_rows", "full_state_dict", "gather_full_params"]
 
@@ -36,15 +37,28 @@ def gather_full_params(
 ) -> dict[tuple[int, int], torch.Tensor]:
     """Full main weights of every managed parameter, keyed by ``(id(group), index)``: one
     all-gather of each group's main-weight shard over its ``process_group`` (none for
-    ``no_shard``), one group at a time. Every rank must call it; ``keep=False`` ranks take part
-    but return nothing."""
+    ``no_shard``; with HSDP outer ``optim`` first one over the outer axis, which completes the
+    inner shard from its sub-shards), one group at a time. Every rank must call it;
+    ``keep=False`` ranks take part but return nothing."""
     out: dict[tuple[int, int], torch.Tensor] = {}
     for group in _unique_groups(module.parameters()):
         main = group.main_weight.detach()
         if _sd.is_row_sharded(group):
-            flat = torch.empty(group.layout.total_numel, dtype=main.dtype, device=main.device)
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            gather(flat, main.contiguous(), group=group.process_group)
+            shard = main.contiguous()
+            if group.plan.optimizer_placement is Extent.SUB_SHARD:
+                # HSDP outer optim: rank (r, s) holds sub-shard s * R + r. Gather the R
+                # sub-shards of this inner shard over the outer axis (in outer-rank order),
+                # then the S inner shards over the inner axis: flat-buffer order.
+                assert group.outer_process_group is not None
+                replicas = dist.get_world_size(group.outer_process_group)
+                inner_shard = torch.empty(
+                    replicas * shard.numel(), dtype=main.dtype, device=main.device
+                )
+                gather(inner_shard, shard, group=group.outer_process_group)
+                shard = inner_shard
+            flat = torch.empty(group.layout.total_numel, dtype=main.dtype, device=main.device)
+            gather(flat, shard, group=group.process_group)
         else:
             flat = main
         if not keep:

@@ -19,6 +19,11 @@ every replica along the outer axis holds the same inner rows ``local_row_range(i
 replicas of a chunk carry the same offsets: DCP's save planner de-duplicates write items by
 (key, offset), so each chunk is written once, and on load every replica plans a read of its
 rows. ``(Replicate(), Replicate())`` (inner ``no_shard``) needs nothing, as on a 1-D mesh.
+With outer ``optim`` the DTensors are ``(Shard(0), Shard(0))`` and rank (outer ``r``, inner
+``s``) holds the rows of its own sub-shard ``s * R + r`` of the flat buffer
+(``local_row_range(i)``, from the plan's ``main_weight_span``): every chunk is distinct, so each
+rank writes and reads its own rows (none for an empty sub-shard), exactly as on a 1-D mesh of
+``R * S`` ranks; DTensor's offset math (outer-then-inner ``torch.chunk``) is wrong here too.
 
 Only state-dict tensors are marked, never live parameters or optimizer states (state dicts hold
 detached aliases; :func:`strip_metadata` cleans what an optimizer adopts on load). The attached
@@ -137,17 +142,21 @@ def strip_metadata(tensors: Any) -> None:
 
 
 def check_outer_no_shard(group: FlatParamGroup, what: str) -> None:
-    """Checkpoints of a unit on a 2-D (HSDP) mesh are built for outer ``no_shard`` only (every
-    replica holds the same inner rows): raise ``NotImplementedError`` for anything else."""
+    """Checkpoints of a unit on a 2-D (HSDP) mesh are built for outer ``no_shard`` (every
+    replica holds the same inner rows) and outer ``optim`` (every rank holds its own sub-shard
+    rows, see [Note: uneven shards in state dicts]): raise ``NotImplementedError`` for anything
+    else."""
     if group.mesh.ndim == 1:
         return
     outer = getattr(group, "outer_strategy", None)
     outer_value = getattr(outer, "value", outer)
     no_shard_steps = ((), (CollectiveStep(Collective.ALL_REDUCE, "outer"),))
+    if getattr(group.plan, "optimizer_placement", None) is Extent.SUB_SHARD:
+        return  # outer optim: each rank's own sub-shard rows
     if outer_value not in (None, "no_shard") or group.plan.window_steps not in no_shard_steps:
         raise NotImplementedError(
             f"{what}: checkpoints of units on a 2-D (HSDP) mesh support "
-            "outer_dp_sharding_strategy='no_shard' only; nothing was read or written"
+            "outer_dp_sharding_strategy='no_shard' and 'optim' only; nothing was read or written"
         )
 
 
@@ -161,7 +170,6 @@ def attach_chunk_metadata(value: DTensor, group: FlatParamGroup, index: int, key
     first dimension) chunk metadata at this rank's true row offset. No-op for ``Replicate()``."""
     if not is_row_sharded(group) or not any(isinstance(p, Shard) for p in value.placements):
         return
-    check_outer_no_shard(group, f"state-dict entry '{key}'")
     shape = group.layout.items[index].shape
     lo, hi = group.local_row_range(index)
     local = value._local_tensor

@@ -101,7 +101,7 @@ def _check_options(options: _dsd.StateDictOptions | None, api: str) -> _dsd.Stat
 
 
 def _check_hsdp(model: nn.Module, api: str) -> None:
-    """Units on a 2-D (HSDP) mesh checkpoint with outer ``no_shard`` only (see
+    """Units on a 2-D (HSDP) mesh checkpoint with outer ``no_shard`` or ``optim`` only (see
     ``_state_dict.check_outer_no_shard``): refuse anything else before any collective (the same
     decision on every rank: it depends on wrap-time state only)."""
     for module in model.modules():
@@ -356,7 +356,9 @@ def get_full_state_dict(
     model's mesh (global rank 0 when the mesh spans the job) gets the tensors and the others
     return ``{}``; ``cpu_offload`` (default) moves them to CPU as they are gathered. On a 2-D
     (HSDP) mesh the all-gathers run over the inner group (every replica gathers its own copy of
-    the same rows) and "the first rank" is the whole mesh's lowest rank.
+    the same rows; with outer ``optim`` an all-gather over the outer group comes first, which
+    completes each inner shard from its sub-shards) and "the first rank" is the whole mesh's
+    lowest rank.
     """
     _check_hsdp(model, "get_full_state_dict")
     keep = not rank0_only or _cg.rank_and_size(_cg.model_group(model))[0] == 0

@@ -1,6 +1,7 @@
-"""Checkpoints of HSDP models (2-D mesh, outer ``no_shard``): DCP save/load across a 2x2 HSDP
-mesh and 1-D meshes of other sizes and strategies (2x2 -> 1-D world 3, 1-D world 4 -> 2x2,
-2x2 -> 2x2), the chunk metadata (each replica's true rows, every chunk written once), and full
+"""Checkpoints of HSDP models (2-D mesh, outer ``no_shard`` and outer ``optim``): DCP save/load
+across a 2x2 HSDP mesh and 1-D meshes of other sizes and strategies (2x2 -> 1-D world 3, 1-D
+world 4 -> 2x2, 2x2 -> 2x2), the chunk metadata (each replica's true rows, every chunk written
+once; outer optim: each rank's own sub-shard rows, partitioning each tensor), and full
 state-dict export/import (rank 0 = the mesh's first rank; the broadcast reaches every rank).
 
 Tolerances as in ``test_checkpoint.py``: bitwise for a resume on the same mesh and strategy,
@@ -41,8 +42,11 @@ def make_model(kind: str, seed: int) -> torch.nn.Module:
     return TinyGPT() if kind == "lm" else OddMLP()
 
 
-def wrap(model: torch.nn.Module, strategy: str, hsdp: bool) -> torch.nn.Module:
-    kw = {"mesh": hsdp_mesh()} if hsdp else {}
+def wrap(model: torch.nn.Module, strategy: str, hsdp: bool, outer: str = "no_shard"
+         ) -> torch.nn.Module:
+    kw: dict = {"mesh": hsdp_mesh()} if hsdp else {}
+    if outer != "no_shard":
+        kw["outer_dp_sharding_strategy"] = outer
     for block in getattr(model, "blocks", []):
         fully_shard(block, sharding_strategy=strategy, **kw)
     return fully_shard(model, sharding_strategy=strategy, **kw)
@@ -108,6 +112,9 @@ SOURCES = {
     "H_mlp": dict(kind="mlp", strategy="optim", hsdp=True, save_at=2, end=4),
     "D_lm": dict(kind="lm", strategy="optim_grads", hsdp=False, save_at=2, end=4),
     "D_mlp": dict(kind="mlp", strategy="no_shard", hsdp=False, save_at=2, end=4),
+    # Outer optim: each rank holds its own sub-shard rows.
+    "O_lm": dict(kind="lm", strategy="optim_grads_params", hsdp=True, save_at=2, end=4,
+                 outer="optim"),
 }
 
 
@@ -137,7 +144,8 @@ def _produce(rank: int, world: int, root: str, tag: str) -> None:
     spec = SOURCES[tag]
     kind, strategy, hsdp = spec["kind"], spec["strategy"], spec["hsdp"]
     save_at, end = spec["save_at"], spec["end"]
-    model = wrap(make_model(kind, 0), strategy, hsdp)
+    outer = spec.get("outer", "no_shard")
+    model = wrap(make_model(kind, 0), strategy, hsdp, outer)
     opt = new_optimizer(model)
     train(model, opt, kind, range(save_at), rank, world)
     mckpt.save(model, opt, checkpoint_id=_path(root, tag), extra={"train_step": save_at})
@@ -149,7 +157,7 @@ def _produce(rank: int, world: int, root: str, tag: str) -> None:
         torch.save({"losses": losses, "full": full, "kind": kind, "save_at": save_at, "end": end},
                    _path(root, tag) + ".ref.pt")
     # Same mesh and strategy: bitwise.
-    model2 = wrap(make_model(kind, 1), strategy, hsdp)
+    model2 = wrap(make_model(kind, 1), strategy, hsdp, outer)
     opt2 = new_optimizer(model2)
     mckpt.load(model2, opt2, checkpoint_id=_path(root, tag))
     losses2 = train(model2, opt2, kind, range(save_at, end), rank, world)
@@ -158,11 +166,12 @@ def _produce(rank: int, world: int, root: str, tag: str) -> None:
         assert_losses(losses2, losses, exact=True), assert_same(full2, full, exact=True)))
 
 
-def _consume(rank: int, world: int, root: str, tag: str, strategy: str, hsdp: bool) -> None:
+def _consume(rank: int, world: int, root: str, tag: str, strategy: str, hsdp: bool,
+             outer: str = "no_shard") -> None:
     dist.barrier()  # the producer's reference file is complete
     ref = torch.load(_path(root, tag) + ".ref.pt")
     kind = ref["kind"]
-    model = wrap(make_model(kind, 1), strategy, hsdp)
+    model = wrap(make_model(kind, 1), strategy, hsdp, outer)
     opt = new_optimizer(model)
     if kind == "lm":  # the manual flow: get_state_dict, dcp.load, set_state_dict
         msd, osd = mckpt.get_state_dict(model, opt)
@@ -175,7 +184,7 @@ def _consume(rank: int, world: int, root: str, tag: str, strategy: str, hsdp: bo
     agree(f"{tag}: extra", lambda: _check_equal(extra, {"train_step": ref["save_at"]}))
     losses = train(model, opt, kind, range(ref["save_at"], ref["end"]), rank, world)
     full = mckpt.get_full_state_dict(model, rank0_only=False)
-    where = f"{'2x2 HSDP' if hsdp else f'1-D world {world}'} {strategy}"
+    where = f"{f'2x2 HSDP outer {outer}' if hsdp else f'1-D world {world}'} {strategy}"
     agree(f"{tag} -> {where}", lambda: (
         assert_losses(losses, ref["losses"], exact=False),
         assert_same(full, ref["full"], exact=False)))
@@ -198,10 +207,12 @@ def _check_forward(what: str, model, kind: str, weights: dict) -> None:
     agree(what, lambda: torch.testing.assert_close(out, expected, rtol=0.0, atol=0.0))
 
 
-def _check_rows(what: str, model, weights: dict, strategy: str) -> None:
+def _check_rows(what: str, model, weights: dict, strategy: str, outer: str = "no_shard"
+                ) -> None:
     """``model.state_dict()`` on 2x2: DTensors on the 2-D mesh with (Replicate(), Shard(0))
-    ((Replicate(), Replicate()) for no_shard), each rank's true inner rows, chunk metadata at
-    that offset, and the same rows on both replicas."""
+    ((Replicate(), Replicate()) for no_shard, (Shard(0), Shard(0)) for outer optim), each
+    rank's true rows, chunk metadata at that offset, and the same rows on both replicas (outer
+    optim: the chunks of the four ranks partition each tensor)."""
     sd = model.state_dict()
     rows = []
     problems = []
@@ -213,6 +224,8 @@ def _check_rows(what: str, model, weights: dict, strategy: str) -> None:
         record = record_of(param)
         group, index = record.group, record.index
         expected = (Replicate(), Replicate() if strategy == "no_shard" else Shard(0))
+        if outer == "optim":
+            expected = (Shard(0), Shard(0))
         if tuple(value.placements) != expected or value.device_mesh.ndim != 2:
             problems.append(f"{key}: placements {value.placements}, expected {expected}")
         if strategy == "no_shard":
@@ -229,22 +242,40 @@ def _check_rows(what: str, model, weights: dict, strategy: str) -> None:
         if not torch.equal(value.to_local(), weights[key][lo:hi]):
             problems.append(f"{key}: rows {lo}..{hi} differ")
         rows.append((lo, hi))
-    # Replicas (same inner index, other outer index) hold the same rows.
-    outer = record_of(next(iter(model.parameters()))).group.outer_process_group
-    gathered: list = [None] * 2
-    dist.all_gather_object(gathered, rows, group=outer)
-    if gathered[0] != gathered[1]:
-        problems.append(f"replicas hold different rows: {gathered}")
+    if outer == "optim":
+        # The four ranks' chunks (empty sub-shards: none) partition each tensor.
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, rows)
+        for i, key in enumerate(sd):
+            spans = sorted(r[i] for r in everyone if r[i][1] > r[i][0])
+            covered = 0
+            for lo, hi in spans:
+                if lo != covered:
+                    problems.append(f"{key}: sub-shard rows {spans} do not partition it")
+                covered = hi
+            if covered != sd[key].shape[0]:
+                problems.append(f"{key}: sub-shard rows {spans} do not cover it")
+    else:
+        # Replicas (same inner index, other outer index) hold the same rows.
+        outer_group = record_of(next(iter(model.parameters()))).group.outer_process_group
+        gathered: list = [None] * 2
+        dist.all_gather_object(gathered, rows, group=outer_group)
+        if gathered[0] != gathered[1]:
+            problems.append(f"replicas hold different rows: {gathered}")
     agree(what, lambda: _check_equal(problems, []))
 
 
 def _state_dict_worker_2x2(rank: int, world: int, root: str) -> None:
-    for kind, strategies in (("mlp", ("optim", "no_shard")), ("lm", ("optim_grads_params",))):
+    cases = (("mlp", ("optim", "no_shard"), "no_shard"),
+             ("lm", ("optim_grads_params",), "no_shard"),
+             ("lm", ("optim_grads_params",), "optim"),
+             ("mlp", ("optim_grads_params",), "optim"))
+    for kind, strategies, outer in cases:
         w0 = make_model(kind, 0).state_dict()
         w1 = make_model(kind, 1).state_dict()
         for strategy in strategies:
-            name = f"{kind} {strategy} 2x2"
-            model = wrap(make_model(kind, 0), strategy, hsdp=True)
+            name = f"{kind} {strategy} outer {outer} 2x2"
+            model = wrap(make_model(kind, 0), strategy, hsdp=True, outer=outer)
             group = model_group(model)
             agree(f"{name}: checkpoint group covers the mesh", lambda: (
                 _check_equal(dist.get_process_group_ranks(group), [0, 1, 2, 3]),
@@ -252,7 +283,7 @@ def _state_dict_worker_2x2(rank: int, world: int, root: str) -> None:
             _check_forward(f"{name}: before load", model, kind, w0)
             model.load_state_dict(w1)
             _check_forward(f"{name}: after load_state_dict(full)", model, kind, w1)
-            _check_rows(f"{name}: state_dict rows", model, w1, strategy)
+            _check_rows(f"{name}: state_dict rows", model, w1, strategy, outer)
             # Full export: only the mesh's first rank gets it.
             full = mckpt.get_full_state_dict(model)
             agree(f"{name}: full export", lambda: (
@@ -262,13 +293,13 @@ def _state_dict_worker_2x2(rank: int, world: int, root: str) -> None:
                   lambda: assert_same(everywhere, w1, exact=True))
             # Import with every rank passing it, then by broadcast from rank 0 (reaches the
             # other inner rank and both ranks of the other replica).
-            victim = wrap(make_model(kind, 3), strategy, hsdp=True)
+            victim = wrap(make_model(kind, 3), strategy, hsdp=True, outer=outer)
             mckpt.load_full_state_dict(victim, w0)
             _check_forward(f"{name}: after load_full_state_dict", victim, kind, w0)
             mckpt.load_full_state_dict(victim, full if rank == 0 else None,
                                        broadcast_from_rank0=True)
             _check_forward(f"{name}: after broadcast import", victim, kind, w1)
-            _check_rows(f"{name}: rows after broadcast import", victim, w1, strategy)
+            _check_rows(f"{name}: rows after broadcast import", victim, w1, strategy, outer)
             # Sharded state dict of another 2x2 model, loaded in place.
             mckpt.load_full_state_dict(victim, w0)
             victim.load_state_dict(model.state_dict())
@@ -282,12 +313,16 @@ def _world4_worker(rank: int, world: int, root: str) -> None:
     # 1-D world 4 -> 2x2 HSDP, other inner strategies.
     _consume(rank, world, root, "D_lm", "optim", hsdp=True)
     _consume(rank, world, root, "D_mlp", "optim_grads_params", hsdp=True)
+    # 1-D world 4 -> 2x2 HSDP with outer optim.
+    _consume(rank, world, root, "D_lm", "optim_grads_params", hsdp=True, outer="optim")
 
 
 def _world3_worker(rank: int, world: int, root: str) -> None:
     # 2x2 HSDP -> 1-D world 3, other strategies.
     _consume(rank, world, root, "H_lm", "no_shard", hsdp=False)
     _consume(rank, world, root, "H_mlp", "optim_grads", hsdp=False)
+    # 2x2 HSDP outer optim -> 1-D world 3, another strategy.
+    _consume(rank, world, root, "O_lm", "optim", hsdp=False)
 
 
 def test_hsdp_checkpoints_reshard_and_full_state_dicts() -> None:
@@ -300,26 +335,28 @@ def test_hsdp_checkpoints_reshard_and_full_state_dicts() -> None:
         run_distributed(_world3_worker, 3, root, timeout_s=120)
 
 
-def test_outer_optim_checkpoints_stay_unsupported() -> None:
-    """A unit on a 2-D mesh whose outer strategy is not no_shard (not wrappable yet: outer
-    "optim" is built elsewhere) is refused by the checkpoint code, no collective involved."""
+def test_outer_strategies_checkpoint_check() -> None:
+    """The checkpoint code accepts 1-D units, outer no_shard and outer optim (sub-shard rows);
+    anything else on a 2-D mesh is refused, no collective involved."""
     from types import SimpleNamespace
 
     import pytest
 
-    from megatron_fsdp_v2._plan import Collective, CollectiveStep
+    from megatron_fsdp_v2._plan import Collective, CollectiveStep, Extent
     from megatron_fsdp_v2._state_dict import check_outer_no_shard
 
-    def fake(ndim: int, steps: tuple, outer: str | None = None) -> SimpleNamespace:
+    def fake(ndim: int, steps: tuple, outer: str | None = None,
+             placement: Extent = Extent.SHARD) -> SimpleNamespace:
         return SimpleNamespace(mesh=SimpleNamespace(ndim=ndim), plan=SimpleNamespace(
-            window_steps=steps), outer_strategy=outer)
+            window_steps=steps, optimizer_placement=placement), outer_strategy=outer)
 
     no_shard = (CollectiveStep(Collective.ALL_REDUCE, "outer"),)
     optim = (CollectiveStep(Collective.REDUCE_SCATTER, "outer"),)
     check_outer_no_shard(fake(1, ()), "x")  # type: ignore[arg-type]
     check_outer_no_shard(fake(2, ()), "x")  # type: ignore[arg-type]
     check_outer_no_shard(fake(2, no_shard), "x")  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="outer_dp_sharding_strategy='no_shard' only"):
+    check_outer_no_shard(fake(2, optim, "optim", Extent.SUB_SHARD), "x")  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="'no_shard' and 'optim' only"):
         check_outer_no_shard(fake(2, optim), "x")  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="'no_shard' only"):
-        check_outer_no_shard(fake(2, no_shard, "optim"), "x")  # type: ignore[arg-type]
+    with pytest.raises(NotImplementedError, match="'no_shard' and 'optim' only"):
+        check_outer_no_shard(fake(2, no_shard, "optim_grads"), "x")  # type: ignore[arg-type]

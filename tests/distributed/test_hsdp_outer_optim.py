@@ -372,19 +372,20 @@ def _errors_worker(rank: int, world: int) -> None:
         rejected(ValueError, r"outer_dp_sharding_strategy='optim' .* needs "
                  rf"sharding_strategy='optim_grads_params' .* got sharding_strategy='{strategy}'",
                  mesh=named, sharding_strategy=strategy, outer_dp_sharding_strategy="optim")
-    # Checkpoints of outer-optim models are not built: refused before any collective.
+    # Checkpoints of outer-optim models work (tests/distributed/test_hsdp_checkpoint.py):
+    # sharded state dicts need no collective and hold each rank's own sub-shard rows.
     model = fully_shard(nn.Linear(4, 6), mesh=named, **OUTER)
     assert model.weight.placements == (Shard(0), Shard(0))
-    only_no_shard = r"2-D \(HSDP\) mesh support outer_dp_sharding_strategy='no_shard' only"
     with CommDebugMode() as comm:
-        with pytest.raises(NotImplementedError,
-                           match=r"checkpoint.get_state_dict: .*" + only_no_shard):
-            mckpt.get_state_dict(model)
-        with pytest.raises(NotImplementedError, match=r"get_full_state_dict.*" + only_no_shard):
-            mckpt.get_full_state_dict(model)
-        with pytest.raises(NotImplementedError, match=only_no_shard):
-            model.state_dict()
+        msd, _ = mckpt.get_state_dict(model)
+        sd = model.state_dict()
     assert sum(comm.get_comm_counts().values()) == 0, comm.get_comm_counts()
+    for value in (msd["weight"], sd["weight"]):
+        lo, hi = shard_rows(model.weight)
+        chunks = value.__create_chunk_list__()
+        assert [tuple(c.offsets) for c in chunks] == ([(lo, 0)] if hi > lo else []), chunks
+    full = mckpt.get_full_state_dict(model, rank0_only=False)
+    assert full["weight"].shape == (6, 4)
 
 
 def test_errors(ranks: RankPools) -> None:

@@ -11,13 +11,13 @@ different, and the errors. Cases of one world size share a pool of ranks (``_poo
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _hsdp_common import train_against_reference
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
@@ -37,7 +37,6 @@ from _models import (
     TinyGPT,
     all_ranks_ok,
     assert_close_to_reference,
-    cat_batch,
     lm_loss,
     make_batches,
     reference_copy,
@@ -113,47 +112,10 @@ def train_hsdp(rank: int, world: int, *, replicas: int, strategy: str, micro: in
     for p in model.parameters():
         expected = (Replicate(), Replicate() if strategy == "no_shard" else Shard(0))
         assert p.placements == expected and p.device_mesh == mesh, (p.placements, expected)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
-    batches = make_batches("lm", steps, micro, world, per_rank=2)
-    backwards = 2 if retain_graph else 1
-    for step in range(steps):
-        total = torch.zeros(())
-        ref_total = torch.zeros(())
-        for i in range(micro):
-            if mark == "never":
-                model.set_is_last_backward(False)
-            elif mark:
-                model.set_is_last_backward(i == micro - 1)
-            loss = lm_loss(model, batches[step][i][rank]) / micro
-            ref_loss = lm_loss(ref, cat_batch("lm", batches[step][i])) / micro
-            for b in range(backwards):
-                keep = b + 1 < backwards
-                loss.backward(retain_graph=keep)
-                ref_loss.backward(retain_graph=keep)
-            total += loss.detach()
-            ref_total += ref_loss.detach()
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "clip_grad_norm_ found gradients that were never")
-            norm = clip_grad_norm_(model.parameters(), 1.0)
-        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
-        _check(abs(norm.item() - ref_norm.item()) <= 1e-5 * max(1.0, ref_norm.item()),
-               f"{case} step {step}: gradient norm {norm.item()} vs reference {ref_norm.item()}")
-        opt.step()
-        ref_opt.step()
-        if zero_grad:
-            opt.zero_grad()
-            ref_opt.zero_grad()
-        dist.all_reduce(total)
-        total /= world
-        _check(abs(total.item() - ref_total.item()) <= 1e-5 * max(1.0, abs(ref_total.item())),
-               f"{case} step {step}: loss {total.item()} vs reference {ref_total.item()}")
-    try:
-        assert_close_to_reference(model, ref, rtol=rtol, atol=atol)
-        ok, err = True, ""
-    except AssertionError as e:
-        ok, err = False, str(e)
-    _check(ok, f"{case}: parameters differ: {err}")
+    train_against_reference(
+        model, ref, rank=rank, world=world, case=case, steps=steps, micro=micro, mark=mark,
+        zero_grad=zero_grad, retain_graph=retain_graph, rtol=rtol, atol=atol,
+    )
     _assert_replicas_equal(model, mesh, case)
     for group in _groups(model):
         assert group.allocator.live_bytes == 0, f"{case}: temporary buckets leaked"

@@ -59,7 +59,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _registry
-from ._comm_groups import group_alive
+from ._comm_groups import timeout_group
 
 __all__ = [
     "Failure",
@@ -97,21 +97,8 @@ def mesh_group(group: Any) -> dist.ProcessGroup:
         if cached is inner:
             timeout_s = key[1]
             break
-    key = (ranks, -1.0 if timeout_s is None else timeout_s, backend, "mesh")
-    found = _registry.comm_groups.get(key)
-    if found is not None and group_alive(found):
-        return found
-    covers_world = len(ranks) == dist.get_world_size()
-    created = dist.new_group(
-        list(ranks),
-        timeout=None if timeout_s is None else timedelta(seconds=timeout_s),
-        backend=None if backend == str(dist.get_backend()) else backend,
-        use_local_synchronization=not covers_world,
-        group_desc="megatron_fsdp_v2 mesh (checkpoints)",
-    )
-    assert isinstance(created, dist.ProcessGroup)  # every caller is a member of the mesh
-    _registry.comm_groups[key] = created
-    return created
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    return timeout_group(ranks, backend, timeout, "mesh")
 
 
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:

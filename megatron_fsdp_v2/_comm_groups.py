@@ -12,7 +12,7 @@ from . import _registry
 
 __all__ = [
     "DEFAULT_TIMEOUT", "LAUNCH_HINT", "clear_comm_groups", "comm_group", "default_mesh",
-    "group_alive", "library_comm_groups", "mesh_comm_group",
+    "group_alive", "library_comm_groups", "timeout_group", "mesh_comm_group",
 ]
 
 LAUNCH_HINT = (
@@ -72,7 +72,7 @@ def comm_group(
     if timeout is None or mesh.size() == 1:
         return mesh_group
     ranks = tuple(dist.get_process_group_ranks(mesh_group))
-    return _timeout_group(ranks, str(dist.get_backend(mesh_group)), timeout, axis)
+    return timeout_group(ranks, str(dist.get_backend(mesh_group)), timeout, axis)
 
 
 def mesh_comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
@@ -83,13 +83,17 @@ def mesh_comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.Process
         return mesh._flatten().get_group()
     ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
     backend = str(dist.get_backend(mesh.get_group(0)))
-    return _timeout_group(ranks, backend, timeout, "mesh")
+    return timeout_group(ranks, backend, timeout, "mesh")
 
 
-def _timeout_group(
-    ranks: tuple[int, ...], backend: str, timeout: timedelta, axis: str
+def timeout_group(
+    ranks: tuple[int, ...], backend: str, timeout: timedelta | None, axis: str
 ) -> dist.ProcessGroup:
-    key = (ranks, timeout.total_seconds(), backend, axis)
+    """A group over ``ranks`` with ``timeout`` (``None``: torch's default), created once per
+    (ranks, timeout, backend, axis) and cached in ``_registry.comm_groups``. Collective over
+    ``ranks`` on its first call."""
+    seconds = -1.0 if timeout is None else timeout.total_seconds()
+    key = (ranks, seconds, backend, axis)
     group = _registry.comm_groups.get(key)
     if group is not None and group_alive(group):
         return group
@@ -100,7 +104,7 @@ def _timeout_group(
         backend=None if backend == str(dist.get_backend()) else backend,
         # A sub-mesh (e.g. mesh["dp"] of a 2-D mesh): only its members call new_group.
         use_local_synchronization=not covers_world,
-        group_desc=f"megatron_fsdp_v2 {axis} (timeout {timeout.total_seconds():g}s)",
+        group_desc=f"megatron_fsdp_v2 {axis} (timeout {seconds:g}s)",
     )
     assert isinstance(group, dist.ProcessGroup)  # every caller is a member of the mesh
     _registry.comm_groups[key] = group

@@ -49,7 +49,7 @@ from ._layout import BufferLayout, ItemLayout
 from ._plan import Extent, Refresh, make_plan
 from .api import ResolvedDtypes, ShardingStrategy
 
-__all__ = ["FlatParamGroup", "ParamRecord"]
+__all__ = ["FlatParamGroup", "ParamRecord", "mesh_device"]
 
 
 @dataclass(eq=False)
@@ -63,6 +63,14 @@ class ParamRecord:
     compute_param: nn.Parameter  # the module's original object; autograd sees it in forward
     dist_param: nn.Parameter  # the optimizer-facing DTensor parameter
     local_rows: tuple[int, int]  # global dim-0 rows of the optimizer-facing local shard
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's buffers live on for ``mesh`` (the current CUDA device for a
+    ``cuda`` mesh)."""
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
@@ -137,7 +145,13 @@ class FlatParamGroup:
         self.dtypes = dtypes
         self.grad_pre_scale = grad_pre_scale
         self.allocator = allocator
-        self.device = params[0].device
+        # A module built under torch.device("meta") has no values yet: the buffers go on the
+        # mesh's device and are filled at materialization (see [Note: meta materialization]).
+        self.pending_init = params[0].device.type == "meta"
+        self.device = mesh_device(mesh) if self.pending_init else params[0].device
+        self.param_dtype = params[0].dtype  # the parameters' own dtype, before mp_policy
+        # The meta parameters the compute placeholders replace, until fully_shard swaps them.
+        self.original_params: list[nn.Parameter] = list(params) if self.pending_init else []
         self.streams = comm.streams_for(self.device)
         # Names this group in errors and in the collective-order check; the root's lazy init
         # replaces it with the unit's fully qualified name.
@@ -147,10 +161,12 @@ class FlatParamGroup:
         self.uncovered = layout.uncovered_ranges()  # padding and alignment gaps
         self._group_id = group_id
 
-        self._build_weight_buffers(self._initial_flat(params, sync_from_rank0))
+        self._build_weight_buffers(
+            None if self.pending_init else self._initial_flat(params, sync_from_rank0)
+        )
         self.records = [
-            ParamRecord(fqn, self, index, item, param, self._build_dist_param(param, index),
-                        self._local_rows(index))
+            ParamRecord(fqn, self, index, item, self._compute_param(param),
+                        self._build_dist_param(param, index), self._local_rows(index))
             for index, (param, fqn, item) in enumerate(zip(params, fqns, layout.items))
         ]
         self.requires_grad = params[0].requires_grad
@@ -219,18 +235,58 @@ class FlatParamGroup:
         groups = [self.outer_process_group, self.process_group]
         return [g for g in groups if g is not None and dist.get_world_size(g) > 1]
 
-    def _build_weight_buffers(self, initial: torch.Tensor) -> None:
+    def _build_weight_buffers(self, initial: torch.Tensor | None) -> None:
+        """``initial``: the full flat values, or ``None`` (meta parameters): zeros until
+        :meth:`write_full_param` fills each parameter's part."""
         plan, dtypes, device = self.plan, self.dtypes, self.device
+        alloc = torch.zeros if initial is None else torch.empty  # padding must read as zeros
         lo, hi = plan.model_weight_span
-        self.model_weight = torch.empty(hi - lo, dtype=dtypes.model, device=device)
-        ops.pack_([initial[lo:hi]], [0], self.model_weight)
+        self.model_weight = alloc(hi - lo, dtype=dtypes.model, device=device)
+        if initial is not None:
+            ops.pack_([initial[lo:hi]], [0], self.model_weight)
         main_lo, main_hi = plan.main_weight_span
         if plan.main_weight_separate:
-            self.main_weight = torch.empty(main_hi - main_lo, dtype=dtypes.main, device=device)
-            ops.pack_([initial[main_lo:main_hi]], [0], self.main_weight)
+            self.main_weight = alloc(main_hi - main_lo, dtype=dtypes.main, device=device)
+            if initial is not None:
+                ops.pack_([initial[main_lo:main_hi]], [0], self.main_weight)
         else:
             self.main_weight = self.model_weight[main_lo - lo : main_hi - lo]
         self._views_bound = False
+
+    def _compute_param(self, param: nn.Parameter) -> nn.Parameter:
+        """The compute parameter of ``param``: ``param`` itself, or for a meta parameter (whose
+        storage cannot be replaced by one on another device) a new placeholder on the buffers'
+        device with the same attributes, which fully_shard puts in ``param``'s module slots."""
+        if param.device.type != "meta":
+            return param
+        fresh = nn.Parameter(
+            torch.empty(0, dtype=param.dtype, device=self.device),
+            requires_grad=param.requires_grad,
+        )
+        for name, value in vars(param).items():
+            setattr(fresh, name, value)
+        return fresh
+
+    @torch.no_grad()
+    def write_full_param(self, index: int, full: torch.Tensor) -> None:
+        """Write parameter ``index``'s whole value (shaped like it) into this rank's part of the
+        weight buffers (meta materialization): the rows each buffer's extent covers, and
+        nothing else, so a rank never keeps more than its own share."""
+        item = self.layout.items[index]
+        flat = full.detach().reshape(-1)
+        buffers = [(self.model_weight, self.plan.model_weight_span)]
+        if self.plan.main_weight_separate:
+            buffers.append((self.main_weight, self.plan.main_weight_span))
+        for buffer, (start, end) in buffers:
+            lo, hi = self.layout.local_item_range(index, start, end)
+            if lo < hi:
+                buffer[lo - start : hi - start].copy_(flat[lo - item.offset : hi - item.offset])
+
+    def finish_materialization(self) -> None:
+        """Every parameter was written (or the user took over with ``to_empty``): the weights
+        are current, and the writes are not user edits to refresh from."""
+        self.pending_init = False
+        self._main_version = self._dist_param_version()
 
     def bind(self) -> None:
         """Make the compute parameters zero-copy views of the unsharded weights, which releases

@@ -18,6 +18,7 @@ from . import _registry
 from . import _state_dict as _sd
 from ._checkpoint_group import coordinator, rank_and_size
 from ._flat_param_group import FlatParamGroup
+from ._materialize import materialize
 from ._plan import Extent
 
 __all__ = ["broadcast_rows", "full_state_dict", "gather_full_params"]
@@ -40,6 +41,7 @@ def gather_full_params(
     ``no_shard``; with HSDP outer ``optim`` first one over the outer axis, which completes the
     inner shard from its sub-shards), one group at a time. Every rank must call it;
     ``keep=False`` ranks take part but return nothing."""
+    materialize(module)  # a model built on the meta device: values first (no collective)
     out: dict[tuple[int, int], torch.Tensor] = {}
     for group in _unique_groups(module.parameters()):
         main = group.main_weight.detach()

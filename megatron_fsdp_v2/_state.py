@@ -37,6 +37,7 @@ from . import _registry
 from ._allocator import BucketAllocator
 from ._context import FSDPContext, TrainingState
 from ._flat_param_group import FlatParamGroup
+from ._materialize import materialize
 from ._slots import ParamSlots
 from .api import MixedPrecisionPolicy
 
@@ -170,6 +171,8 @@ class FSDPState:
             for index, group in enumerate(state.groups):
                 group.allocator = ctx.allocator
                 group.name = f"unit '{state.fqn}' group {index}"
+        # A model built on the meta device gets its values now, in whole-tree module order.
+        materialize(self.module)
 
     @property
     def is_root(self) -> bool:

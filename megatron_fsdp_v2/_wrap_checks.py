@@ -25,6 +25,7 @@ from .api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 
 __all__ = [
     "ManagedParam",
+    "check_param_init_fn",
     "check_module",
     "check_ranks_agree",
     "collect_managed_params",
@@ -220,11 +221,7 @@ def collect_managed_params(
     for m in managed:
         p = m.param
         if p.device.type == "meta":
-            raise ValueError(
-                f"parameter '{m.fqn}' is on the meta device (no data); materialize the module "
-                f"first, e.g. module.to_empty(device='{mesh.device_type}') and re-initialize "
-                "its parameters, then call fully_shard"
-            )
+            break  # allocated on the mesh's device, materialized later (_materialize.py)
         if p.device.type != mesh.device_type:
             raise ValueError(
                 f"parameter '{m.fqn}' is on {p.device} but the mesh is on '{mesh.device_type}'; "
@@ -233,6 +230,15 @@ def collect_managed_params(
             )
         break  # one device (checked above): the first parameter speaks for all
     return managed
+
+
+def check_param_init_fn(param_init_fn: Any) -> None:
+    """``fully_shard``'s ``param_init_fn`` argument (no collective)."""
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(
+            "param_init_fn must be a callable taking a module (it initializes that module's "
+            f"own parameters and buffers in place), got {type(param_init_fn).__name__}"
+        )
 
 
 # ---------------------------------------------------------------------- cross-rank agreement

@@ -4,7 +4,7 @@ buffers live in ``_flat_param_group.py`` and hooks in ``_state.py``."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -12,11 +12,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _registry, _state_dict
+from . import _materialize, _registry, _state_dict
 from ._allocator import BucketAllocator
 from ._collectives import broadcast_from_first
 from ._comm_groups import DEFAULT_TIMEOUT, comm_group, mesh_comm_group
-from ._flat_param_group import FlatParamGroup
+from ._flat_param_group import FlatParamGroup, mesh_device
 from ._layout import build_layout, split_for_padding
 from ._memory import MemoryReport, memory_report
 from ._mesh import parse_outer_strategy, validate_mesh
@@ -26,6 +26,7 @@ from ._state import FSDPState
 from ._wrap_checks import (
     check_mesh_agrees,
     check_module,
+    check_param_init_fn,
     collect_managed_params,
     raise_on_every_rank,
     unit_signature,
@@ -139,41 +140,67 @@ class FSDPModule:
         )
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
-        """``.to()``, ``.float()``, ``.bfloat16()``, ``.cuda()``, ``.to_empty()``... after wrapping.
+        """``.to()``, ``.float()``, ``.bfloat16()``, ``.cuda()``, ``.to_empty()``... after wrapping
+        (see [Note: conversions after wrapping] in ``_materialize.py``).
 
-        A conversion would replace the parameters that view the flat buffers (silently
-        breaking the refresh and the gradient path), so it is refused before anything
-        changes. A call that changes no managed parameter (``.to`` the device and dtype they
-        already have) applies to the rest of the module (buffers, ignored parameters)."""
+        Managed parameters keep their flat buffers: a conversion that returns them unchanged (a
+        ``.to`` to the device and dtype they already have) or returns new values of the same
+        dtype, device and layout (``.to_empty(device=<their device>)``) is applied through the
+        buffers (values copied into this rank's main weights, compute weights refreshed before
+        the next forward; ``to_empty`` also cancels a pending meta-device initialization: the
+        caller initializes). Any other change (dtype, device) raises ``NotImplementedError``
+        before anything changes. Buffers and ignored parameters convert as usual."""
         assert isinstance(self, nn.Module)
-        states = self._mfsdp_states()
+        if _materialize.applying():  # a unit above handles this subtree's parameters
+            return super()._apply(fn, recurse)  # type: ignore[misc]
+        if recurse:
+            states = self._mfsdp_states()
+        else:
+            own = _registry.state_of(self)
+            states = [own] if own is not None else []
+        to_copy: list[tuple[FlatParamGroup, int]] = []
         for state in states:
             for group in state.groups:
-                for fqn, dist_param in zip(group.fqns, group.dist_params):
-                    try:
-                        unchanged = fn(dist_param) is dist_param
-                    except Exception:  # noqa: BLE001 - any failure means it would change
-                        unchanged = False
-                    if not unchanged:
+                for index, (fqn, dist_param) in enumerate(zip(group.fqns, group.dist_params)):
+                    verdict = _materialize.classify(fn, dist_param)
+                    if verdict is None:
                         raise NotImplementedError(
                             f"{type(self).__name__}: converting or moving parameters after "
-                            f"fully_shard is not supported (parameter '{fqn}' would change); "
-                            "nothing was changed. Call .to(device/dtype), .bfloat16(), .double() "
-                            "or .to_empty() before fully_shard, and use MixedPrecisionPolicy("
-                            "param_dtype=...) for compute in another dtype"
+                            f"fully_shard is not supported (parameter '{fqn}' would change "
+                            f"dtype or device from {dist_param.dtype} on {group.device}); "
+                            "nothing was changed. Call .to(device/dtype), .bfloat16(), "
+                            ".double() before fully_shard (to_empty(device=...) after it only "
+                            f"to {group.device}), and use MixedPrecisionPolicy(param_dtype=...) "
+                            "for compute in another dtype"
                         )
-        # Managed parameters stay as they are: hide them from nn.Module._apply.
-        hidden: list[tuple[dict[str, Any], str, Any]] = []
+                    if verdict == "copy":
+                        to_copy.append((group, index))
+        # Every parameter can take the conversion: only now does anything change.
+        for group, index in to_copy:
+            _materialize.copy_converted(fn, group, index)
+            group.mark_main_weights_updated()
+        if to_copy:
+            for state in states:
+                _materialize.mark_initialized_by_user(state.module)
+        # Managed parameters stay as they are: hide them from nn.Module._apply, then put them
+        # back in their slots' original order (parameters() order is the optimizer's).
+        hidden: list[tuple[dict[str, Any], list[str], dict[str, Any]]] = []
         for state in states:
             for parameters, mapping in state.slots.dist_registration:
-                for name in mapping:
-                    if name in parameters:
-                        hidden.append((parameters, name, parameters.pop(name)))
+                order = list(parameters)
+                popped = {name: parameters.pop(name) for name in mapping if name in parameters}
+                if popped:
+                    hidden.append((parameters, order, popped))
         try:
-            return super()._apply(fn, recurse)  # type: ignore[misc]
+            with _materialize.applying_conversion():
+                return super()._apply(fn, recurse)  # type: ignore[misc]
         finally:
-            for parameters, name, value in reversed(hidden):
-                parameters[name] = value
+            for parameters, order, popped in reversed(hidden):
+                rest = dict(parameters)
+                parameters.clear()
+                for name in order:
+                    parameters[name] = popped[name] if name in popped else rest.pop(name)
+                parameters.update(rest)
 
 
 def _fsdp_class(cls: type) -> type:
@@ -196,6 +223,7 @@ def fully_shard(
     timeout: timedelta | float | None = DEFAULT_TIMEOUT,
     sync_module_states: bool = True,
     outer_dp_sharding_strategy: ShardingStrategy | str | int = "no_shard",
+    param_init_fn: Callable[[nn.Module], None] | None = None,
 ) -> FSDPModule:
     """Shard ``module``'s parameters, gradients and/or optimizer state over a data-parallel mesh.
 
@@ -250,6 +278,13 @@ def fully_shard(
             each window ends with one outer reduce-scatter of the inner-reduced shard, and
             after the step one outer all-gather rebuilds the inner shard before the inner
             gathers. With a 1-D mesh only ``"no_shard"`` is accepted.
+        param_init_fn: for a module built under ``torch.device("meta")``: ``fn(module)``
+            initializes ``module``'s own parameters and buffers in place (FSDP1's name),
+            called instead of ``module.reset_parameters()`` on every module holding a meta
+            parameter or buffer when the model is materialized (first forward, or the first
+            state-dict or checkpoint call), in module order of the whole tree, each rank keeping
+            its own rows only; see README "Large models". Without it, every such module needs
+            ``reset_parameters()``. Every rank must use the same seed (nothing is broadcast).
 
     Invalid arguments raise ``TypeError``/``ValueError`` before any collective, leaving
     ``module`` untouched. An invalid parameter found on some ranks only (with ``check_ranks``)
@@ -267,14 +302,17 @@ def fully_shard(
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
     timeout = validate_options(gradient_scaling_factor, max_padding_ratio, timeout)
+    check_param_init_fn(param_init_fn)
     axes = validate_mesh(mesh, outer_strategy, strategy)
     mesh = axes.mesh
     # Checks of what this rank holds (its parameters) may fail on one rank only. With
     # check_ranks, the failure is shared in the cross-rank check below, so that every rank
     # raises the same error at once instead of the others waiting for the timeout.
     local_error: TypeError | ValueError | None = None
+    meta_init = False
     try:
         managed = collect_managed_params(module, mesh, ignored_params)
+        meta_init = _materialize.has_meta_state(module)
         dtypes_by_param = [mp_policy.resolve(m.param.dtype) for m in managed]
     except (TypeError, ValueError) as e:
         if not check_ranks or mesh.size() == 1:
@@ -306,6 +344,8 @@ def fully_shard(
         if axes.outer is not None:  # 1-D signatures stay as they were
             extra["mesh"] = f"{tuple(mesh.shape)} {mesh.mesh_dim_names}"
             extra["outer_dp_sharding_strategy"] = outer_strategy.value
+        if meta_init:  # signatures of models built on a device stay as they were
+            extra["meta_init"] = "param_init_fn" if param_init_fn is not None else "reset"
         signature = unit_signature(
             module, managed, strategy, mp_policy, gradient_scaling_factor, timeout=timeout,
             max_padding_ratio=max_padding_ratio, overlap=overlap,
@@ -357,6 +397,8 @@ def fully_shard(
             if axis_group is not None and dist.get_world_size(axis_group) > 1:
                 _broadcast_buffers(module, axis_group)
     # Every group is built: only now are the module's parameters changed (FlatParamGroup.bind).
+    if meta_init:
+        _materialize.adopt_meta_unit(module, groups, mesh_device(mesh), param_init_fn)
     owner = f"{type(module).__name__} at 0x{id(module):x}"
     for group in groups:
         group.bind()
@@ -370,6 +412,9 @@ def fully_shard(
     # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.
     module.register_state_dict_post_hook(_state_dict.state_dict_post_hook)
     module.register_load_state_dict_pre_hook(_state_dict.load_state_dict_pre_hook)
+    if meta_init:  # values before anything reads or writes them (see _materialize.py)
+        module.register_state_dict_pre_hook(_materialize.materialize_hook)
+        module.register_load_state_dict_pre_hook(_materialize.materialize_hook)
     module.__class__ = _fsdp_class(type(module))
     note_wrap()  # optimizer step hooks (first wrap); optimizers cached before are checked again
     return module  # type: ignore[return-value]
@@ -380,7 +425,8 @@ def _broadcast_buffers(module: nn.Module, process_group: Any) -> None:
     first rank, as DDP does with module states."""
     for _, submodule in owned_modules(module):
         for buffer in submodule._buffers.values():
-            if buffer is not None and buffer.numel() > 0:
+            # A meta buffer has no value yet; every rank materializes it alike.
+            if buffer is not None and buffer.numel() > 0 and buffer.device.type != "meta":
                 broadcast_from_first(buffer, process_group)
 
 

@@ -165,6 +165,7 @@ def test_inconsistent_mixed_precision_policy(kwargs: dict, exc: type, pattern: s
 
 @pytest.mark.parametrize("kwargs, exc, pattern", [
     ({"mp_policy": "bf16"}, TypeError, r"mp_policy must be a MixedPrecisionPolicy, got str"),
+    ({"param_init_fn": "reset"}, TypeError, r"param_init_fn must be a callable taking a module"),
     ({"timeout": -1}, ValueError, r"timeout must be positive and finite"),
     ({"timeout": timedelta(0)}, ValueError, r"timeout must be positive and finite"),
     ({"timeout": "5m"}, TypeError, r"timeout must be a datetime.timedelta, a number of seconds"),
@@ -230,12 +231,6 @@ def _local_cases(rank: int, world: int) -> list[tuple[str, Callable[[], None]]]:
         expect_rejected(lambda: TwoLinear(b=nn.Linear(4, 4, device="meta")), fully_shard,
                         ValueError, r"must be on one device, found 'a.weight' on cpu, 'b.weight' "
                                     r"on meta; move the module with module.to\(device\)",
-                        collectives="check")
-
-    @case("meta parameters")
-    def _() -> None:
-        expect_rejected(lambda: nn.Linear(4, 4, device="meta"), fully_shard, ValueError,
-                        r"parameter 'weight' is on the meta device.*to_empty\(device='cpu'\)",
                         collectives="check")
 
     @case("parameters not on the mesh's device type")

@@ -14,8 +14,11 @@ fully_shard, the all-reduce of clip_grad_norm_), and reports ring-algorithm byte
 reduce-scatter whose full buffer is S bytes. The per-step logging collectives run outside it.
 
 Memory per rank: ``memory_report`` (bytes of fully_shard's buffers: compute weights, main
-weights, main grads, peak temporary buckets) and the process peak: resident-set high-water
-mark on CPU, ``torch.cuda.max_memory_allocated`` on GPU.
+weights, main grads, peak temporary buckets; and the optimizer's state) and the process peak:
+resident-set high-water mark on CPU, ``torch.cuda.max_memory_allocated`` on GPU.
+
+``--help`` prints once (rank 0) with every option's default. ``examples/train_hf.py`` trains
+Hugging Face models with this same loop (``train``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -41,29 +46,58 @@ MiB = 1 << 20
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class RankZeroArgumentParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` that prints (help, usage errors) on global rank 0 only.
+
+    Under torchrun every rank parses the same command line, so ``--help`` or a typo would print
+    once per rank; the other ranks exit with the same status, silently. Outside torchrun
+    (``RANK`` unset) it prints as usual.
+    """
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        if os.environ.get("RANK", "0") == "0":
+            super()._print_message(message, file)
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+    """The options every example shares (strategy, batch shape, optimizer, mesh); the model
+    size options are the caller's. Every option has a help string, so
+    ``ArgumentDefaultsHelpFormatter`` shows each default."""
+    p = RankZeroArgumentParser(description=description,
+                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--strategy", default="optim_grads_params",
-                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
-    p.add_argument("--steps", type=int, default=20)
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="what is sharded: no_shard (DDP), optim (ZeRO-1), optim_grads (ZeRO-2), "
+                        "optim_grads_params (ZeRO-3)")
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--micro-batches", type=int, default=2,
                    help="gradient-accumulation micro-batches per step")
     p.add_argument("--batch-size", type=int, default=4, help="sequences per micro-batch per rank")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
     p.add_argument("--bf16", action="store_true",
                    help="bf16 compute weights, fp32 main weights and gradients")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initial weights (the same on every rank) and of the data")
     p.add_argument("--mesh", type=parse_mesh, default=None, metavar="R,S",
                    help="HSDP on an R x S mesh (R replicas, outer no_shard; --strategy along "
-                        "the S ranks of each replica); default: a 1-D mesh over the world")
-    return p.parse_args(argv)
+                        "the S ranks of each replica); None: a 1-D mesh over the world "
+                        "(default: %(default)s)")
+    return p
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = build_parser(__doc__.split("\n\n")[0])
+    p.add_argument("--dim", type=int, default=128, help="model width")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return make_parser().parse_args(argv)
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -91,9 +125,8 @@ def build_mesh(shape: tuple[int, int] | None, device: torch.device):
 
 def setup_distributed() -> torch.device:
     if "RANK" not in os.environ:
-        raise SystemExit(
-            "launch with torchrun, e.g. `torchrun --nproc_per_node=4 examples/train.py`"
-        )
+        script = os.path.relpath(sys.argv[0]) if sys.argv[0] else "examples/train.py"
+        raise SystemExit(f"launch with torchrun, e.g. `torchrun --nproc_per_node=4 {script}`")
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
@@ -117,14 +150,26 @@ def fmt_ranks(values: list[float]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = setup_distributed()
-    rank, world = dist.get_rank(), dist.get_world_size()
 
     cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, layers=args.layers,
                     heads=args.heads)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = GPT(cfg).to(device)
-    num_params = model.num_params()
+    title = (f"GPT {model.num_params() / 1e6:.2f}M params (dim={cfg.dim} layers={cfg.layers} "
+             f"heads={cfg.heads} vocab={cfg.vocab} seq={cfg.seq_len})")
+    train(model, list(model.blocks), args, device, title=title, loss_fn=lm_loss,
+          batch_len=args.seq_len, vocab=args.vocab)
 
+
+def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.Namespace,
+          device: torch.device, *, title: str,
+          loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor], batch_len: int,
+          vocab: int) -> None:
+    """Wrap ``blocks`` then ``model``, train ``args.steps`` steps on ``synthetic_batch(...,
+    batch_len, ...)`` tokens with ``loss_fn(model, tokens)``, print (rank 0) the loss, throughput,
+    communication and memory of every step, then tear the process group down. Shared by
+    ``train.py`` and ``train_hf.py``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     mp_policy = (
         mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
         if args.bf16 else None
@@ -135,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     wrap = dict(sharding_strategy=args.strategy, mp_policy=mp_policy, mesh=mesh)
     if mesh is not None:
         wrap["outer_dp_sharding_strategy"] = "no_shard"
-    for block in model.blocks:
+    for block in blocks:
         mfsdp.fully_shard(block, **wrap)
     mfsdp.fully_shard(model, **wrap)
     # Built after wrapping, on the sharded (DTensor) parameters.
@@ -144,8 +189,7 @@ def main(argv: list[str] | None = None) -> None:
 
     tokens_per_step = world * args.micro_batches * args.batch_size * args.seq_len
     if rank == 0:
-        print(f"GPT {num_params / 1e6:.2f}M params (dim={cfg.dim} layers={cfg.layers} "
-              f"heads={cfg.heads} vocab={cfg.vocab} seq={cfg.seq_len}) | "
+        print(f"{title} | "
               f"strategy={args.strategy} world={world} "
               f"mesh={'x'.join(map(str, args.mesh)) if args.mesh else world} "
               f"device={device.type} "
@@ -155,12 +199,13 @@ def main(argv: list[str] | None = None) -> None:
         peak = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
                 else "RSS high-water mark")
         print("comm = ring-algorithm bytes sent by this rank, counted by a TorchDispatchMode over "
-              f"c10d ops; peak = {peak}", flush=True)
+              f"c10d ops; held = memory_report total (fully_shard buffers + optimizer state); "
+              f"peak = {peak}", flush=True)
 
     counter = CommCounter()
     step_times: list[float] = []
     for step in range(args.steps):
-        batches = [synthetic_batch(args.batch_size, args.seq_len, args.vocab, seed=args.seed,
+        batches = [synthetic_batch(args.batch_size, batch_len, vocab, seed=args.seed,
                                    step=step, micro=i, rank=rank, device=device)
                    for i in range(args.micro_batches)]
         if device.type == "cuda":
@@ -170,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
             loss_sum = torch.zeros((), device=device)
             for i, tokens in enumerate(batches):
                 model.set_is_last_backward(i == args.micro_batches - 1)
-                loss = lm_loss(model, tokens) / args.micro_batches
+                loss = loss_fn(model, tokens) / args.micro_batches
                 loss.backward()
                 loss_sum += loss.detach()
             if args.clip > 0:
@@ -183,8 +228,8 @@ def main(argv: list[str] | None = None) -> None:
         step_times.append(elapsed)
         comm = counter.reset()
 
-        # Logging (not counted): every rank's loss, buffer bytes and peak memory.
-        report = mfsdp.memory_report(model)
+        # Logging (not counted): every rank's loss, held bytes and peak memory.
+        report = mfsdp.memory_report(model, optimizer=optimizer)
         mine = torch.tensor([loss_sum.item(), report.total, peak_memory_bytes(device)],
                             dtype=torch.float64, device=device)
         everyone = torch.empty(world * 3, dtype=torch.float64, device=device)
@@ -194,11 +239,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"step {step + 1:3d}/{args.steps} | loss {everyone[:, 0].mean():.4f} | "
                   f"{tokens_per_step / elapsed:9,.0f} tok/s | {elapsed * 1e3:6.0f} ms | "
                   f"comm {comm.total_wire_bytes / MiB:7.2f} MiB/rank ({comm.summary()}) | "
-                  f"buffers MiB {fmt_ranks((everyone[:, 1] / MiB).tolist())} | "
+                  f"held MiB {fmt_ranks((everyone[:, 1] / MiB).tolist())} | "
                   f"peak MiB {fmt_ranks((everyone[:, 2] / MiB).tolist())}", flush=True)
 
     reports = [None] * world
-    dist.all_gather_object(reports, str(mfsdp.memory_report(model)))
+    dist.all_gather_object(reports, str(mfsdp.memory_report(model, optimizer=optimizer)))
     if rank == 0:
         steady = sorted(step_times[1:] or step_times)
         median = steady[len(steady) // 2]

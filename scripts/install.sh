@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: PyTorch (CUDA build when the machine offers it, so the CUDA kernels are
-# compiled even without a GPU), test tools, and the extension, built in place. Idempotent: a
+# compiled even without a GPU), test tools (and transformers, for the Hugging Face tests), and the
+# extension, built in place. Idempotent: a
 # second run only rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,15 +18,20 @@ if ! python -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '
     fi
 fi
 # Test and lint tools. ruff and mypy are pinned (as in pyproject.toml's `lint` extra) so that a new
-# release's rules cannot turn CI red on unchanged code.
+# release's rules cannot turn CI red on unchanged code. transformers is a test dependency only
+# (tests/distributed/test_hf_models.py, examples/train_hf.py; the package never imports it),
+# pinned to a release known to work with this torch.
 RUFF_VERSION=0.17.6
 MYPY_VERSION=2.4.1
+TRANSFORMERS_VERSION=5.24.0
 TEST_DEPS=(pytest pytest-timeout numpy ninja setuptools wheel hypothesis
-           "ruff==${RUFF_VERSION}" "mypy==${MYPY_VERSION}")
-RUFF_VERSION=$RUFF_VERSION MYPY_VERSION=$MYPY_VERSION python - <<'PY' || $PIP install "${TEST_DEPS[@]}"
+           "ruff==${RUFF_VERSION}" "mypy==${MYPY_VERSION}" "transformers==${TRANSFORMERS_VERSION}")
+RUFF_VERSION=$RUFF_VERSION MYPY_VERSION=$MYPY_VERSION TRANSFORMERS_VERSION=$TRANSFORMERS_VERSION \
+    python - <<'PY' || $PIP install "${TEST_DEPS[@]}"
 import importlib.metadata as md, os, sys
 want = {"pytest": None, "pytest-timeout": None, "numpy": None, "ninja": None, "hypothesis": None,
-        "ruff": os.environ["RUFF_VERSION"], "mypy": os.environ["MYPY_VERSION"]}
+        "ruff": os.environ["RUFF_VERSION"], "mypy": os.environ["MYPY_VERSION"],
+        "transformers": os.environ["TRANSFORMERS_VERSION"]}
 def ok(name, version):
     try:
         return version is None or md.version(name) == version

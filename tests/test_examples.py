@@ -1,5 +1,7 @@
-"""Smoke tests for examples/: train.py under torchrun, and the collective byte counter the example
-and benchmarks/bench_training.py rely on (it must see DDP's C++ reducer as well as our library)."""
+"""Smoke tests for examples/: train.py and train_hf.py under torchrun (train_hf.py's losses
+against a single-process run of the same model and data), their ``--help`` (printed once, every
+default shown), and the collective byte counter the examples and benchmarks/bench_training.py
+rely on (it must see DDP's C++ reducer as well as our library)."""
 
 from __future__ import annotations
 
@@ -52,6 +54,107 @@ def test_train_example_hsdp_mesh() -> None:
     assert all(math.isfinite(float(loss)) for _, loss, _ in steps)
     assert all(float(comm) > 0 for _, _, comm in steps), "no collective bytes counted"
     assert "memory_report rank 3:" in proc.stdout
+
+
+def _torchrun(script: str, args: list[str], nproc: int = 2,
+              timeout: float = 180) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", os.path.join(EXAMPLES, script), *args]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _help_and_error(script: str, rank: str, monkeypatch: pytest.MonkeyPatch,
+                    capsys: pytest.CaptureFixture[str]) -> tuple[str, str, int]:
+    """(--help output, usage-error output, number of options) of ``script`` parsed in this
+    process as torchrun rank ``rank`` would."""
+    module = __import__(script.removesuffix(".py"))
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as ok:
+        module.parse_args(["--help"])
+    assert ok.value.code == 0
+    help_text = capsys.readouterr().out
+    with pytest.raises(SystemExit) as bad:
+        module.parse_args(["--strategy", "zero9"])
+    assert bad.value.code == 2
+    captured = capsys.readouterr()
+    options = sum(1 for a in module.make_parser()._actions
+                  if a.option_strings and a.dest != "help")
+    return help_text, captured.out + captured.err, options
+
+
+@pytest.mark.parametrize("script", ["train.py", "train_hf.py"])
+def test_example_help_shows_every_default_on_rank_0_only(
+        script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    help_text, error, options = _help_and_error(script, "0", monkeypatch, capsys)
+    assert help_text.count("usage:") == 1, help_text
+    assert "(default: optim_grads_params)" in help_text, help_text
+    assert help_text.count("(default:") == options, help_text  # every option, once
+    assert "invalid choice: 'zero9'" in error, error
+    assert _help_and_error(script, "1", monkeypatch, capsys)[:2] == ("", "")
+
+
+def test_train_example_help_prints_once_under_torchrun() -> None:
+    """Every rank parses the command line; ``--help`` still prints once."""
+    proc = _torchrun("train.py", ["--help"], timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("usage:") == 1, proc.stdout
+    assert "(default: optim_grads_params)" in proc.stdout, proc.stdout
+
+
+_HF_ARGS = ["--steps", "3", "--micro-batches", "2", "--batch-size", "2", "--seq-len", "12",
+            "--dim", "32", "--layers", "2", "--heads", "4", "--kv-heads", "2", "--vocab", "61"]
+
+
+def _hf_reference_losses(argv: list[str], world: int) -> list[float]:
+    """train_hf.py's training in one process on the concatenation of every rank's micro-batches:
+    the same model (seed), data, AdamW, clipping and loss; the mean loss of every step."""
+    import train_hf
+
+    from model import synthetic_batch
+
+    args = train_hf.parse_args(argv)
+    torch.manual_seed(args.seed)
+    model = train_hf.build_model(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    losses = []
+    for step in range(args.steps):
+        total = 0.0
+        for i in range(args.micro_batches):
+            tokens = torch.cat([
+                synthetic_batch(args.batch_size, args.seq_len - 1, args.vocab, seed=args.seed,
+                                step=step, micro=i, rank=r) for r in range(world)])
+            loss = train_hf.hf_loss(model, tokens) / args.micro_batches
+            loss.backward()
+            total += loss.item()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+@pytest.mark.parametrize("model, extra", [
+    ("gpt2", ["--strategy", "optim_grads_params"]),
+    ("llama", ["--strategy", "optim", "--checkpointing"]),
+], ids=["gpt2-optim_grads_params", "llama-optim-checkpointing"])
+def test_train_hf_example_matches_single_process(model: str, extra: list[str]) -> None:
+    pytest.importorskip("transformers",
+                        reason="transformers is not installed (a test dependency: "
+                               "scripts/install.sh)")
+    argv = ["--model", model, *_HF_ARGS, *extra]
+    proc = _torchrun("train_hf.py", argv)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = re.findall(r"step\s+(\d+)/3 \| loss ([0-9.]+) .* comm\s+([0-9.]+) MiB/rank",
+                       proc.stdout)
+    assert [int(s) for s, _, _ in steps] == [1, 2, 3], proc.stdout
+    assert all(float(comm) > 0 for _, _, comm in steps), "no collective bytes counted"
+    assert "memory_report rank 1:" in proc.stdout and "optimizer_state=" in proc.stdout
+    expected = _hf_reference_losses(argv, world=2)
+    got = [float(loss) for _, loss, _ in steps]
+    # Printed with 4 decimals.
+    assert got == pytest.approx(expected, abs=1.5e-4), (got, expected, proc.stdout)
 
 
 def _counter_worker(rank: int, world: int) -> dict[str, float]:

@@ -128,6 +128,8 @@ def _memory_worker(rank: int, world: int) -> None:
             slack = padding_elems * itemsize  # padding, at most all of it on this rank
             assert abs(g - e) <= slack, f"{strategy} {role}: {g} bytes, ZeRO formula {e} +- {slack}"
         assert 0.0 <= report.padding_ratio < 1.0
+        # bf16 compute, fp32 main: main weights have buffers of their own, nothing aliases.
+        assert report.main_weights_aliased == 0 and "aliases" not in str(report), str(report)
         if strategy in ("optim_grads", "optim_grads_params"):
             assert report.temporary_peak > 0
     # Each strategy holds strictly less than the one before it.
@@ -141,3 +143,50 @@ def _memory_worker(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world_size", [4])
 def test_memory_report_matches_zero_formula(world_size: int) -> None:
     run_distributed(_memory_worker, world_size, timeout_s=300)
+
+
+def _memory_alias_and_optimizer_worker(rank: int, world: int) -> None:
+    """fp32 (main dtype = compute dtype): the main weights are views of the model weights, so
+    ``main_weights`` is 0 and ``main_weights_aliased`` holds them (the ZeRO formula's main-weight
+    bytes); the report says so. With the optimizer, ``optimizer_state`` is AdamW's two fp32
+    moments of this rank's shard (the ZeRO formula: sharded for every strategy but no_shard)
+    plus one ``step`` scalar per parameter with state; 0 before the first step; not counted for
+    another model's optimizer."""
+    for strategy in STRATEGIES:
+        torch.manual_seed(0)
+        model = TinyGPT(vocab=64, dim=32, layers=2, heads=2)
+        num_params = len(list(model.parameters()))
+        content = sum(p.numel() for p in model.parameters())
+        for block in model.blocks:
+            fully_shard(block, sharding_strategy=strategy)
+        fully_shard(model, sharding_strategy=strategy)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        assert memory_report(model, optimizer=opt).optimizer_state == 0, "state before a step"
+        lm_loss(model, make_batches("lm", 1, 1, world, 2)[0][0][rank]).backward()
+        opt.step()
+        opt.zero_grad()
+        report = memory_report(model, optimizer=opt)
+        padding_elems = sum(g.layout.padding_numel for g in _groups(model))
+        main = content * 4 if strategy == "no_shard" else content * 4 / world
+        assert report.main_weights == 0, f"{strategy}: {report}"
+        assert abs(report.main_weights_aliased - main) <= padding_elems * 4, (
+            f"{strategy}: aliased main weights {report.main_weights_aliased}, formula {main}")
+        assert "main_weights=aliases model_weights" in str(report), str(report)
+        moments = 2 * main
+        slack = 2 * padding_elems * 4 + num_params * 8  # padding; step scalars (<= 8 bytes)
+        assert abs(report.optimizer_state - moments) <= slack, (
+            f"{strategy}: optimizer_state {report.optimizer_state}, formula {moments} +- {slack}")
+        assert report.optimizer_state > moments - 2 * padding_elems * 4, "step scalars missing"
+        assert f"optimizer_state={report.optimizer_state / (1 << 20):.2f}MiB" in str(report)
+        assert report.total == (report.model_weights + report.main_grads
+                                + report.temporary_peak + report.optimizer_state)
+        other = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))])
+        other.step()
+        assert memory_report(model, optimizer=other).optimizer_state == 0, "foreign state counted"
+        assert memory_report(model).optimizer_state == 0
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        memory_report(model, optimizer=[opt])  # type: ignore[arg-type]
+
+
+def test_memory_report_aliasing_and_optimizer_state() -> None:
+    run_distributed(_memory_alias_and_optimizer_worker, 2, timeout_s=300)

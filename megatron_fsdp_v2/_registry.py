@@ -35,6 +35,9 @@ comm_groups: dict[tuple[tuple[int, ...], float, str, str], Any] = {}
 default_meshes: dict[str, Any] = {}
 # Side streams for collectives, per device (see _collectives.CommStreams).
 comm_streams: dict[Any, Any] = {}
+# Meshes of fully_shard units, [mesh, outer_optim] each: their Shard DTensors may be uneven
+# (see [Note: uneven redistribution] in _redistribute.py).
+uneven_meshes: list[list[Any]] = []
 # FSDP<Class> subclasses, per original class.
 fsdp_classes: dict[type, type] = {}
 # The handles of the optimizer step hooks, once installed, the per-optimizer cache of the groups
@@ -81,6 +84,7 @@ def reset() -> None:
     default_meshes.clear()
     comm_streams.clear()
     fsdp_classes.clear()
+    uneven_meshes.clear()
     for handle in optimizer_hook_handles:
         handle.remove()
     optimizer_hook_handles.clear()

@@ -21,6 +21,7 @@ from ._layout import build_layout, split_for_padding
 from ._memory import MemoryReport, memory_report
 from ._mesh import parse_outer_strategy, validate_mesh
 from ._optimizer_hooks import note_wrap
+from ._redistribute import register_mesh
 from ._slots import owned_modules
 from ._state import FSDPState
 from ._wrap_checks import (
@@ -407,6 +408,7 @@ def fully_shard(
     state = FSDPState(module, groups, mp_policy, allocator)
     state.overlap = overlap
     _registry.set_state(module, state)
+    register_mesh(mesh, outer_optim=outer_optim)  # DTensor redistribution of uneven shards
     state.register_dist_params()
     module.register_load_state_dict_post_hook(_mark_loaded)
     # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.

@@ -91,8 +91,13 @@ class FSDPContext:
                     state.run_post_backward()
             self.reducing.clear()
             for state in self.states:
+                # Weights kept for the next forward stay (see [Note: keeping gathered weights]).
+                keep = state.keeps_gathered_weights
                 for group in state.groups:
-                    group.free_gathered_weights()
+                    if keep:
+                        group.wait_for_compute_weights()
+                    else:
+                        group.free_gathered_weights()
                     group.grads.wait_for_reduction()
             ending = [state for state in self.states if state.is_last_backward]
             # The end of the window: collectives over the reduced shards (the plan's window

@@ -1,6 +1,7 @@
 """Process-wide bookkeeping of the library, behind typed accessors: which module has which unit
 state, which parameter belongs to which record, the library's process groups and default meshes,
-the ``FSDP<Class>`` classes, and the optimizer step hooks. Nothing here is created at import
+the ``FSDP<Class>`` classes, the optimizer step hooks and the replaced
+``torch.nn.utils.clip_grad_norm_``. Nothing here is created at import
 time; :func:`reset` forgets everything (tests).
 
 Modules and parameters are keyed weakly by identity (``torch.utils.weak.WeakIdKeyDictionary``:
@@ -45,6 +46,9 @@ fsdp_classes: dict[type, type] = {}
 optimizer_hook_handles: list[Any] = []
 optimizer_cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 wrap_generation = [0]
+# torch.nn.utils.clip_grad_norm_ as it was before the first wrap replaced it, and the function
+# that puts it back (see [Note: torch clip_grad_norm_ route] in _fsdp2_compat.py).
+torch_clip_grad_norm: list[tuple[Any, Any]] = []
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -90,3 +94,6 @@ def reset() -> None:
     optimizer_hook_handles.clear()
     optimizer_cache.clear()
     wrap_generation[0] = 0
+    for _, restore in torch_clip_grad_norm:
+        restore()
+    torch_clip_grad_norm.clear()

@@ -88,11 +88,27 @@ class FSDPState:
         self._graph_backwarded = False
         self._backward_task: int | None = None
         self.overlap = True  # prefetch gathers and run reductions in the background
+        # [Note: keeping gathered weights] ZeRO-3 units free their gathered weights after
+        # forward and after backward. ``reshard_after_forward=False`` keeps them from a forward
+        # (with grad) to its backward; ``reshard_after_backward=False`` keeps them from a
+        # backward that is not the last of its window to the next forward. The last backward
+        # always frees them: the optimizer step that follows would leave them stale. Kept
+        # weights record the main weights' version counters (``_kept_version``) and are
+        # dropped at the next pre-forward if those changed, so a forward never sees stale
+        # weights (also after a forward that no backward followed).
+        self.reshard_after_forward = True
+        self.reshard_after_backward = True
+        self._kept_version: int | None = None
+        # Explicit prefetch targets (FSDP2's set_modules_to_{forward,backward}_prefetch);
+        # None: the neighbor in the recorded forward order (see [Note: prefetch order]).
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
         self.fqn = type(module).__name__
         # Which objects sit in the module's parameter slots, and checks that nobody else put
         # another one there (see _slots.py).
         self.slots = ParamSlots(self, module)
         self._cast_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
+        self._output_dtype = mp_policy.output_dtype
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
         # See FSDPContext.recover: recover at once when the root's forward raises, and before
@@ -195,7 +211,50 @@ class FSDPState:
         freed = False
         for group in self.groups:
             freed |= group.free_gathered_weights()
+        self._kept_version = None
         return freed
+
+    def _main_version(self) -> int:
+        return sum(r.dist_param._version for g in self.groups for r in g.records)
+
+    def keep_gathered(self) -> None:
+        """Keep the gathered weights past a hook that would free them (see [Note: keeping
+        gathered weights])."""
+        if any(g.is_gathered for g in self.groups):
+            self._kept_version = self._main_version()
+
+    @property
+    def keeps_gathered_weights(self) -> bool:
+        """Whether gathered weights are kept past the hook that would have freed them."""
+        return self._kept_version is not None
+
+    def drop_stale_kept_weights(self) -> None:
+        """Before a forward: free kept weights if the main weights changed since they were
+        kept (after a backward; or after a forward that no backward followed)."""
+        if self._kept_version is None:
+            return
+        if self._kept_version != self._main_version() or any(
+            g.needs_refresh for g in self.groups
+        ):
+            self.reshard()
+        self._kept_version = None
+
+    def _prefetch_targets(self, step: int) -> list[FSDPState]:
+        """Units to prefetch: the explicit list, else the neighbor in the forward order."""
+        ctx = self.ctx
+        assert ctx is not None
+        explicit = self.forward_prefetch if step > 0 else self.backward_prefetch
+        if explicit is None:
+            neighbor = ctx.neighbor(self, step)
+            return [] if neighbor is None else [neighbor]
+        for target in explicit:
+            if target.ctx is not ctx:
+                raise ValueError(
+                    f"set_modules_to_{'forward' if step > 0 else 'backward'}_prefetch of unit "
+                    f"'{self.fqn}': a module in the list is not a unit of the same fully_shard "
+                    "tree (wrapped below the same root); list only units of this model"
+                )
+        return explicit
 
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -227,13 +286,15 @@ class FSDPState:
             self.forget_graph()
         ctx.record_forward(self)
         self.training_state = TrainingState.FORWARD
+        self.drop_stale_kept_weights()
         if self.unshard():
             ctx.log("unshard", self)
         self.wait_for_unshard()
         if ctx.overlap:
-            following = ctx.neighbor(self, +1)
-            if following is not None and following.unshard(async_op=True):
-                ctx.log("prefetch", following)
+            for following in self._prefetch_targets(+1):
+                following.drop_stale_kept_weights()
+                if following.unshard(async_op=True):
+                    ctx.log("prefetch", following)
         self.register_compute_params()
         if self._cast_dtype is not None:
             dtype = self._cast_dtype
@@ -285,19 +346,35 @@ class FSDPState:
         self.registered_calls += 1
         return tree_unflatten(flat, spec)
 
+    def _keeps_weights_for_backward(self) -> bool:
+        """``reshard_after_forward=False`` and a backward will come for this unit."""
+        return not self.reshard_after_forward and self.needs_post_backward
+
+    def _cast_output(self, output: Any) -> Any:
+        dtype = self._output_dtype
+        if dtype is None:
+            return output
+        return tree_map(
+            lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t,
+            output,
+        )
+
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         self.register_dist_params()
+        output = self._cast_output(output)
         if _in_backward():
             return output
         ctx = self.ctx
         assert ctx is not None
-        if self.reshard():
+        if torch.is_grad_enabled() and self._keeps_weights_for_backward():
+            self.keep_gathered()  # for the backward (reshard_after_forward=False)
+        elif self.reshard():
             ctx.log("reshard", self)
         self.training_state = TrainingState.IDLE
         if self.is_root:
             ctx.recording_order = False
             for state in ctx.states:  # prefetched but never run (skipped by control flow)
-                if state.reshard():
+                if not state._keeps_weights_for_backward() and state.reshard():
                     ctx.log("reshard", state)
         if torch.is_grad_enabled():
             tensors = [
@@ -330,13 +407,9 @@ class FSDPState:
             ctx.log("unshard", self)
         self.wait_for_unshard()
         if ctx.overlap:
-            preceding = ctx.neighbor(self, -1)
-            if (
-                preceding is not None
-                and not preceding.backward_done
-                and preceding.unshard(async_op=True)
-            ):
-                ctx.log("prefetch", preceding)
+            for preceding in self._prefetch_targets(-1):
+                if not preceding.backward_done and preceding.unshard(async_op=True):
+                    ctx.log("prefetch", preceding)
         # An activation-checkpoint recompute inside this module's forward (which bypasses the
         # forward hooks) must see compute parameters, not DTensors.
         self.register_compute_params()
@@ -354,8 +427,11 @@ class FSDPState:
         self.register_dist_params()
         ctx = self.ctx
         assert ctx is not None
-        if self.reshard():
-            ctx.log("reshard", self)
+        if self.reshard_after_backward or self.is_last_backward:
+            if self.reshard():
+                ctx.log("reshard", self)
+        else:
+            self.keep_gathered()
         # Finish older reductions *before* staging new ones: they overlapped this unit's
         # backward, and their buckets are freed before this unit's are allocated.
         ctx.drain_reductions(ctx.max_inflight_reductions - 1)

@@ -104,6 +104,12 @@ class MixedPrecisionPolicy:
       reduced in. Unset: the main grad dtype. Setting both to different values is an error.
     * ``cast_forward_inputs`` (FSDP2): cast floating-point forward inputs of each unit to the
       compute dtype when ``param_dtype`` is set.
+    * ``output_dtype`` (FSDP2): cast floating-point forward outputs of each unit to this dtype
+      (unset: outputs keep the dtype the unit's forward produced).
+
+    FSDP2's own ``torch.distributed.fsdp.MixedPrecisionPolicy`` is accepted by ``fully_shard``
+    too (see :meth:`from_fsdp2`). One default differs: FSDP2 reduces gradients in
+    ``param_dtype`` when ``reduce_dtype`` is unset, this class in the main grad dtype.
     """
 
     param_dtype: torch.dtype | None = None
@@ -112,10 +118,11 @@ class MixedPrecisionPolicy:
     main_grads_dtype: torch.dtype | None = None
     grad_comm_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    output_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype", "main_params_dtype", "main_grads_dtype",
-                     "grad_comm_dtype"):
+                     "grad_comm_dtype", "output_dtype"):
             _check_dtype(name, getattr(self, name))
         if not isinstance(self.cast_forward_inputs, bool):
             raise TypeError(
@@ -142,6 +149,22 @@ class MixedPrecisionPolicy:
                 "the dtype of the parameters it updates. Set them equal (or leave "
                 "main_grads_dtype unset) and use grad_comm_dtype for a cheaper reduction"
             )
+
+    @classmethod
+    def from_fsdp2(cls, policy: object) -> MixedPrecisionPolicy:
+        """The equivalent of FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy`` (or
+        anything with its four fields): same compute, reduction and output dtypes, same input
+        casting. FSDP2 keeps sharded parameters and gradients in the parameters' own dtype, as
+        the unset ``main_params_dtype`` does here, and reduces in ``param_dtype`` when
+        ``reduce_dtype`` is unset, which is made explicit."""
+        param_dtype = getattr(policy, "param_dtype", None)
+        reduce_dtype = getattr(policy, "reduce_dtype", None)
+        return cls(
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype if reduce_dtype is not None else param_dtype,
+            output_dtype=getattr(policy, "output_dtype", None),
+            cast_forward_inputs=getattr(policy, "cast_forward_inputs", True),
+        )
 
     def resolve(self, original_dtype: torch.dtype) -> ResolvedDtypes:
         """Buffer dtypes for parameters whose dtype at wrap time is ``original_dtype``."""

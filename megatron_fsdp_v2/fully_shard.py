@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _materialize, _registry, _state_dict
+from . import _fsdp2_compat, _materialize, _registry, _state_dict
 from ._allocator import BucketAllocator
 from ._collectives import broadcast_from_first
 from ._comm_groups import DEFAULT_TIMEOUT, comm_group, mesh_comm_group
@@ -96,6 +96,75 @@ class FSDPModule:
         for state in states:
             if state is not None:
                 state.is_last_backward = bool(requires_gradient_sync)
+
+    def _unit_states(self, recurse: bool) -> list[FSDPState]:
+        if recurse:
+            return self._mfsdp_states()
+        state = _registry.state_of(self)  # type: ignore[arg-type]
+        return [state] if state is not None else []
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """FSDP2's method: whether ZeRO-3 units free their gathered weights after forward
+        (``False``: keep them until the unit's backward, which then gathers nothing). Units of
+        other strategies never reshard and ignore it. See ``fully_shard``'s argument."""
+        if not isinstance(reshard_after_forward, bool):
+            _fsdp2_compat.parse_reshard_after_forward(
+                reshard_after_forward, ShardingStrategy.OPTIM_GRADS_PARAMS
+            )
+        for state in self._unit_states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """FSDP2's method: whether ZeRO-3 units free their gathered weights after backward.
+        ``False`` keeps them from a backward that is not the last of its window (see
+        :meth:`set_requires_gradient_sync`) to the next forward, which then gathers nothing:
+        gradient accumulation with fewer all-gathers, for the memory of the gathered weights.
+        The last backward of a window frees them anyway (the optimizer step makes them
+        stale), and kept weights are gathered again if the main weights changed meanwhile."""
+        if not isinstance(reshard_after_backward, bool):
+            raise TypeError(
+                "reshard_after_backward must be a bool, got "
+                f"{type(reshard_after_backward).__name__}"
+            )
+        for state in self._unit_states(recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def _prefetch_states(self, modules: Any, what: str) -> list[FSDPState]:
+        if isinstance(modules, nn.Module) or not isinstance(modules, (list, tuple)):
+            raise TypeError(f"{what} expects a list of fully_shard modules, got "
+                            f"{type(modules).__name__}")
+        states = []
+        for module in modules:
+            state = _registry.state_of(module) if isinstance(module, nn.Module) else None
+            if state is None:
+                raise TypeError(
+                    f"{what}: {type(module).__name__} is not a fully_shard module; list modules "
+                    "returned by megatron_fsdp_v2.fully_shard"
+                )
+            states.append(state)
+        return states
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """FSDP2's method: at this unit's pre-forward, start the all-gathers of ``modules``
+        (instead of the next unit in the recorded forward order). Their own forwards then find
+        the weights gathered. An empty list prefetches nothing. Applies with ``overlap=True``
+        (``overlap=False`` prefetches nothing); ZeRO-1/2 units have nothing to prefetch."""
+        states = self._prefetch_states(modules, "set_modules_to_forward_prefetch")
+        state = _registry.state_of(self)  # type: ignore[arg-type]
+        assert state is not None
+        state.forward_prefetch = states
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """FSDP2's method: at this unit's pre-backward, start the all-gathers of ``modules``
+        (instead of the previous unit in the recorded forward order), for those whose
+        backward has not run yet. Same conditions as
+        :meth:`set_modules_to_forward_prefetch`."""
+        states = self._prefetch_states(modules, "set_modules_to_backward_prefetch")
+        state = _registry.state_of(self)  # type: ignore[arg-type]
+        assert state is not None
+        state.backward_prefetch = states
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -215,7 +284,9 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     sharding_strategy: ShardingStrategy | str | int = "optim_grads_params",
-    mp_policy: MixedPrecisionPolicy | None = None,
+    reshard_after_forward: bool | None = None,
+    mp_policy: MixedPrecisionPolicy | Any | None = None,
+    offload_policy: Any | None = None,
     ignored_params: Iterable[nn.Parameter] | None = None,
     gradient_scaling_factor: float | None = None,
     max_padding_ratio: float = 0.01,
@@ -247,7 +318,22 @@ def fully_shard(
             ``set_is_last_backward``/``no_sync``) they issue 1 all-reduce; 1 all-gather + 1
             reduce-scatter; 1 all-gather + N reduce-scatters; 2N all-gathers + N
             reduce-scatters.
-        mp_policy: dtypes of compute weights, main weights, grads and reduction.
+        reshard_after_forward: FSDP2's argument. ``None`` or ``True``: the strategy's
+            schedule. ``False`` (``optim_grads_params`` only; other strategies never reshard,
+            so it changes nothing there): keep this unit's gathered weights from its forward
+            to its backward, which then gathers nothing: N all-gathers + N reduce-scatters per
+            window of N micro-batches instead of 2N + N, for the memory of the gathered
+            weights between forward and backward. Forwards without grad mode still free them.
+            ``True`` with another strategy raises ``ValueError``; an ``int`` (FSDP2: reshard
+            to a smaller group) ``NotImplementedError``. See also
+            :meth:`FSDPModule.set_reshard_after_forward`.
+        mp_policy: dtypes of compute weights, main weights, grads and reduction, and of the
+            unit's outputs: a :class:`MixedPrecisionPolicy`, or FSDP2's
+            ``torch.distributed.fsdp.MixedPrecisionPolicy`` (converted with
+            ``MixedPrecisionPolicy.from_fsdp2``: FSDP2 reduces in ``param_dtype`` when
+            ``reduce_dtype`` is unset).
+        offload_policy: FSDP2's argument; only ``None`` or ``OffloadPolicy()`` (no offload).
+            ``CPUOffloadPolicy`` raises ``NotImplementedError``: CPU offload is not supported.
         ignored_params: parameters left as plain, unmanaged ``nn.Parameter`` s.
         gradient_scaling_factor: ``None`` averages gradients over the mesh (DDP/FSDP2); a number
             sums them and multiplies by it (Megatron-FSDP).
@@ -287,10 +373,20 @@ def fully_shard(
             its own rows only; see README "Large models". Without it, every such module needs
             ``reset_parameters()``. Every rank must use the same seed (nothing is broadcast).
 
+    Coming from FSDP2: ``reshard_after_forward``, FSDP2's ``MixedPrecisionPolicy`` (with
+    ``output_dtype``) and ``offload_policy=OffloadPolicy()`` are accepted; FSDP2's methods
+    ``set_reshard_after_forward``, ``set_reshard_after_backward``,
+    ``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch`` and
+    ``set_requires_gradient_sync`` are on :class:`FSDPModule`; after the first call,
+    ``torch.nn.utils.clip_grad_norm_`` on these parameters runs
+    ``megatron_fsdp_v2.clip_grad_norm_``. ``fully_shard([m1, m2])`` (several modules as one
+    unit) raises ``NotImplementedError``: wrap a module containing them.
+
     Invalid arguments raise ``TypeError``/``ValueError`` before any collective, leaving
     ``module`` untouched. An invalid parameter found on some ranks only (with ``check_ranks``)
     is shared in the cross-rank check, so every rank raises the same error promptly.
     """
+    _fsdp2_compat.check_modules_argument(module)
     check_module(module)
     if isinstance(module, FSDPModule) or _registry.state_of(module) is not None:
         raise ValueError(
@@ -299,9 +395,9 @@ def fully_shard(
         )
     strategy = ShardingStrategy.parse(sharding_strategy)
     outer_strategy = parse_outer_strategy(outer_dp_sharding_strategy)
-    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(mp_policy).__name__}")
+    mp_policy = _fsdp2_compat.convert_mp_policy(mp_policy)
+    _fsdp2_compat.check_offload_policy(offload_policy)
+    reshard = _fsdp2_compat.parse_reshard_after_forward(reshard_after_forward, strategy)
     timeout = validate_options(gradient_scaling_factor, max_padding_ratio, timeout)
     check_param_init_fn(param_init_fn)
     axes = validate_mesh(mesh, outer_strategy, strategy)
@@ -347,6 +443,8 @@ def fully_shard(
             extra["outer_dp_sharding_strategy"] = outer_strategy.value
         if meta_init:  # signatures of models built on a device stay as they were
             extra["meta_init"] = "param_init_fn" if param_init_fn is not None else "reset"
+        if not reshard:  # signatures of the default schedule stay as they were
+            extra["reshard_after_forward"] = reshard
         signature = unit_signature(
             module, managed, strategy, mp_policy, gradient_scaling_factor, timeout=timeout,
             max_padding_ratio=max_padding_ratio, overlap=overlap,
@@ -407,6 +505,7 @@ def fully_shard(
         _registry.register_records(group.records)
     state = FSDPState(module, groups, mp_policy, allocator)
     state.overlap = overlap
+    state.reshard_after_forward = reshard
     _registry.set_state(module, state)
     register_mesh(mesh, outer_optim=outer_optim)  # DTensor redistribution of uneven shards
     state.register_dist_params()
@@ -419,6 +518,7 @@ def fully_shard(
         module.register_load_state_dict_pre_hook(_materialize.materialize_hook)
     module.__class__ = _fsdp_class(type(module))
     note_wrap()  # optimizer step hooks (first wrap); optimizers cached before are checked again
+    _fsdp2_compat.route_torch_clip_grad_norm()  # see [Note: torch clip_grad_norm_ route]
     return module  # type: ignore[return-value]
 
 

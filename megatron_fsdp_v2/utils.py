@@ -91,7 +91,8 @@ def _local_norm_part(tensors: list[torch.Tensor], norm_type: float,
 
 
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0
+    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
+    *, error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Clip gradients to a global norm, like ``torch.nn.utils.clip_grad_norm_``, with one
     fused sum of squares per gradient dtype and one all-reduce per process group of sharded
@@ -177,6 +178,12 @@ def clip_grad_norm_(
             total_norm = torch.maximum(total_norm, partial)
     if norm_type == 2.0:
         total_norm = total_norm.sqrt()
+    if error_if_nonfinite and not bool(torch.isfinite(total_norm)):
+        raise RuntimeError(
+            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+            f"{float(total_norm)}, so they cannot be clipped; nothing was changed. Pass "
+            "error_if_nonfinite=False to scale them by it anyway"
+        )
 
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     local = replicated + [g for gs in sharded.values() for g in gs]

@@ -173,3 +173,44 @@ def test_policy_is_frozen_and_hashable() -> None:
         policy.param_dtype = F32  # type: ignore[misc]
     assert policy == MixedPrecisionPolicy(param_dtype=BF16)
     assert hash(policy) == hash(MixedPrecisionPolicy(param_dtype=BF16))
+
+
+# ---------------------------------------------------------------------------------------------
+# output_dtype and FSDP2's policy
+# ---------------------------------------------------------------------------------------------
+
+
+def test_output_dtype_is_validated_like_the_other_dtypes() -> None:
+    with pytest.raises(TypeError, match="MixedPrecisionPolicy.output_dtype must be a torch.dtype"):
+        MixedPrecisionPolicy(output_dtype="float32")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="MixedPrecisionPolicy.output_dtype=.* is not supported"):
+        MixedPrecisionPolicy(output_dtype=torch.int32)
+    # It changes no buffer dtype.
+    assert MixedPrecisionPolicy(output_dtype=F32).resolve(BF16) == (BF16, BF16, BF16, BF16)
+
+
+@pytest.mark.parametrize("param, reduce, output, cast", [
+    (None, None, None, True),
+    (BF16, None, None, True),  # FSDP2 reduces in param_dtype when reduce_dtype is unset
+    (BF16, F32, F32, False),
+    (None, BF16, None, True),
+    (F16, F16, BF16, True),
+])
+def test_from_fsdp2_keeps_fsdp2_semantics(param: torch.dtype | None, reduce: torch.dtype | None,
+                                          output: torch.dtype | None, cast: bool) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    torch_policy = TorchPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=output,
+                               cast_forward_inputs=cast)
+    ours = MixedPrecisionPolicy.from_fsdp2(torch_policy)
+    assert ours == MixedPrecisionPolicy(
+        param_dtype=param, reduce_dtype=reduce if reduce is not None else param,
+        output_dtype=output, cast_forward_inputs=cast,
+    )
+    # Sharded parameters and gradients stay in the parameters' dtype, as in FSDP2; gradients
+    # are reduced in reduce_dtype, else in the compute dtype.
+    for original in (F32, BF16):
+        got = ours.resolve(original)
+        assert (got.main, got.grad) == (original, original)
+        assert got.model == (param or original)
+        assert got.comm == (reduce or param or original)

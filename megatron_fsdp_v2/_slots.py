@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch.nn as nn
 
 from . import _registry
+from ._compile import eager_hook
 
 if TYPE_CHECKING:
     from ._state import FSDPState
@@ -70,10 +71,11 @@ class ParamSlots:
             for prefix, submodule in owned
         ]
         self._idle_hooks: list[tuple[dict[int, Any], int]] = []
+        self._outside_unit_hook = eager_hook(self._called_outside_unit)
         for _, submodule in owned:
             has_params = any(p is not None for p in submodule._parameters.values())
             if submodule is not module and has_params:
-                handle = submodule.register_forward_pre_hook(self._called_outside_unit)
+                handle = submodule.register_forward_pre_hook(self._outside_unit_hook)
                 self._idle_hooks.append((submodule._forward_pre_hooks, handle.id))
 
     def register_dist_params(self) -> None:
@@ -81,7 +83,7 @@ class ParamSlots:
             parameters.update(mapping)
         if self.compute_registered:
             for hooks, key in self._idle_hooks:
-                hooks[key] = self._called_outside_unit
+                hooks[key] = self._outside_unit_hook
         self.compute_registered = False
 
     def register_compute_params(self) -> None:

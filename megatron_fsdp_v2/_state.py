@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import _registry
 from ._allocator import BucketAllocator
+from ._compile import eager_hook
 from ._context import FSDPContext, TrainingState
 from ._flat_param_group import FlatParamGroup
 from ._materialize import materialize
@@ -109,11 +110,14 @@ class FSDPState:
         self.slots = ParamSlots(self, module)
         self._cast_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         self._output_dtype = mp_policy.output_dtype
-        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        # Never traced by torch.compile: see [Note: hooks outside compiled regions].
+        module.register_forward_pre_hook(
+            eager_hook(self._pre_forward), prepend=True, with_kwargs=True
+        )
+        module.register_forward_hook(eager_hook(self._post_forward))
         # See FSDPContext.recover: recover at once when the root's forward raises, and before
         # a state dict is read or written after a failure the forward hook could not see.
-        module.register_forward_hook(self._forward_raised, always_call=True)
+        module.register_forward_hook(eager_hook(self._forward_raised), always_call=True)
         module.register_state_dict_pre_hook(self._recover_if_failed)
         module.register_load_state_dict_pre_hook(self._recover_if_failed)
 

@@ -20,7 +20,7 @@ activation checkpointing inside and around the compiled blocks (ZeRO-3).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -43,13 +43,6 @@ WORLD = 2
 STEPS = 3
 MICRO = 2
 TIMEOUT_S = 280
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPools]:
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 def _check(ok: bool, message: str) -> None:

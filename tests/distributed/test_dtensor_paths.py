@@ -24,7 +24,7 @@ redistribution (counted). Every check agrees across ranks, so all ranks fail tog
 from __future__ import annotations
 
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -50,13 +50,6 @@ STEPS = 3
 PER_RANK = 2
 RTOL, ATOL = 1e-5, 1e-6
 TIMEOUT_S = 240
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPools]:
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 class Uneven(nn.Module):

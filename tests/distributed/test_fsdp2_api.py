@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -37,13 +36,6 @@ from _pool import RankPools
 
 TIMEOUT_S = 240  # per case, generous: the CPUs are shared
 pytestmark = pytest.mark.timeout(600)
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPools]:
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 # ---------------------------------------------------------------------- model and helpers

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -61,13 +60,6 @@ SEQ = 12
 VOCAB = 97  # odd: the embedding and head rows split unevenly over 2 ranks
 RTOL, ATOL = 1e-5, 1e-6
 TIMEOUT_S = 280
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPools]:
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 # ------------------------------------------------------------------------------------------ models

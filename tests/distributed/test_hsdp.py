@@ -11,7 +11,6 @@ different, and the errors. Cases of one world size share a pool of ranks (``_poo
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -45,13 +44,6 @@ from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TIMEOUT_S = 280
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPools]:
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 def hsdp_mesh(world: int, replicas: int) -> DeviceMesh:

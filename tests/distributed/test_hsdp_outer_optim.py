@@ -11,8 +11,6 @@ the window-carry cases; the errors. Cases of one world size share a pool of rank
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,13 +43,6 @@ from _pool import RankPools
 
 TIMEOUT_S = 280
 OUTER = {"outer_dp_sharding_strategy": "optim"}
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPools]:
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 def hsdp_mesh(world: int, replicas: int) -> DeviceMesh:

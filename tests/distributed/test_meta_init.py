@@ -10,8 +10,6 @@ raises, so no rank is left waiting in a collective.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,13 +26,6 @@ from _pool import RankPools
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TIMEOUT_S = 280
 RTOL, ATOL = 1e-5, 1e-6
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPools]:
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 class NormNet(nn.Module):

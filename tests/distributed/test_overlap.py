@@ -7,8 +7,6 @@ ranks (``_pool.RankPools``, restarted after any failure).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -20,13 +18,6 @@ from _models import TinyGPT, all_ranks_ok, lm_loss, make_batches
 from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPools]:
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 class SkippingGPT(TinyGPT):

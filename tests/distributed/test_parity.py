@@ -9,7 +9,6 @@ spawn per case.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -32,13 +31,6 @@ from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TIMEOUT_S = 240  # per case; below pytest's 300 s so that the ranks' tracebacks are reported
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPools]:
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 def wrap(model: torch.nn.Module, strategy: str, nested: bool, **kw) -> torch.nn.Module:

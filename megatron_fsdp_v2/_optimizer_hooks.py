@@ -5,10 +5,20 @@ Before a step they catch an optimizer built before wrapping (it holds the comput
 which would be updated as stale copies that never see a gradient), reduce gradients of a window
 no backward marked last, and mark the groups the optimizer holds for the refresh of their
 compute weights (see [Note: replicated-buffer refresh]); after it, mark them again.
+
+The first time they see an optimizer that holds managed parameters they also give it
+``state_dict`` / ``load_state_dict`` post-hooks (``_state_dict.optimizer_*``), so that
+``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` / ``set_state_dict`` with
+``dcp.save`` / ``dcp.load`` handle its uneven shards (see [Note: uneven shards in state dicts]).
+torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` step an optimizer without
+state first, so these hooks exist before its first ``state_dict()`` with anything in it;
+``checkpoint.get_state_dict`` / ``set_state_dict`` also install them (an optimizer that got its
+state from a plain ``load_state_dict`` and never stepped).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +31,13 @@ from torch.optim.optimizer import (
 from . import _registry
 from ._flat_param_group import FlatParamGroup
 from ._grads import finalize_unsynchronized
+from ._state_dict import optimizer_load_state_dict_post_hook, optimizer_state_dict_post_hook
 
-__all__ = ["install_optimizer_hooks", "note_wrap"]
+__all__ = ["install_optimizer_hooks", "install_state_dict_hooks", "note_wrap"]
+
+# Optimizers given the state-dict hooks (once each; the hooks die with the optimizer).
+_state_dict_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
 
 def note_wrap() -> None:
     """A unit was wrapped: optimizers cached before it are checked again, and the hooks exist."""
@@ -70,7 +85,19 @@ def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
                 seen.add(id(record.group))
                 info.groups.append(record.group)
     _registry.optimizer_cache[optimizer] = info
+    if info.groups:
+        install_state_dict_hooks(optimizer)
     return info
+
+
+def install_state_dict_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` the state-dict post-hooks that mark its managed states for DCP and
+    unmark what it adopts on load (no-ops for parameters no unit manages); once."""
+    if optimizer in _state_dict_hooked:
+        return
+    optimizer.register_state_dict_post_hook(optimizer_state_dict_post_hook)
+    optimizer.register_load_state_dict_post_hook(optimizer_load_state_dict_post_hook)
+    _state_dict_hooked.add(optimizer)
 
 
 def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

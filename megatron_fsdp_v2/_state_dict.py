@@ -25,14 +25,21 @@ With outer ``optim`` the DTensors are ``(Shard(0), Shard(0))`` and rank (outer `
 rank writes and reads its own rows (none for an empty sub-shard), exactly as on a 1-D mesh of
 ``R * S`` ranks; DTensor's offset math (outer-then-inner ``torch.chunk``) is wrong here too.
 
-Only state-dict tensors are marked, never live parameters or optimizer states (state dicts hold
-detached aliases; :func:`strip_metadata` cleans what an optimizer adopts on load). The attached
-callables are module-level classes, so a state dict stays picklable; DCP detaches tensors before
-serializing them, so nothing of ours reaches the files.
+Only state-dict tensors are marked, never live parameters or optimizer states: state dicts hold
+detached aliases. The module side is the units' ``state_dict`` post-hook; the optimizer side is
+a ``state_dict`` post-hook on every optimizer that holds managed parameters
+(:func:`optimizer_state_dict_post_hook`, installed by ``_optimizer_hooks.py``), and its
+``load_state_dict`` post-hook strips what the optimizer adopts on load. So torch's own
+``torch.distributed.checkpoint.state_dict`` API gives DCP-ready state dicts, and
+``checkpoint.get_state_dict`` is a thin wrapper over it. The attached callables are module-level
+classes; a marked tensor also gets an instance ``__getstate__`` that leaves them out, so
+``torch.save`` of a state dict writes none of them (``torch.load(weights_only=True)`` works) and
+DCP, which detaches tensors before serializing them, writes none either.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,6 +69,8 @@ __all__ = [
     "local_rows_dtensor",
     "param_slot",
     "mark_all_loaded",
+    "optimizer_load_state_dict_post_hook",
+    "optimizer_state_dict_post_hook",
     "skip_on_save",
     "strip_metadata",
     "state_dict_post_hook",
@@ -115,12 +124,48 @@ class _NoWriteItems:
         return []
 
 
+class _Unsupported:
+    """``__create_chunk_list__`` / ``__create_write_items__`` of an optimizer state that does not
+    follow its parameter's row sharding: DCP cannot place its rows, so DCP (and only DCP) gets
+    the error; a plain ``optimizer.state_dict()`` stays usable."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def __call__(self, *args: Any) -> list[Any]:
+        raise ValueError(self.message)
+
+
+class _PickleWithout:
+    """Instance ``__getstate__`` of a marked tensor (see [Note: uneven shards in state dicts]):
+    ``Tensor.__reduce_ex__`` pickles what ``__getstate__`` returns, so ``torch.save`` of a
+    state dict writes the tensor without our attributes, and ``torch.load(weights_only=True)``
+    never meets our classes. Weak, so a state dict does not keep its aliases in a cycle."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = weakref.ref(tensor)
+
+    def __call__(self) -> dict[str, Any]:
+        tensor = self.tensor()
+        if tensor is None:
+            return {}
+        return {k: v for k, v in tensor.__dict__.items() if k not in _METADATA_ATTRS}
+
+
+_METADATA_ATTRS = ("__create_chunk_list__", "__create_write_items__", ROWS_ATTR, "__getstate__")
+
+
+def _mark(tensor: torch.Tensor, **attrs: Any) -> None:
+    """Set our attributes on ``tensor``, keeping them out of its pickles."""
+    for name, value in attrs.items():
+        setattr(tensor, name, value)
+    if not isinstance(tensor.__dict__.get("__getstate__"), _PickleWithout):
+        tensor.__getstate__ = _PickleWithout(tensor)  # type: ignore[attr-defined]
+
+
 def skip_on_save(value: torch.Tensor) -> None:
     """Make ``dcp.save`` skip this rank's copy of a plain (replicated) tensor; it still loads."""
-    value.__create_write_items__ = _NoWriteItems()  # type: ignore[attr-defined]
-
-
-_METADATA_ATTRS = ("__create_chunk_list__", "__create_write_items__", ROWS_ATTR)
+    _mark(value, __create_write_items__=_NoWriteItems())
 
 
 def strip_metadata(tensors: Any) -> None:
@@ -137,7 +182,10 @@ def strip_metadata(tensors: Any) -> None:
         targets = [tensors] + ([tensors._local_tensor] if isinstance(tensors, DTensor) else [])
         for target in targets:
             for attr in _METADATA_ATTRS:
-                if attr in target.__dict__:
+                ours = attr != "__getstate__" or isinstance(
+                    target.__dict__.get(attr), _PickleWithout
+                )
+                if attr in target.__dict__ and ours:
                     delattr(target, attr)
 
 
@@ -165,11 +213,8 @@ def is_row_sharded(group: FlatParamGroup) -> bool:
     return group.plan.optimizer_placement is not Extent.FULL
 
 
-def attach_chunk_metadata(value: DTensor, group: FlatParamGroup, index: int, key: str) -> None:
-    """Give ``value`` (a ``Shard(0)`` DTensor shaped like parameter ``index`` of ``group`` in its
-    first dimension) chunk metadata at this rank's true row offset. No-op for ``Replicate()``."""
-    if not is_row_sharded(group) or not any(isinstance(p, Shard) for p in value.placements):
-        return
+def _row_mismatch(value: DTensor, group: FlatParamGroup, index: int, key: str) -> str | None:
+    """Why ``value`` does not follow the row sharding of parameter ``index``, or None."""
     shape = group.layout.items[index].shape
     lo, hi = group.local_row_range(index)
     local = value._local_tensor
@@ -180,18 +225,34 @@ def attach_chunk_metadata(value: DTensor, group: FlatParamGroup, index: int, key
         or local.dim() != value.dim()
         or local.shape[0] != hi - lo
     ):
-        raise ValueError(
+        return (
             f"state-dict entry '{key}' is a DTensor of shape {tuple(value.shape)} (local "
             f"{tuple(local.shape)}, placements {value.placements}) that does not follow the "
             f"row sharding of its parameter (shape {tuple(shape)}, local rows {lo}..{hi}); "
             "megatron_fsdp_v2 can only checkpoint optimizer states shaped like their parameter "
             "in the first dimension"
         )
+    return None
+
+
+def attach_chunk_metadata(value: DTensor, group: FlatParamGroup, index: int, key: str) -> None:
+    """Give ``value`` (a ``Shard(0)`` DTensor shaped like parameter ``index`` of ``group`` in its
+    first dimension) chunk metadata at this rank's true row offset. No-op for ``Replicate()``."""
+    if not is_row_sharded(group) or not any(isinstance(p, Shard) for p in value.placements):
+        return
+    error = _row_mismatch(value, group, index, key)
+    if error is not None:
+        raise ValueError(error)
+    lo, hi = group.local_row_range(index)
+    local = value._local_tensor
     offsets = (lo,) + (0,) * (value.dim() - 1)
     sizes = tuple(local.shape)
-    local.__create_chunk_list__ = _ChunkList(offsets, sizes)  # type: ignore[attr-defined]
-    local.__create_write_items__ = _WriteItems(offsets, sizes)  # type: ignore[attr-defined]
-    setattr(local, ROWS_ATTR, (lo, hi))
+    _mark(
+        local,
+        __create_chunk_list__=_ChunkList(offsets, sizes),
+        __create_write_items__=_WriteItems(offsets, sizes),
+        **{ROWS_ATTR: (lo, hi)},
+    )
 
 
 def param_slot(param: nn.Parameter) -> tuple[FlatParamGroup, int]:
@@ -228,6 +289,70 @@ def state_dict_post_hook(
         # keep_vars=True returns the live parameters: leave them alone (see strip_metadata).
         if id(group) in own and isinstance(value, DTensor) and not isinstance(value, nn.Parameter):
             attach_chunk_metadata(value, group, index, prefix + name)
+
+
+# ---------------------------------------------------------------------- optimizer hooks
+
+def _optimizer_state_alias(
+    value: Any, group: FlatParamGroup, index: int, key: str
+) -> Any:
+    """A detached alias of one optimizer state value, marked for DCP (see
+    :func:`optimizer_state_dict_post_hook`); non-tensors as they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    alias = value.detach()  # same storage: dcp.load writes into the live state
+    if isinstance(alias, DTensor):
+        if not is_row_sharded(group) or not any(isinstance(p, Shard) for p in alias.placements):
+            return alias
+        error = _row_mismatch(alias, group, index, key)
+        if error is None:
+            attach_chunk_metadata(alias, group, index, key)
+        else:
+            unsupported = _Unsupported(error)
+            _mark(alias._local_tensor, __create_chunk_list__=unsupported,
+                  __create_write_items__=unsupported)
+    elif is_row_sharded(group):
+        lo, hi = group.local_row_range(index)
+        if hi == lo:
+            skip_on_save(alias)
+    return alias
+
+
+def optimizer_state_dict_post_hook(
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` of an optimizer that holds managed parameters: the state of
+    each such parameter becomes a new dict of detached aliases (same storage, so ``dcp.load``
+    through ``torch.distributed.checkpoint.state_dict`` still writes the live state; the live
+    tensors stay unmarked), with chunk metadata at the true row offset on the DTensor states of
+    row-sharded parameters. A plain tensor state (Adam's ``step``) of a parameter this rank
+    holds no rows of is marked not to be written by this rank: such a rank never steps that
+    parameter, so its copy may be stale, while every rank with rows has the current value
+    (DCP keeps one copy of a plain tensor). Pickling drops all marks (``_PickleWithout``)."""
+    state = state_dict.get("state")
+    if not isinstance(state, dict):
+        return state_dict
+    for group_live, group_packed in zip(optimizer.param_groups, state_dict["param_groups"]):
+        for param, pid in zip(group_live["params"], group_packed["params"]):
+            record = _registry.record_of(param)
+            entries = state.get(pid)
+            # The compute parameter of a stale optimizer has no rows to mark.
+            if record is None or param is record.compute_param or not isinstance(entries, dict):
+                continue
+            state[pid] = {
+                name: _optimizer_state_alias(
+                    value, record.group, record.index, f"state.{record.fqn}.{name}"
+                )
+                for name, value in entries.items()
+            }
+    return state_dict
+
+
+def optimizer_load_state_dict_post_hook(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict``: the optimizer may have adopted marked aliases (a
+    state dict from :func:`optimizer_state_dict_post_hook`, filled by ``dcp.load``) as its live
+    state; unmark them."""
+    strip_metadata(optimizer.state)
 
 
 def expected_entries(module: nn.Module, prefix: str = "") -> dict[str, torch.Size | None]:
@@ -297,7 +422,7 @@ def local_rows_dtensor(param: nn.Parameter, full: torch.Tensor, copy: bool = Fal
         rows, dparam.device_mesh, dparam.placements, run_check=False, shape=dparam.shape,
         stride=dparam.stride(),
     )
-    setattr(out._local_tensor, ROWS_ATTR, (lo, hi))
+    _mark(out._local_tensor, **{ROWS_ATTR: (lo, hi)})
     return out
 
 

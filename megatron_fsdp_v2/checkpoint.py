@@ -48,7 +48,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
-from torch.distributed.tensor import DTensor
 
 from . import _checkpoint_group as _cg
 from . import _full_state_dict as _full
@@ -59,10 +58,10 @@ from ._checkpoint_checks import (
     OPTIM_KEY,
     check_against_metadata,
     check_optim_state_dict,
-    optim_entries,
 )
 from ._checkpoint_checksums import verify_checksums
 from ._checkpoint_files import atomic_save, interrupted_commit_hint, local_dir
+from ._optimizer_hooks import install_state_dict_hooks
 
 __all__ = [
     "get_state_dict",
@@ -113,32 +112,11 @@ def _check_hsdp(model: nn.Module, api: str) -> None:
 
 # ---------------------------------------------------------------------- sharded state dicts
 
-def _prepare_optim_state_dict(model: nn.Module, osd: dict[str, Any]) -> None:
-    """Replace each state tensor by a detached alias (same storage, so ``dcp.load`` still writes
-    into the optimizer's state; the optimizer's own tensors stay unmarked) and attach true-row
-    chunk metadata to the DTensor states of sharded parameters. Plain tensor states (e.g. Adam's
-    ``step``) of parameters this rank holds no rows of are marked not to be written by this
-    rank (they still load).
-
-    A rank with an empty shard never steps that parameter, so its copy of such a state may be
-    stale (e.g. after resuming at another world size); every rank that holds rows has the same,
-    current value, and DCP's de-duplication of plain tensors then only picks a current copy."""
-    slots = _sd.dist_param_slots(model)
-    for fqn, name, container, key in list(optim_entries(osd)):
-        param = slots.get(fqn)
-        if param is None:
-            continue
-        group, index = _sd.param_slot(param)
-        value = container[key]
-        if not isinstance(value, torch.Tensor):
-            continue
-        value = container[key] = value.detach()
-        if isinstance(value, DTensor):
-            _sd.attach_chunk_metadata(value, group, index, f"state.{fqn}.{name}")
-        elif _sd.is_row_sharded(group):
-            lo, hi = group.local_row_range(index)
-            if hi == lo:
-                _sd.skip_on_save(value)
+def _hook_optimizers(optims: tuple[torch.optim.Optimizer, ...]) -> None:
+    # Usually there already (the first step installs them); not when an optimizer got its
+    # state from a plain load_state_dict and never stepped.
+    for optim in optims:
+        install_state_dict_hooks(optim)
 
 
 def get_state_dict(
@@ -161,23 +139,18 @@ def get_state_dict(
     full/CPU-offloaded state dicts come from :func:`get_full_state_dict`. No collectives; an
     optimizer whose state is still empty is first initialized by a zero-learning-rate step
     (torch's behaviour), so that every state entry exists to load into.
+
+    A thin wrapper: the units' ``state_dict`` hooks and the optimizers' (see
+    ``_optimizer_hooks.py``) do the marking, so torch's own ``get_state_dict`` gives the same
+    result; this adds only the option and HSDP checks.
     """
     _check_hsdp(model, "get_state_dict")
     options = _check_options(options, "get_state_dict")
     optims = _as_tuple(optimizers)
-    if optims:
-        msd, osd = _dsd.get_state_dict(model, optims, options=options)
-        _prepare_optim_state_dict(model, osd)
-    else:
-        msd, osd = _dsd.get_model_state_dict(model, options=options), {}
-    # model.state_dict() already attached chunk metadata (the unit's state_dict post-hook);
-    # attach again in case a hook-less path built these DTensors.
-    slots = _sd.dist_param_slots(model)
-    for key, value in msd.items():
-        param = slots.get(key)
-        if param is not None and isinstance(value, DTensor):
-            _sd.attach_chunk_metadata(value, *_sd.param_slot(param), key)
-    return msd, osd
+    if not optims:
+        return _dsd.get_model_state_dict(model, options=options), {}
+    _hook_optimizers(optims)
+    return _dsd.get_state_dict(model, optims, options=options)
 
 
 def set_state_dict(
@@ -208,13 +181,13 @@ def set_state_dict(
         error = check_optim_state_dict(model, optim_state_dict)
     _cg.raise_if_any_rank(error, _cg.model_group(model))
     if optims and optim_state_dict:
+        # The optimizers' load_state_dict post-hook unmarks the tensors they adopt.
+        _hook_optimizers(optims)
         # Non-strict: a rank that holds no rows of a parameter never gives it a gradient, so
         # its optimizer may have no state for it. Entries were checked against the model above.
         _dsd.set_optimizer_state_dict(
             model, optims, optim_state_dict, options=dataclasses.replace(options, strict=False)
         )
-        for optim in optims:  # it may have adopted the (marked) tensors it was given
-            _sd.strip_metadata(optim.state)
     result = _dsd.set_model_state_dict(model, model_state_dict, options=options)
     # load_state_dict's post-hooks already marked every unit; this also covers entries DCP
     # wrote in place into the main weights.

@@ -60,6 +60,7 @@ from ._plan import Collective, CollectiveStep, Extent
 __all__ = [
     "ROWS_ATTR",
     "attach_chunk_metadata",
+    "make_picklable",
     "check_outer_no_shard",
     "dist_param_slots",
     "expected_entries",
@@ -150,6 +151,40 @@ class _PickleWithout:
         if tensor is None:
             return {}
         return {k: v for k, v in tensor.__dict__.items() if k not in _METADATA_ATTRS}
+
+
+class _ReduceAsWrapper:
+    """Instance ``__reduce_ex__`` of a state-dict DTensor whose local tensor views a flat buffer
+    at a non-zero offset. DTensor's wrapper copies that offset, so ``Tensor.__reduce_ex__`` sees
+    a non-zero ``data_ptr()`` and pickles it as a plain tensor, which fails ("invalid python
+    storage"): ``torch.save(model.state_dict())`` would raise. This is torch's own reduction of
+    wrapper subclasses at offset 0; the local tensor and spec go in the state unchanged. Weak,
+    like :class:`_PickleWithout`."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = weakref.ref(tensor)
+
+    def __call__(self, protocol: int) -> tuple[Any, ...]:
+        tensor = self.tensor()
+        assert tensor is not None  # it is being pickled
+        args = (type(tensor), tensor.dtype, tuple(tensor.size()), tensor.stride(), 0,
+                tensor.layout, tensor.device, tensor.requires_grad)
+        # (__dict__, slots) for DTensor (its local tensor and spec are slots), or __dict__.
+        state = torch._utils._get_obj_state(tensor)
+        if isinstance(state, tuple):
+            state = ({k: v for k, v in state[0].items() if k != "__reduce_ex__"}, *state[1:])
+        else:
+            state = {k: v for k, v in state.items() if k != "__reduce_ex__"}
+        tensor._clear_non_serializable_cached_data()  # as Tensor.__reduce_ex__ does
+        return (torch._tensor._rebuild_from_type_v2,
+                (torch._utils._rebuild_wrapper_subclass, type(tensor), args, state))
+
+
+def make_picklable(value: DTensor) -> None:
+    """Let ``torch.save`` pickle ``value`` (a detached state-dict DTensor) although its local
+    tensor views a flat buffer at an offset (see :class:`_ReduceAsWrapper`)."""
+    if value.storage_offset() != 0 and "__reduce_ex__" not in value.__dict__:
+        value.__reduce_ex__ = _ReduceAsWrapper(value)  # type: ignore[method-assign]
 
 
 _METADATA_ATTRS = ("__create_chunk_list__", "__create_write_items__", ROWS_ATTR, "__getstate__")
@@ -289,6 +324,13 @@ def state_dict_post_hook(
         # keep_vars=True returns the live parameters: leave them alone (see strip_metadata).
         if id(group) in own and isinstance(value, DTensor) and not isinstance(value, nn.Parameter):
             attach_chunk_metadata(value, group, index, prefix + name)
+            make_picklable(value)
+            rows = value._local_tensor.__dict__.get(ROWS_ATTR)
+            if rows is not None:
+                # On the DTensor itself too, where pickling keeps it (a tuple of ints): an entry
+                # saved with torch.save and loaded on the same layout is recognized as the
+                # model's own rows (``_incoming_rows``).
+                setattr(value, ROWS_ATTR, rows)
 
 
 # ---------------------------------------------------------------------- optimizer hooks
@@ -429,9 +471,9 @@ def local_rows_dtensor(param: nn.Parameter, full: torch.Tensor, copy: bool = Fal
 def _incoming_rows(value: DTensor) -> tuple[int, int]:
     """The global rows a ``Shard(0)`` DTensor's local tensor holds: ours when it carries our chunk
     metadata, else DTensor's own (``torch.chunk``) layout."""
-    rows = getattr(value._local_tensor, ROWS_ATTR, None)
+    rows = getattr(value._local_tensor, ROWS_ATTR, None) or value.__dict__.get(ROWS_ATTR)
     if rows is not None:
-        return rows
+        return tuple(rows)
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     sizes, offsets = compute_local_shape_and_global_offset(

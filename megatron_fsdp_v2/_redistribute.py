@@ -145,6 +145,9 @@ def install() -> None:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     if torch.ops.aten.copy_.default not in handlers:  # torch has none of its own (2.14)
         handlers[torch.ops.aten.copy_.default] = _copy_handler
+    from . import _random_init  # nn.init.* on our shards: see [Note: random init of ...]
+
+    _random_init.install()
     from torch.distributed.checkpoint import state_dict as dsd
 
     _original_optim_sd.append(dsd._get_optim_state_dict)

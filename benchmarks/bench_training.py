@@ -1,10 +1,18 @@
 """Training benchmark: megatron_fsdp_v2's four strategies against DDP, ZeRO-1 and FSDP2.
 
     python benchmarks/bench_training.py --out /tmp/bench/training.md   # CPU/gloo, NCCL on GPUs
-    python benchmarks/bench_training.py --model-size tiny --vocab 512 --seq-len 32 --steps 2 \
-        --rounds 1
-    python benchmarks/bench_training.py --world-size 4 --mesh 2,2 \
+    python benchmarks/bench_training.py --quick --world 2 --profile   # smoke run + breakdown
+    python benchmarks/bench_training.py --matrix   # --world 2,4 --mp fp32,bf16 --micro-batches 1,4
+    python benchmarks/bench_training.py --world 4 --mesh 2,2 \
         --systems optim_grads,optim_grads_params,fsdp2_noreshard,fsdp2   # HSDP vs FSDP2's HSDP
+
+``--world``, ``--mp`` and ``--micro-batches`` take comma-separated lists; each combination is
+one configuration with its own table (and, with several, a closing table of ratios per
+configuration). ``--mp bf16``: bf16 compute weights with fp32 main weights and gradients
+reduced in fp32 (ours: ``MixedPrecisionPolicy(param_dtype=bf16)``; FSDP2: the same with
+``reduce_dtype=fp32``; DDP and ZeRO-1, which keep fp32 weights: ``torch.autocast`` to bf16 around
+the forward), so the losses then differ from DDP's by bf16 rounding. ``--profile``: one more
+fresh run per system, rank 0 traced with ``torch.profiler`` (see [Note: profile breakdown]).
 
 With ``--mesh R,S`` (R x S = ``--world-size``) our systems run HSDP: the strategy along the S
 ranks of each replica, gradients all-reduced across the R replicas once per step
@@ -118,6 +126,92 @@ def _reset_rss_hwm() -> bool:
         return False
 
 
+def _range(name: str, enabled: bool) -> Any:
+    return torch.profiler.record_function(name) if enabled else contextlib.nullcontext()
+
+
+# [Note: profile breakdown] What --profile sums, per system, from rank 0's CPU trace of
+# --profile-steps steps (ms per step). Each category is the union of the matching ranges'
+# intervals on the training thread, inside the benchmark's step ranges (ranges nest, and a wait
+# may sit inside a launch, so durations are never simply added):
+# * forward / backward / optimizer step: the benchmark's own bench:: ranges around the forward
+#   and loss, loss.backward(), and clip + step + zero_grad; the same for every system.
+# * exposed communication: time the training thread spends in a collective or blocked on one.
+#   Ours: mfsdp::wait and mfsdp::sync_collective (every wait is named). Everyone: c10d ops
+#   called on the training thread (the launch; for a synchronous collective such as the clip
+#   all-reduce or ZeRO-1's broadcasts, the collective). The peers' waits on asynchronous work
+#   (DDP's reducer at the end of backward, FSDP2's wait for a prefetched all-gather or a
+#   reduce-scatter) run inside C++ or un-named Python and show as backward or forward time,
+#   so their column is a lower bound, marked "(min)". comm_forward / comm_backward /
+#   comm_optimizer split it by phase.
+# * copy kernels: flat-buffer copy ops: ours (megatron_fsdp_v2:: ops: pack, refresh and
+#   reduce-scatter copies) and FSDP2's (fsdp:: copy-in/copy-out ops).
+_COMM_PREFIXES = ("mfsdp::wait", "mfsdp::sync_collective", "c10d::", "gloo:", "nccl:")
+_KERNEL_PREFIXES = ("megatron_fsdp_v2::", "fsdp::")
+Intervals = list[tuple[float, float]]
+
+
+def _merge(intervals: Intervals) -> Intervals:
+    merged: Intervals = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _intersect(a: Intervals, b: Intervals) -> Intervals:
+    """Intersection of two merged interval lists."""
+    out: Intervals = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _ms(intervals: Intervals) -> float:
+    return sum(hi - lo for lo, hi in intervals) / 1e3  # profiler times are in microseconds
+
+
+def profile_breakdown(events: Any, steps: int) -> dict[str, Any]:
+    """Per-step ms of each category in [Note: profile breakdown], and the names seen."""
+    main = {e.thread for e in events if e.name == "bench::step"}
+    raw: dict[str, Intervals] = {
+        k: [] for k in ("step", "forward", "backward", "optimizer", "comm", "kernels")}
+    comm_names: dict[str, Intervals] = {}
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.thread not in main:
+            continue
+        span = (e.time_range.start, e.time_range.end)
+        name = e.name
+        totals[name] = totals.get(name, 0.0) + (span[1] - span[0]) / 1e3
+        if name.startswith("bench::"):
+            raw[name[len("bench::"):]].append(span)
+        elif name.startswith(_COMM_PREFIXES):
+            raw["comm"].append(span)
+            comm_names.setdefault(name, []).append(span)
+        elif name.startswith(_KERNEL_PREFIXES):
+            raw["kernels"].append(span)
+    merged = {k: _merge(v) for k, v in raw.items()}
+    step = merged["step"]  # the benchmark's barrier between steps is outside
+    out: dict[str, Any] = {k: _ms(_intersect(v, step)) / steps for k, v in merged.items()}
+    for phase in ("forward", "backward", "optimizer"):
+        out[f"comm_{phase}"] = _ms(_intersect(merged["comm"], merged[phase])) / steps
+    out["comm_names"] = {k: _ms(_intersect(_merge(v), step)) / steps
+                         for k, v in sorted(comm_names.items())}
+    # Inclusive time per name, for reading a trace without a viewer (--out's .json).
+    out["top"] = {k: v / steps for k, v in sorted(totals.items(), key=lambda kv: -kv[1])[:40]}
+    return out
+
+
 def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tuple[
         torch.nn.Module, torch.optim.Optimizer, Callable[[], Any], Callable[[bool], Any]]:
     """(model, optimizer, clip(), micro_batch_context(is_last)) for one system."""
@@ -141,10 +235,13 @@ def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tu
 
         hsdp_mesh = init_device_mesh(device.type, tuple(a["mesh"]),
                                      mesh_dim_names=("replicate", "shard"))
+    bf16 = a["mp"] == "bf16"
     if system in OURS:
         import megatron_fsdp_v2 as mfsdp
 
         wrap: dict[str, Any] = dict(sharding_strategy=system)
+        if bf16:  # bf16 compute weights, fp32 main weights, gradients reduced in fp32
+            wrap.update(mp_policy=mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         if hsdp_mesh is not None:
             wrap.update(mesh=hsdp_mesh, outer_dp_sharding_strategy="no_shard")
         for block in model.blocks:
@@ -173,15 +270,18 @@ def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tu
                 lambda last: contextlib.nullcontext() if last else ddp.no_sync())
     if system in ("fsdp2", "fsdp2_noreshard"):
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy
         from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
         # HSDP (--mesh R,S): FSDP2 shards along dim 1 and replicates along dim 0.
         mesh = hsdp_mesh if hsdp_mesh is not None else init_device_mesh(
             device.type, (dist.get_world_size(),))
         reshard = system == "fsdp2"
+        fsdp2_mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                    if bf16 else MixedPrecisionPolicy())
         for block in model.blocks:
-            fsdp2_fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fsdp2_fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fsdp2_fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=fsdp2_mp)
+        fsdp2_fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=fsdp2_mp)
         opt = torch.optim.AdamW(model.parameters(), **adamw)
         return model, opt, torch_clip(model), lambda last: contextlib.nullcontext()
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
@@ -208,9 +308,21 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
 
     counter = CommCounter()
     micro = a["micro_batches"]
-    num_steps = a["measure_steps"] if kind == "measure" else a["warmup"] + a["steps"]
+    num_steps = {"measure": a["measure_steps"], "time": a["warmup"] + a["steps"],
+                 "profile": a["warmup"] + a["profile_steps"]}[kind]
+    # DDP and ZeRO-1 hold fp32 weights: bf16 compute for them is autocast (FSDP2 and ours cast
+    # the weights once per gather/refresh instead).
+    autocast = (a["mp"] == "bf16" and system in ("ddp", "zero1"))
+    profiler = None
+    if kind == "profile" and rank == 0:
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU])
+    ranges = kind == "profile"  # bench:: ranges, only where a profiler may run
     losses, times = [], []
     for step in range(num_steps):
+        if profiler is not None and step == a["warmup"]:
+            profiler.start()
         batches = [synthetic_batch(a["batch_size"], a["seq_len"], a["vocab"], seed=a["seed"],
                                    step=step, micro=i, rank=rank, device=device)
                    for i in range(micro)]
@@ -219,20 +331,28 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
             torch.cuda.synchronize()
         counting = kind == "measure" and step == num_steps - 1
         start = time.perf_counter()
-        with counter if counting else contextlib.nullcontext():
+        with counter if counting else contextlib.nullcontext(), _range("bench::step", ranges):
             loss_sum = torch.zeros((), device=device)
             for i, tokens in enumerate(batches):
                 with micro_context(i == micro - 1):
-                    loss = lm_loss(model, tokens) / micro
-                    loss.backward()
+                    with _range("bench::forward", ranges), (
+                            torch.autocast(device.type, dtype=torch.bfloat16) if autocast
+                            else contextlib.nullcontext()):
+                        loss = lm_loss(model, tokens) / micro
+                    with _range("bench::backward", ranges):
+                        loss.backward()
                 loss_sum += loss.detach()
-            clip()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            with _range("bench::optimizer", ranges):
+                clip()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss_sum.item())
+    if profiler is not None:
+        profiler.stop()
+        result["profile"] = profile_breakdown(profiler.events(), a["profile_steps"])
     result.update(kind=kind, losses=losses, times=times)
     if kind == "measure":
         result["comm"] = counter.stats.as_dict()
@@ -345,10 +465,13 @@ def _last_line(text: str) -> str:
 
 
 def expected_comm_bytes(system: str, num_params: int, n: int, m: int,
-                        mesh: tuple[int, int] | None = None) -> float:
+                        mesh: tuple[int, int] | None = None, mp: str = "fp32") -> float:
     """Ring bytes per rank per step for fp32 parameters/gradients of ``num_params`` elements
     (no padding, no clipping all-reduce), from each system's collective pattern. With an HSDP
-    ``mesh`` (R, S), ours and FSDP2 shard over S and all-reduce over R."""
+    ``mesh`` (R, S), ours and FSDP2 shard over S and all-reduce over R. With ``mp="bf16"``, ours
+    and FSDP2 gather bf16 weights (half the bytes); gradients are reduced in fp32 everywhere and
+    ZeRO-1 broadcasts its fp32 parameters."""
+    w = 0.5 if mp == "bf16" else 1.0  # bytes of a gathered weight relative to fp32
     if mesh is not None and (system in OURS or system.startswith("fsdp2")):
         r, sz = mesh
         full = 4.0 * num_params
@@ -357,22 +480,23 @@ def expected_comm_bytes(system: str, num_params: int, n: int, m: int,
         outer_full = 2 * full * (r - 1) / r
         return {
             "no_shard": 2 * psi_s + outer_full,  # inner all-reduce, then the outer one
-            "optim": 2 * psi_s + outer_shard,
-            "optim_grads": (m + 1) * psi_s + outer_shard,
-            "optim_grads_params": 3 * m * psi_s + outer_shard,
-            "fsdp2_noreshard": m * (2 * psi_s + outer_shard),  # outer all-reduce per micro-batch
-            "fsdp2": m * (3 * psi_s + outer_shard),
+            "optim": (1 + w) * psi_s + outer_shard,
+            "optim_grads": (m + w) * psi_s + outer_shard,
+            "optim_grads_params": m * (1 + 2 * w) * psi_s + outer_shard,
+            # FSDP2 all-reduces over the replicas after every micro-batch's reduce-scatter.
+            "fsdp2_noreshard": m * ((1 + w) * psi_s + outer_shard),
+            "fsdp2": m * ((1 + 2 * w) * psi_s + outer_shard),
         }[system]
     psi = 4.0 * num_params * (n - 1) / n  # one all-gather or reduce-scatter of everything
     return psi * {
-        "no_shard": 2,             # 1 all-reduce
-        "ddp": 2,                  # 1 all-reduce (no_sync on all but the last micro-batch)
-        "optim": 2,                # 1 reduce-scatter + 1 all-gather
-        "zero1": 3,                # 1 all-reduce + broadcasts of every partition
-        "optim_grads": m + 1,      # m reduce-scatters + 1 all-gather
-        "fsdp2_noreshard": 2 * m,  # per micro-batch: 1 all-gather + 1 reduce-scatter
-        "optim_grads_params": 3 * m,  # per micro-batch: 2 all-gathers + 1 reduce-scatter
-        "fsdp2": 3 * m,
+        "no_shard": 2,                  # 1 all-reduce
+        "ddp": 2,                       # 1 all-reduce (no_sync on all but the last micro-batch)
+        "optim": 1 + w,                 # 1 reduce-scatter + 1 all-gather
+        "zero1": 3,                     # 1 all-reduce + broadcasts of every partition
+        "optim_grads": m + w,           # m reduce-scatters + 1 all-gather
+        "fsdp2_noreshard": m * (1 + w),  # per micro-batch: 1 all-gather + 1 reduce-scatter
+        "optim_grads_params": m * (1 + 2 * w),  # per micro-batch: 2 all-gathers + 1 RS
+        "fsdp2": m * (1 + 2 * w),
     }[system]
 
 
@@ -404,7 +528,8 @@ def summarize(system: str, measured: list[dict[str, Any]], timed_runs: list[list
         "comm": comm,
         "comm_mib": comm["total_wire_bytes"] / MiB,
         "comm_expected_mib": expected_comm_bytes(system, a["num_params"], a["world_size"],
-                                                 a["micro_batches"], a.get("mesh")) / MiB,
+                                                 a["micro_batches"], a.get("mesh"),
+                                                 a["mp"]) / MiB,
         "losses": longest,
         "loss_run_spread": max(abs(x - y) for c in curves for x, y in zip(c, longest)),
         "per_rank": [{k: v for k, v in r.items() if k not in ("losses", "times")}
@@ -441,6 +566,88 @@ def _ratio(x: float | None, y: float | None) -> str:
     return f"{x / y:.2f}x" if x is not None and y else "n/a"
 
 
+_MP_DESC = {"fp32": "fp32",
+            "bf16": "bf16 compute with fp32 main weights and fp32 gradient reduction (DDP and "
+                    "ZeRO-1: autocast)"}
+_PROFILE_COLUMNS = (("step", "step"), ("forward", "forward"), ("backward", "backward"),
+                    ("comm", "exposed comm"), ("optimizer", "optimizer step"),
+                    ("kernels", "copy kernels"))
+
+
+def render_profile(summary: dict[str, Any], a: dict[str, Any]) -> list[str]:
+    """The --profile table: ms per step of each category (see [Note: profile breakdown]), each
+    of ours next to its peer, with the ratio."""
+    profiles = summary["profiles"]
+    if not profiles:
+        return []
+    lines = ["", f"Profile (rank 0, torch.profiler CPU trace of {a['profile_steps']} step(s) "
+             "after the warm-up, one more fresh run per system; ms per step; ratio = ours / "
+             "peer):", "",
+             "| system | " + " | ".join(h for _, h in _PROFILE_COLUMNS)
+             + " | copy-kernel share |",
+             "|---" * (len(_PROFILE_COLUMNS) + 2) + "|"]
+
+    def cell(name: str, key: str) -> str:
+        value = profiles[name][key]
+        if key == "comm":
+            split = "/".join(f"{profiles[name]['comm_' + p]:.1f}"
+                             for p in ("forward", "backward", "optimizer"))
+            return f"{value:.1f}{'' if name in OURS else ' (min)'} [{split}]"
+        return f"{value:.1f}"
+
+    def row(name: str) -> str:
+        pr = profiles[name]
+        share = f"{pr['kernels'] / pr['step']:.1%}" if pr["step"] else "n/a"
+        return (f"| {label_of(name, a)} | "
+                + " | ".join(cell(name, k) for k, _ in _PROFILE_COLUMNS) + f" | {share} |")
+
+    done: set[str] = set()
+    for ours, peer in PEERS.items():
+        pair = [n for n in (ours, peer) if n in profiles]
+        for name in pair:
+            if name not in done:
+                lines.append(row(name))
+                done.add(name)
+        if len(pair) == 2:
+            o, p = profiles[ours], profiles[peer]
+            lines.append(f"| ratio {ours} / {peer} | " + " | ".join(
+                "n/a" if k == "comm" else _ratio(o[k], p[k]) for k, _ in _PROFILE_COLUMNS)
+                + " | |")
+    for name in profiles:
+        if name not in done:
+            lines.append(row(name))
+    lines += ["", "exposed comm: [in forward/backward/optimizer step]; (min): the peer's waits "
+              "on asynchronous collectives are not named in a CPU trace and count as forward or "
+              "backward time (see [Note: profile breakdown] in this file). copy kernels: "
+              "megatron_fsdp_v2:: ops for ours, fsdp:: copy-in/out ops for FSDP2.",
+              "", "Exposed communication counted (ms per step, by range name): " + "; ".join(
+        f"{n}: " + ", ".join(f"{k} {v:.1f}" for k, v in pr["comm_names"].items())
+        for n, pr in profiles.items()) + "."]
+    return lines
+
+
+def render_matrix(summaries: list[dict[str, Any]]) -> str:
+    """One line per configuration: step-time and peak-above-base ratios of ours to each peer."""
+    systems = summaries[0]["config"]["systems"]
+    pairs = [(o, p) for o, p in PEERS.items() if o in systems and p in systems]
+    lines = ["## Matrix: ours / peer (step time, peak RSS above base)", "",
+             "| world | mp | micro-batches | " + " | ".join(f"{o} / {p}" for o, p in pairs) + " |",
+             "|---|---|---|" + "---|" * len(pairs)]
+    for summary in summaries:
+        a, rows = summary["config"], summary["systems"]
+        cells = []
+        for o, p in pairs:
+            if o in rows and p in rows:
+                step = _ratio(rows[o].get("step_s_median"), rows[p].get("step_s_median"))
+                peak = _ratio(rows[o]["peak_above_base_mib"], rows[p]["peak_above_base_mib"])
+                cells.append(f"{step}, {peak}")
+            else:
+                cells.append("n/a")
+        lines.append(f"| {a['world_size']} | {a['mp']} | {a['micro_batches']} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
     rows, failures = summary["systems"], summary["failures"]
     cuda = a["device"] == "cuda"
@@ -454,11 +661,11 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
            if a.get("mesh") else ""),
         "",
         f"{a['micro_batches']} micro-batch(es) x {a['batch_size']} x {a['seq_len']} tokens per "
-        f"rank per step, fp32, AdamW, clip {a['clip']}. Timing: {a['rounds']} round(s) over the "
-        f"systems in alternating order, each run in fresh processes with {a['warmup']} warm-up + "
-        f"{a['steps']} timed steps; median [interquartile range] of the slowest rank's step time "
-        f"over all timed steps. Bytes and memory: one more fresh run per system "
-        f"({a['measure_steps']} untimed steps, bytes counted on the last).",
+        f"rank per step, {_MP_DESC[a['mp']]}, AdamW, clip {a['clip']}. Timing: {a['rounds']} "
+        f"round(s) over the systems in alternating order, each run in fresh processes with "
+        f"{a['warmup']} warm-up + {a['steps']} timed steps; median [interquartile range] of "
+        f"the slowest rank's step time over all timed steps. Bytes and memory: one more fresh "
+        f"run per system ({a['measure_steps']} untimed steps, bytes counted on the last).",
         "",
         f"| system | step ms | tokens/s | comm MiB/step/rank | expected | collectives/step "
         f"| peak {mem} MiB | peak above base MiB | our buffers MiB | max abs loss diff vs DDP |",
@@ -508,6 +715,7 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
             lines.append(f"| {s + 1} | " + " | ".join(
                 f"{rows[n]['losses'][s]:.6f}" if s < len(rows[n]["losses"]) else ""
                 for n in names) + " |")
+    lines += render_profile(summary, a)
     notes = [
         "",
         "Notes:",
@@ -515,7 +723,7 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
         "system by one TorchDispatchMode over c10d ops (examples/comm_counter.py; it sees DDP's "
         "C++ reducer too): 2(N-1)/N*S per all-reduce, (N-1)/N*S per all-gather / reduce-scatter / "
         "broadcast of an S-byte buffer. expected: the same from each system's collective pattern "
-        "for fp32 parameters (no padding, no clipping all-reduce).",
+        "(no padding, no clipping all-reduce; with bf16, weights are gathered in bf16).",
     ]
     if a.get("mesh"):
         notes.append(
@@ -551,6 +759,19 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
     return "\n".join(lines + notes) + "\n"
 
 
+QUICK = dict(model_size="tiny", vocab=512, seq_len=32, warmup=1, steps=2, rounds=1)
+
+
+def _int_list(flag: str, text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise SystemExit(f"{flag} takes positive integers separated by commas, got {text!r}")
+    return values
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -561,18 +782,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=2, help="sequences per micro-batch per rank")
-    p.add_argument("--micro-batches", type=int, default=1)
-    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--micro-batches", default="1",
+                   help="micro-batches per step; a comma-separated list (e.g. 1,4) runs each")
+    p.add_argument("--world", "--world-size", dest="world", default="4",
+                   help="ranks; a comma-separated list (e.g. 2,4) runs each")
+    p.add_argument("--mp", default="fp32",
+                   help="compute precision, fp32 or bf16 (bf16 compute weights, fp32 main "
+                        "weights, fp32 reduction; DDP/ZeRO-1 use autocast); a comma-separated "
+                        "list (fp32,bf16) runs each")
+    p.add_argument("--matrix", action="store_true",
+                   help="the full matrix: --world 2,4 --mp fp32,bf16 --micro-batches 1,4")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke run: " + " ".join(f"--{k.replace('_', '-')} {v}"
+                                                   for k, v in QUICK.items())
+                        + " (flags given explicitly win)")
     p.add_argument("--mesh", default=None, metavar="R,S",
-                   help="HSDP on an R x S mesh (R x S = --world-size) for ours (outer no_shard) "
+                   help="HSDP on an R x S mesh (R x S = --world) for ours (outer no_shard) "
                         "and FSDP2 (its HSDP); default: 1-D over the world")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help="comma-separated subset of: " + ", ".join(SYSTEMS))
     p.add_argument("--steps", type=int, default=4, help="timed steps per round")
     p.add_argument("--warmup", type=int, default=2,
-                   help="untimed steps before the timed ones, per round")
+                   help="untimed steps before the timed (or profiled) ones, per run")
     p.add_argument("--rounds", type=int, default=2,
                    help="timing rounds over the systems, alternating order")
+    p.add_argument("--profile", action="store_true",
+                   help="one more run per system with torch.profiler on rank 0: forward, "
+                        "backward, exposed communication, optimizer step and copy kernels per "
+                        "step, side by side with the peer")
+    p.add_argument("--profile-steps", type=int, default=2, help="profiled steps per system")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -585,8 +823,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--out", default=None, help="write the table as markdown (and .json beside it)")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.rounds < 0 or args.warmup < 0:
-        p.error("--steps must be >= 1, --rounds and --warmup >= 0")
+    if args.quick:
+        for key, value in QUICK.items():
+            if getattr(args, key) == p.get_default(key):
+                setattr(args, key, value)
+    if args.matrix:
+        args.world, args.mp, args.micro_batches = "2,4", "fp32,bf16", "1,4"
+    args.worlds = _int_list("--world", args.world)
+    args.micro_batch_list = _int_list("--micro-batches", args.micro_batches)
+    args.mps = [m.strip() for m in args.mp.split(",") if m.strip()]
+    if not args.mps or any(m not in ("fp32", "bf16") for m in args.mps):
+        p.error(f"--mp takes fp32, bf16 or both (fp32,bf16), got {args.mp!r}")
+    if args.steps < 1 or args.rounds < 0 or args.warmup < 0 or args.profile_steps < 1:
+        p.error("--steps and --profile-steps must be >= 1, --rounds and --warmup >= 0")
     if args.mesh is not None:
         try:
             shape = [int(v) for v in args.mesh.split(",")]
@@ -594,11 +843,74 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             shape = []
         if len(shape) != 2 or min(shape) < 1:
             p.error(f"--mesh takes R,S (e.g. 2,2), got {args.mesh!r}")
-        if shape[0] * shape[1] != args.world_size:
-            p.error(f"--mesh {args.mesh} needs --world-size {shape[0] * shape[1]}, "
-                    f"got {args.world_size}")
+        if any(shape[0] * shape[1] != w for w in args.worlds):
+            p.error(f"--mesh {args.mesh} needs --world {shape[0] * shape[1]}, "
+                    f"got {args.world}")
         args.mesh = shape
     return args
+
+
+def _run_config(a: dict[str, Any]) -> dict[str, Any]:
+    """Measurement run, timing rounds and (``--profile``) profiling run of every system for one
+    (world, mp, micro-batches) configuration; the summary ``render`` formats."""
+    systems = a["systems"]
+    print(f"== {a['num_params'] / 1e6:.1f}M-param GPT dim={a['dim']} layers={a['layers']} "
+          f"heads={a['heads']}; world size {a['world_size']} on {a['device_desc']}"
+          f"{'; HSDP mesh ' + 'x'.join(map(str, a['mesh'])) if a.get('mesh') else ''}; "
+          f"{a['mp']}, {a['micro_batches']} micro-batch(es); systems: {', '.join(systems)}; "
+          f"1 measurement run + {a['rounds']} timing round(s) of {a['warmup']} warm-up + "
+          f"{a['steps']} timed steps" + (" + 1 profiling run" if a["profile"] else ""),
+          flush=True)
+    measured: dict[str, list[dict[str, Any]]] = {}
+    timed: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in systems}
+    profiles: dict[str, dict[str, Any]] = {}
+    failures: dict[str, str] = {}
+    t_start = time.monotonic()
+    plan = [("measure", systems)] + [("time", systems[::-1] if r % 2 == 0 else systems)
+                                     for r in range(a["rounds"])]
+    if a["profile"]:
+        plan.append(("profile", systems))
+    for i, (kind, order) in enumerate(plan):
+        label = kind if kind != "time" else f"round {i}"
+        for system in order:
+            if system in failures:
+                continue
+            t0 = time.monotonic()
+            ranks, error = launch(system, a, kind)
+            if error is not None:
+                failures[system] = _last_line(error)
+                print(f"[{label}] {system}: FAILED ({failures[system]})\n{error}", flush=True)
+                continue
+            if kind == "measure":
+                measured[system] = ranks
+                c = max((r["comm"] for r in ranks), key=lambda c: c["total_wire_bytes"])
+                if a["device"] == "cpu":
+                    peak = "/".join(f"{r['peak_rss_kib'] / 1024:.0f}" for r in ranks) + " MiB RSS"
+                else:
+                    peak = ("/".join(f"{r['cuda_peak_train'] / MiB:.0f}" for r in ranks)
+                            + " MiB CUDA")
+                detail = (f"comm {c['total_wire_bytes'] / MiB:.1f} MiB ({_fmt_calls(c['calls'])}) "
+                          f"| peak {peak}")
+            elif kind == "time":
+                timed[system].append(ranks)
+                steps = [max(r["times"][s] for r in ranks) for s in range(len(ranks[0]["times"]))]
+                detail = "step ms " + " ".join(f"{x * 1e3:.0f}" for x in steps[a["warmup"]:])
+            else:
+                profiles[system] = ranks[0]["profile"]
+                pr = profiles[system]
+                detail = "profile ms/step " + " ".join(
+                    f"{k} {pr[k]:.1f}" for k in ("step", "forward", "backward", "comm",
+                                                 "optimizer"))
+            loss = statistics.fmean(r["losses"][-1] for r in ranks)
+            print(f"[{label:8s}] {system:20s} {detail} | loss {loss:.6f} "
+                  f"| {time.monotonic() - t0:.0f}s", flush=True)
+    return {"config": a,
+            "systems": {s: summarize(s, measured[s], timed[s], a)
+                        for s in systems if s not in failures},
+            "profiles": profiles,
+            "failures": failures,
+            "wall_s": time.monotonic() - t_start,
+            "load_end": os.getloadavg()[0]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -620,83 +932,46 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and torch.cuda.device_count() < args.world_size:
-        raise SystemExit(f"--world-size {args.world_size} needs as many GPUs; "
+    if device == "cuda" and torch.cuda.device_count() < max(args.worlds):
+        raise SystemExit(f"--world {max(args.worlds)} needs as many GPUs; "
                          f"{torch.cuda.device_count()} visible")
     cores = len(os.sched_getaffinity(0))
-    threads = args.threads or max(1, cores // args.world_size)
-    device_desc = (f"{args.world_size}x {torch.cuda.get_device_name(0)} (NCCL)" if device == "cuda"
-                   else f"CPU ({cores} cores, {threads} thread(s) per rank, gloo)")
     from model import GPT, GPTConfig
 
     with torch.device("meta"):
         num_params = GPT(GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=dim, layers=layers,
                                    heads=heads)).num_params()
-    a = dict(vars(args), dim=dim, layers=layers, heads=heads, device=device, threads=threads,
-             systems=systems, device_desc=device_desc, num_params=num_params,
-             measure_steps=max(3, args.warmup + 1), load_start=os.getloadavg()[0],
-             torch_version=torch.__version__)
-    print(f"{num_params / 1e6:.1f}M-param GPT dim={dim} layers={layers} heads={heads}; world size "
-          f"{args.world_size} on {device_desc}"
-          f"{'; HSDP mesh ' + 'x'.join(map(str, args.mesh)) if args.mesh else ''}; "
-          f"systems: {', '.join(systems)}; 1 measurement run + "
-          f"{args.rounds} timing round(s) of {args.warmup} warm-up + {args.steps} timed steps",
-          flush=True)
-
-    measured: dict[str, list[dict[str, Any]]] = {}
-    timed: dict[str, list[list[dict[str, Any]]]] = {s: [] for s in systems}
-    failures: dict[str, str] = {}
-    t_start = time.monotonic()
-    plan = [("measure", systems)] + [("time", systems[::-1] if r % 2 == 0 else systems)
-                                     for r in range(args.rounds)]
-    for i, (kind, order) in enumerate(plan):
-        label = "measure" if kind == "measure" else f"round {i}"
-        for system in order:
-            if system in failures:
-                continue
-            t0 = time.monotonic()
-            ranks, error = launch(system, a, kind)
-            if error is not None:
-                failures[system] = _last_line(error)
-                print(f"[{label}] {system}: FAILED ({failures[system]})\n{error}", flush=True)
-                continue
-            if kind == "measure":
-                measured[system] = ranks
-                c = max((r["comm"] for r in ranks), key=lambda c: c["total_wire_bytes"])
-                if device == "cpu":
-                    peak = "/".join(f"{r['peak_rss_kib'] / 1024:.0f}" for r in ranks) + " MiB RSS"
-                else:
-                    peak = ("/".join(f"{r['cuda_peak_train'] / MiB:.0f}" for r in ranks)
-                            + " MiB CUDA")
-                detail = (f"comm {c['total_wire_bytes'] / MiB:.1f} MiB ({_fmt_calls(c['calls'])}) "
-                          f"| peak {peak}")
-            else:
-                timed[system].append(ranks)
-                steps = [max(r["times"][s] for r in ranks) for s in range(len(ranks[0]["times"]))]
-                detail = "step ms " + " ".join(f"{x * 1e3:.0f}" for x in steps[args.warmup:])
-            loss = statistics.fmean(r["losses"][-1] for r in ranks)
-            print(f"[{label:8s}] {system:20s} {detail} | loss {loss:.6f} "
-                  f"| {time.monotonic() - t0:.0f}s", flush=True)
-
-    summary = {"config": a,
-               "systems": {s: summarize(s, measured[s], timed[s], a)
-                           for s in systems if s not in failures},
-               "failures": failures,
-               "wall_s": time.monotonic() - t_start,
-               "load_end": os.getloadavg()[0]}
-    table = render(summary, a)
-    print()
-    print(table)
+    summaries, tables = [], []
+    for world in args.worlds:
+        for mp_name in args.mps:
+            for micro in args.micro_batch_list:
+                threads = args.threads or max(1, cores // world)
+                device_desc = (f"{world}x {torch.cuda.get_device_name(0)} (NCCL)"
+                               if device == "cuda"
+                               else f"CPU ({cores} cores, {threads} thread(s) per rank, gloo)")
+                a = dict(vars(args), dim=dim, layers=layers, heads=heads, device=device,
+                         threads=threads, systems=systems, device_desc=device_desc,
+                         num_params=num_params, world_size=world, mp=mp_name,
+                         micro_batches=micro, measure_steps=max(3, args.warmup + 1),
+                         load_start=os.getloadavg()[0], torch_version=torch.__version__)
+                summary = _run_config(a)
+                summaries.append(summary)
+                tables.append(render(summary, a))
+                print()
+                print(tables[-1], flush=True)
+    if len(summaries) > 1:
+        tables.append(render_matrix(summaries))
+        print(tables[-1])
     if args.out:
         out = os.path.abspath(args.out)
         md = out if out.endswith(".md") else out + ".md"
         os.makedirs(os.path.dirname(md), exist_ok=True)
         with open(md, "w") as f:
-            f.write(table)
+            f.write("\n".join(tables))
         with open(os.path.splitext(md)[0] + ".json", "w") as f:
-            json.dump(summary, f, indent=1)
+            json.dump(summaries, f, indent=1)
         print(f"wrote {md} and {os.path.splitext(md)[0]}.json")
-    return 1 if failures else 0
+    return 1 if any(s["failures"] for s in summaries) else 0
 
 
 if __name__ == "__main__":

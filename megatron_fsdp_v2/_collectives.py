@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from . import _registry
+from ._profiling import traced
 
 __all__ = [
     "CommHandle", "CommStreams", "all_gather_into", "reduce_scatter_into", "all_reduce_inplace",
@@ -138,7 +139,7 @@ class CommStreams:
         """Run ``launch(async_op)``; in the background when ``async_op``. Returns the handle to
         wait on, or None when the collective has already completed (in stream order)."""
         if not async_op:
-            launch(False)
+            _run_synchronously(launch)
             return None
         if not self.is_cuda:
             work = launch(True)
@@ -151,6 +152,11 @@ class CommStreams:
             event = torch.cuda.Event()
             event.record(stream)
         return _EventHandle(event, self.device)
+
+
+@traced("mfsdp::sync_collective")
+def _run_synchronously(launch: Launch) -> None:
+    launch(False)
 
 
 def streams_for(device: torch.device) -> CommStreams:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ._allocator import BucketAllocator
 from ._flat_param_group import FlatParamGroup
+from ._profiling import traced
 
 if TYPE_CHECKING:
     from ._state import FSDPState
@@ -78,6 +79,7 @@ class FSDPContext:
         for state in self.states:
             yield from state.groups
 
+    @traced("mfsdp::final_callback")
     def final_callback(self) -> None:
         """End of backward: reduce what no post-backward hook reduced, then finish reductions."""
         try:

@@ -47,6 +47,7 @@ from ._allocator import BucketAllocator
 from ._grads import GroupGrads
 from ._layout import BufferLayout, ItemLayout
 from ._plan import Extent, Refresh, make_plan
+from ._profiling import traced
 from .api import ResolvedDtypes, ShardingStrategy
 
 __all__ = ["FlatParamGroup", "ParamRecord", "mesh_device"]
@@ -444,6 +445,7 @@ class FlatParamGroup:
         if pending is not None:
             pending.wait()
 
+    @traced("mfsdp::free")
     def free_gathered_weights(self) -> bool:
         """Free the gathered weights of a group that gathers; returns whether it did. Waits for
         an in-flight gather or refresh first (one launched for a unit that control flow then

@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _reduce, ops
 from ._plan import GradPath
+from ._profiling import traced
 
 if TYPE_CHECKING:
     from ._flat_param_group import FlatParamGroup
@@ -129,6 +130,7 @@ class GroupGrads:
 
     # ------------------------------------------------------------------ the gradient path
 
+    @traced("mfsdp::stage")
     def _stage(self, grads: Sequence[torch.Tensor | None], full_buffer: torch.Tensor,
                accumulate: bool) -> None:
         """Write (or add) ``scale * param.grad`` into a full-size flat buffer."""
@@ -289,6 +291,7 @@ class GroupGrads:
     def has_pending_reduction(self) -> bool:
         return bool(self._pending)
 
+    @traced("mfsdp::finish_reduce")
     def wait_for_reduction(self) -> None:
         """Wait for in-flight gradient collectives and fold their results into ``main_grad``."""
         pending, self._pending = self._pending, []
@@ -314,6 +317,7 @@ class GroupGrads:
                 )
         return self._views[index]
 
+    @traced("mfsdp::install")
     def install(self) -> None:
         """Expose the reduced gradients (after the window's last micro-batch)."""
         if self.state is not GradState.REDUCED:

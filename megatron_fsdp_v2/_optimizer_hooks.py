@@ -31,6 +31,7 @@ from torch.optim.optimizer import (
 from . import _registry
 from ._flat_param_group import FlatParamGroup
 from ._grads import finalize_unsynchronized
+from ._profiling import traced
 from ._state_dict import optimizer_load_state_dict_post_hook, optimizer_state_dict_post_hook
 
 __all__ = ["install_optimizer_hooks", "install_state_dict_hooks", "note_wrap"]
@@ -100,6 +101,7 @@ def install_state_dict_hooks(optimizer: torch.optim.Optimizer) -> None:
     _state_dict_hooked.add(optimizer)
 
 
+@traced("mfsdp::optimizer_pre_step")
 def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     info = _optimizer_groups(optimizer)
     if info.stale_params:

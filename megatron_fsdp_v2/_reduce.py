@@ -17,6 +17,7 @@ from . import _collectives as comm
 from . import ops
 from ._allocator import BucketAllocator
 from ._plan import BufferPlan, Collective, Refresh
+from ._profiling import traced
 
 __all__ = [
     "Issue", "Pending", "gather_weights", "reduce_accumulated", "reduce_micro_batch",
@@ -39,6 +40,7 @@ class Pending:
         self._handle = handle
         self._finish = finish
 
+    @traced("mfsdp::wait")
     def wait(self) -> None:
         handle, self._handle = self._handle, None
         if handle is not None:
@@ -67,6 +69,7 @@ def _launch_reduction(
     return issue(step.op.value, launch, async_op=async_op, reduce=True)
 
 
+@traced("mfsdp::reduce")
 def reduce_accumulated(
     plan: BufferPlan, main_grad: torch.Tensor, comm_dtype: torch.dtype,
     group: dist.ProcessGroup, allocator: BucketAllocator, workspace_key: Hashable,
@@ -90,6 +93,7 @@ def reduce_accumulated(
     return Pending(_launch_reduction(plan, reduced, workspace, group, issue, async_op), finish)
 
 
+@traced("mfsdp::reduce")
 def reduce_micro_batch(
     plan: BufferPlan, reduce_scatter_input: torch.Tensor, target: torch.Tensor, accumulate: bool,
     group: dist.ProcessGroup, allocator: BucketAllocator, input_key: Hashable,
@@ -119,6 +123,7 @@ def reduce_micro_batch(
     )
 
 
+@traced("mfsdp::reduce")
 def reduce_window(
     plan: BufferPlan, local_grad: torch.Tensor, window_grad: torch.Tensor | None,
     comm_dtype: torch.dtype, groups: Mapping[str, dist.ProcessGroup],
@@ -177,6 +182,7 @@ def reduce_window(
     return pending
 
 
+@traced("mfsdp::gather")
 def gather_weights(
     unsharded_model_weight: torch.Tensor, model_weight_shard: torch.Tensor,
     group: dist.ProcessGroup, issue: Issue, async_op: bool, after: Pending | None = None,
@@ -193,6 +199,7 @@ def gather_weights(
     return Pending(issue("all-gather", launch, async_op=async_op, reduce=False))
 
 
+@traced("mfsdp::refresh")
 def refresh_weights(
     plan: BufferPlan, main_weight: torch.Tensor, model_weight: torch.Tensor,
     groups: Mapping[str, dist.ProcessGroup], issue: Issue, async_op: bool,

@@ -39,6 +39,7 @@ from ._compile import eager_hook
 from ._context import FSDPContext, TrainingState
 from ._flat_param_group import FlatParamGroup
 from ._materialize import materialize
+from ._profiling import traced
 from ._slots import ParamSlots
 from .api import MixedPrecisionPolicy
 
@@ -200,6 +201,7 @@ class FSDPState:
 
     # ------------------------------------------------------------------ forward
 
+    @traced("mfsdp::unshard")
     def unshard(self, async_op: bool = False) -> bool:
         """Start making compute weights available; True if a collective was issued."""
         issued = False
@@ -424,6 +426,7 @@ class FSDPState:
         if self.pending_post_backward <= 0 and self.needs_post_backward:
             self.run_post_backward()
 
+    @traced("mfsdp::post_backward")
     def run_post_backward(self) -> None:
         self.needs_post_backward = False
         self.pending_post_backward = 0

@@ -1,0 +1,89 @@
+"""benchmarks/bench_training.py's --profile arithmetic and its configuration flags.
+
+The breakdown ([Note: profile breakdown] there) sums the union of matching ranges inside the
+benchmark's step ranges on the training thread: nested and overlapping ranges count once, time
+outside a step (the barrier between steps) and on other threads not at all. Checked on
+synthetic events with known answers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_training as bench  # noqa: E402
+
+
+@dataclass
+class _Range:
+    start: float
+    end: float
+
+
+@dataclass
+class _Event:
+    name: str
+    thread: int
+    time_range: _Range
+
+
+def _ev(name: str, start_ms: float, end_ms: float, thread: int = 1) -> _Event:
+    return _Event(name, thread, _Range(start_ms * 1e3, end_ms * 1e3))  # the profiler uses us
+
+
+def test_intervals() -> None:
+    assert bench._merge([(5, 6), (0, 2), (1, 3), (3, 4)]) == [(0, 4), (5, 6)]
+    assert bench._intersect([(0, 4), (5, 6)], [(3, 5.5)]) == [(3, 4), (5, 5.5)]
+    assert bench._intersect([(0, 1)], [(1, 2)]) == []
+
+
+def test_breakdown_counts_union_inside_steps() -> None:
+    events = [
+        _ev("c10d::barrier", 0, 1),  # between steps: not communication of a step
+        _ev("bench::step", 1, 11),
+        _ev("bench::forward", 1, 4),
+        _ev("mfsdp::wait", 2, 3),  # in forward
+        _ev("bench::backward", 4, 9),
+        _ev("mfsdp::sync_collective", 5, 7),
+        _ev("mfsdp::wait", 6, 8),  # overlaps the synchronous collective: 5..8 counts once
+        _ev("megatron_fsdp_v2::pack_", 8, 8.5),
+        _ev("bench::optimizer", 9, 11),
+        _ev("c10d::allreduce_", 9, 9.5),  # the clip all-reduce
+        _ev("mfsdp::wait", 2, 10, thread=2),  # another thread: ignored
+        _ev("bench::step", 12, 22),
+        _ev("bench::forward", 12, 22),
+    ]
+    out = bench.profile_breakdown(events, steps=2)
+    assert out["step"] == pytest.approx(10.0)
+    assert out["forward"] == pytest.approx((3 + 10) / 2)
+    assert out["backward"] == pytest.approx(2.5)
+    assert out["optimizer"] == pytest.approx(1.0)
+    assert out["comm"] == pytest.approx((1 + 3 + 0.5) / 2)
+    assert out["comm_forward"] == pytest.approx(0.5)
+    assert out["comm_backward"] == pytest.approx(1.5)
+    assert out["comm_optimizer"] == pytest.approx(0.25)
+    assert out["kernels"] == pytest.approx(0.25)
+    assert out["comm_names"]["mfsdp::wait"] == pytest.approx((1 + 2) / 2)
+    assert out["comm_names"]["c10d::barrier"] == 0.0
+
+
+def test_matrix_and_quick_flags() -> None:
+    a = bench.parse_args(["--matrix"])
+    assert (a.worlds, a.mps, a.micro_batch_list) == ([2, 4], ["fp32", "bf16"], [1, 4])
+    a = bench.parse_args([])
+    assert (a.worlds, a.mps, a.micro_batch_list) == ([4], ["fp32"], [1])
+    a = bench.parse_args(["--quick", "--steps", "5", "--world-size", "2"])
+    assert (a.model_size, a.steps, a.worlds) == ("tiny", 5, [2])  # explicit flags win
+
+
+@pytest.mark.parametrize("argv", [["--mp", "fp16"], ["--world", "0"], ["--micro-batches", "x"],
+                                  ["--world", "2,4", "--mesh", "2,2"]])
+def test_bad_flags_exit(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        bench.parse_args(argv)

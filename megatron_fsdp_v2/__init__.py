@@ -5,12 +5,14 @@ Wrap modules with :func:`fully_shard`, pick a ZeRO strategy (``no_shard``, ``opt
 """
 
 from . import checkpoint
+from ._estimate import Estimate, estimate
 from .api import MixedPrecisionPolicy, ShardingStrategy
 from .fully_shard import FSDPModule, MemoryReport, UnshardHandle, fully_shard, memory_report
 from .ops import build_info
 from .utils import clip_grad_norm_
 
 __all__ = [
+    "Estimate",
     "FSDPModule",
     "MemoryReport",
     "MixedPrecisionPolicy",
@@ -19,6 +21,7 @@ __all__ = [
     "build_info",
     "checkpoint",
     "clip_grad_norm_",
+    "estimate",
     "fully_shard",
     "memory_report",
 ]

@@ -49,6 +49,10 @@ wrap_generation = [0]
 # torch.nn.utils.clip_grad_norm_ as it was before the first wrap replaced it, and the function
 # that puts it back (see [Note: torch clip_grad_norm_ route] in _fsdp2_compat.py).
 torch_clip_grad_norm: list[tuple[Any, Any]] = []
+# [Note: meta buffers] True only inside ``estimate`` (``_estimate.meta_buffers()``): the flat
+# buffers of groups built from meta parameters go on the meta device instead of the mesh's, so
+# wrapping allocates no storage and ``memory_bytes`` still reads numel * element_size.
+meta_buffers = [False]
 
 
 def state_of(module: nn.Module) -> FSDPState | None:

@@ -174,3 +174,14 @@ def agree(what: str, fn: Callable[[], object]) -> None:
         err = e
     if not all_ranks_ok(err is None):
         raise AssertionError(f"{what}: {err if err is not None else 'failed on another rank'}")
+
+
+def step_mean_loss(loss: torch.Tensor, opt: torch.optim.Optimizer) -> float:
+    """Backward, optimizer step and ``zero_grad`` for this rank's ``loss``; returns the loss
+    averaged over the ranks (the single-process loss of the global batch)."""
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()

@@ -29,7 +29,7 @@ from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2._registry import record_of, state_of
 from megatron_fsdp_v2.testing import run_distributed
 
-from _models import OddMLP, TinyGPT, agree, all_ranks_ok, lm_loss, mlp_loss
+from _models import OddMLP, TinyGPT, agree, all_ranks_ok, lm_loss, mlp_loss, step_mean_loss
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 GLOBAL_BATCH = 12  # divisible by every world size used here
@@ -76,13 +76,7 @@ def train(model, opt, kind: str, steps: range, rank: int, world: int) -> list[fl
     losses = []
     loss_fn = lm_loss if kind == "lm" else mlp_loss
     for step in steps:
-        loss = loss_fn(model, local_batch(kind, step, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(step_mean_loss(loss_fn(model, local_batch(kind, step, rank, world)), opt))
     return losses
 
 

@@ -20,7 +20,7 @@ from megatron_fsdp_v2 import MixedPrecisionPolicy, checkpoint, fully_shard
 from megatron_fsdp_v2._registry import record_of
 from megatron_fsdp_v2._state_dict import local_rows_dtensor
 
-from _models import TinyGPT, agree, cat_batch, lm_loss, make_batches, reference_copy
+from _models import TinyGPT, agree, cat_batch, lm_loss, make_batches, reference_copy, step_mean_loss
 from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -244,13 +244,7 @@ def _train(model: nn.Module, ref: nn.Module | None, rank: int, world: int, case:
     batches = make_batches("lm", steps, 1, world, 2)
     losses = []
     for step in range(steps):
-        loss = lm_loss(model, batches[step][0][rank])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(step_mean_loss(lm_loss(model, batches[step][0][rank]), opt))
         if ref is not None and ref_opt is not None:
             ref_loss = lm_loss(ref, cat_batch("lm", batches[step][0]))
             ref_loss.backward()

@@ -38,7 +38,7 @@ from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2.testing import DistributedTestError, run_distributed
 
-from _models import OddMLP, TinyGPT, agree, lm_loss, mlp_loss
+from _models import OddMLP, TinyGPT, agree, lm_loss, mlp_loss, step_mean_loss
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4
 SAVE_AT, END = 2, 4
@@ -113,13 +113,7 @@ def train(model, opt, kind: str, steps: range, rank: int, world: int) -> list[fl
     loss_fn = lm_loss if kind == "lm" else mlp_loss
     losses = []
     for step in steps:
-        loss = loss_fn(model, local_batch(kind, step, rank, world))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(step_mean_loss(loss_fn(model, local_batch(kind, step, rank, world)), opt))
     return losses
 
 

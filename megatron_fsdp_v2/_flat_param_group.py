@@ -179,7 +179,7 @@ class FlatParamGroup:
         self._pending_weights: _reduce.Pending | None = None
         self._weights_stale = False
         self._gathered = False
-        self._main_version = self._dist_param_version()
+        self._main_version = self.dist_param_version()
 
     # ------------------------------------------------------------------ records
 
@@ -291,7 +291,7 @@ class FlatParamGroup:
         """Every parameter was written (or the user took over with ``to_empty``): the weights
         are current, and the writes are not user edits to refresh from."""
         self.pending_init = False
-        self._main_version = self._dist_param_version()
+        self._main_version = self.dist_param_version()
 
     def bind(self) -> None:
         """Make the compute parameters zero-copy views of the unsharded weights, which releases
@@ -358,13 +358,15 @@ class FlatParamGroup:
         if self.plan.refresh is not Refresh.NONE:
             self._weights_stale = True
 
-    def _dist_param_version(self) -> int:
+    def dist_param_version(self) -> int:
+        """The sum of the optimizer-facing parameters' version counters: changes with every
+        in-place write through them."""
         return sum(r.dist_param._version for r in self.records)
 
     def detect_main_weight_edits(self) -> None:
         """Mark the group stale when an in-place op on an optimizer-facing parameter (e.g.
         ``nn.init.normal_(p)``, ``p.copy_(x)``) bumped its version counter since the last look."""
-        version = self._dist_param_version()
+        version = self.dist_param_version()
         if version != self._main_version:
             self._main_version = version
             self.mark_main_weights_updated()

@@ -221,7 +221,7 @@ class FSDPState:
         return freed
 
     def _main_version(self) -> int:
-        return sum(r.dist_param._version for g in self.groups for r in g.records)
+        return sum(g.dist_param_version() for g in self.groups)
 
     def keep_gathered(self) -> None:
         """Keep the gathered weights past a hook that would free them (see [Note: keeping

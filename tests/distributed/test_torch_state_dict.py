@@ -272,9 +272,15 @@ def _load_case(rank: int, world: int, root: str, name: str) -> None:
     else:
         torch_load(model, opt, path, options_of(case))
     check_live_clean(f"{name} after load", model, opt)
-    losses = train(model, opt, case["kind"], range(SAVE_AT, END), rank, world)
+    resume_and_compare(f"{name}: resumed run", model, opt, case["kind"], rank, world)
+
+
+def resume_and_compare(what: str, model, opt, kind: str, rank: int, world: int) -> None:
+    """Train steps SAVE_AT..END; losses and final weights must match the uninterrupted
+    single-process run."""
+    losses = train(model, opt, kind, range(SAVE_AT, END), rank, world)
     full = mckpt.get_full_state_dict(model, rank0_only=False)
-    ref_losses, ref_full = reference(case["kind"])
+    ref_losses, ref_full = reference(kind)
 
     def compare() -> None:
         torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
@@ -284,7 +290,7 @@ def _load_case(rank: int, world: int, root: str, name: str) -> None:
         for key, value in ref_full.items():
             torch.testing.assert_close(full[key], value, rtol=RTOL, atol=ATOL,
                                        msg=lambda m, key=key: f"{key}: {m}")
-    agree(f"{name}: resumed run vs the single-process reference", compare)
+    agree(f"{what} vs the single-process reference", compare)
 
 
 # ---------------------------------------------------------------------- tests
@@ -377,18 +383,8 @@ def _per_rank_pickle(rank: int, world: int, root: str, strategy: str) -> None:
     model.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optim"])
     check_live_clean(f"{strategy} after torch.load", model, opt)
-    losses = train(model, opt, "lm", range(SAVE_AT, END), rank, world)
-    full = mckpt.get_full_state_dict(model, rank0_only=False)
-    ref_losses, ref_full = reference("lm")
-
-    def compare() -> None:
-        torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                                   torch.tensor(ref_losses, dtype=torch.float64),
-                                   rtol=RTOL, atol=0.0, msg=lambda m: f"losses: {m}")
-        for key, value in ref_full.items():
-            torch.testing.assert_close(full[key], value, rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, key=key: f"{key}: {m}")
-    agree(f"{strategy}: torch.save/torch.load per rank vs the reference", compare)
+    resume_and_compare(f"{strategy}: torch.save/torch.load per rank", model, opt, "lm", rank,
+                       world)
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)

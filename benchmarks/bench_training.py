@@ -244,6 +244,7 @@ def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tu
             wrap.update(mp_policy=mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         if hsdp_mesh is not None:
             wrap.update(mesh=hsdp_mesh, outer_dp_sharding_strategy="no_shard")
+        wrap.update(a.get("fsdp_kwargs") or {})  # --fsdp-kwargs: options under test
         for block in model.blocks:
             mfsdp.fully_shard(block, **wrap)
         mfsdp.fully_shard(model, **wrap)
@@ -503,9 +504,12 @@ def expected_comm_bytes(system: str, num_params: int, n: int, m: int,
 def label_of(system: str, a: dict[str, Any]) -> str:
     """The table label: ``(HSDP RxS)`` appended to the systems that run on the 2-D mesh."""
     mesh = a.get("mesh")
+    label = SYSTEMS[system]
+    if system in OURS and a.get("fsdp_kwargs"):
+        label += " (" + ", ".join(f"{k}={v!r}" for k, v in a["fsdp_kwargs"].items()) + ")"
     if mesh and (system in OURS or system.startswith("fsdp2")):
-        return f"{SYSTEMS[system]} (HSDP {mesh[0]}x{mesh[1]})"
-    return SYSTEMS[system]
+        return f"{label} (HSDP {mesh[0]}x{mesh[1]})"
+    return label
 
 
 def summarize(system: str, measured: list[dict[str, Any]], timed_runs: list[list[dict[str, Any]]],
@@ -772,6 +776,22 @@ def _int_list(flag: str, text: str) -> list[int]:
     return values
 
 
+def _literal_kwargs(p: argparse.ArgumentParser, text: str) -> dict[str, Any]:
+    """``K=V,...`` with Python-literal values (``--fsdp-kwargs``)."""
+    import ast
+
+    kwargs: dict[str, Any] = {}
+    for part in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = part.partition("=")
+        try:
+            if not sep or not key.strip().isidentifier():
+                raise ValueError(part)
+            kwargs[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            p.error(f"--fsdp-kwargs takes K=V pairs with Python-literal values, got {part!r}")
+    return kwargs
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -799,6 +819,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, metavar="R,S",
                    help="HSDP on an R x S mesh (R x S = --world) for ours (outer no_shard) "
                         "and FSDP2 (its HSDP); default: 1-D over the world")
+    p.add_argument("--fsdp-kwargs", default="", metavar="K=V,...",
+                   help="extra fully_shard arguments for our systems, values as Python literals "
+                        "(e.g. collective_impl='auto',enable_trace_pool=True)")
     p.add_argument("--systems", default=",".join(SYSTEMS),
                    help="comma-separated subset of: " + ", ".join(SYSTEMS))
     p.add_argument("--steps", type=int, default=4, help="timed steps per round")
@@ -829,6 +852,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 setattr(args, key, value)
     if args.matrix:
         args.world, args.mp, args.micro_batches = "2,4", "fp32,bf16", "1,4"
+    args.fsdp_kwargs = _literal_kwargs(p, args.fsdp_kwargs)
     args.worlds = _int_list("--world", args.world)
     args.micro_batch_list = _int_list("--micro-batches", args.micro_batches)
     args.mps = [m.strip() for m in args.mp.split(",") if m.strip()]

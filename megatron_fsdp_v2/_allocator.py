@@ -23,6 +23,10 @@ __all__ = ["BucketAllocator"]
 class BucketAllocator:
     """Storage-freeing allocator for temporary buckets, with live/peak byte accounting."""
 
+    # Whether a key's bucket may move between iterations (``TracePoolAllocator``); here it never
+    # does, so views of a bucket stay valid for the whole run.
+    moves_buckets = False
+
     def __init__(self) -> None:
         self._buckets: dict[Hashable, torch.Tensor] = {}
         self._live: set[Hashable] = set()
@@ -80,3 +84,22 @@ class BucketAllocator:
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes held between iterations (the trace pool's arena); none here."""
+        return 0
+
+    def pin(self, key: Hashable) -> None:
+        """Views of ``key``'s live bucket were handed to autograd (compute parameters used in
+        forward): it must get the same memory back when allocated again before the next
+        iteration. Storage freeing always does; the trace pool needs to know (see
+        [Note: trace-planned pool] in ``_trace_pool.py``)."""
+
+    def begin_iteration(self) -> bool:
+        """The root's pre-forward (the trace pool's iteration boundary). Returns whether
+        buckets may have moved (never here)."""
+        return False
+
+    def release(self) -> None:
+        """Drop memory held between iterations (the trace pool's arena); none here."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from ._allocator import BucketAllocator
 from ._flat_param_group import FlatParamGroup
 from ._profiling import traced
+from ._trace_pool import TracePoolAllocator
 
 if TYPE_CHECKING:
     from ._state import FSDPState
@@ -31,7 +32,10 @@ class FSDPContext:
     def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
         self.root = root
         self.states = states  # pre-order of the module tree: root first
-        self.allocator = BucketAllocator()
+        # One allocator for the tree (its units agree on enable_trace_pool: FSDPState._lazy_init).
+        self.allocator: BucketAllocator = (
+            TracePoolAllocator() if root.enable_trace_pool else BucketAllocator()
+        )
         self.final_callback_queued = False
         self.callback_failed = False  # the final callback raised: see recover()
         self.unrecoverable: str | None = None  # why recover() failed; raised again on use

@@ -257,6 +257,10 @@ class FlatParamGroup:
         else:
             self.main_weight = self.model_weight[main_lo - lo : main_hi - lo]
         self._views_bound = False
+        self._bound_to: torch.Tensor | None = None  # the buffer the compute views are of
+        # Bumped whenever the compute views are bound to another buffer (a trace-pool bucket
+        # that moved): graphs built before must not be backwarded (FSDPState._pre_backward).
+        self.views_generation = 0
 
     def _compute_param(self, param: nn.Parameter) -> nn.Parameter:
         """The compute parameter of ``param``: ``param`` itself, or for a meta parameter (whose
@@ -315,6 +319,26 @@ class FlatParamGroup:
                 flat = unsharded_model_weight[item.offset : item.end]
                 record.compute_param.data = flat.view(item.shape)
         self._views_bound = True
+        self._bound_to = unsharded_model_weight
+        self.views_generation += 1
+
+    def note_views_exposed(self) -> None:
+        """The compute parameters are about to be used (forward, recompute, backward): tensors
+        autograd saves may view the gathered bucket until backward, so it must get the same
+        memory whenever it is gathered again in this iteration (``BucketAllocator.pin``)."""
+        if self._gathered:
+            self.allocator.pin(self.temporary_key("unsharded_model_weight"))
+
+    def drop_gathered_views(self) -> None:
+        """A group that gathers, not gathered now: its compute parameters let go of the
+        temporary bucket (back to the placeholder of :meth:`bind`), so a trace-pool arena that
+        was replaced or released is freed; the next gather binds them again."""
+        if not self.plan.gathers_weights or self._gathered or not self._views_bound:
+            return
+        self.bind()
+        self._views_bound = False
+        self._bound_to = None
+        self.views_generation += 1  # a graph saved before must not be backwarded now
 
     def local_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         """Item ``index``'s rows in ``buffer``, which holds the main-weight span (the span the
@@ -428,7 +452,9 @@ class FlatParamGroup:
             self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
             self.dtypes.model, self.device,
         )
-        if not self._views_bound:  # views stay valid across storage freeing from now on
+        # Views stay valid across storage freeing; a trace-pool bucket may move between
+        # iterations (see [Note: trace-planned pool]), then they follow it.
+        if not self._views_bound or output is not self._bound_to:
             self._bind_compute_views(output)
         self._pending_weights = _reduce.gather_weights(
             output, self.model_weight, self.process_group, self.issue, async_op, after=refresh

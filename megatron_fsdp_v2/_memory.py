@@ -36,12 +36,17 @@ class MemoryReport:
     # After the original fields, so positional construction keeps its meaning.
     main_weights_aliased: int = 0
     optimizer_state: int = 0
+    # The trace pool's arenas (enable_trace_pool=True): held between steps; the buckets served
+    # from them are also counted, as the storage-freeing allocator would hold them, in
+    # temporary_peak. 0 without the trace pool or before its first plan.
+    trace_pool_arena: int = 0
 
     @property
     def total(self) -> int:
-        """Bytes held, each byte once: aliased main weights are not added again."""
-        return (self.model_weights + self.main_weights + self.main_grads + self.temporary_peak
-                + self.optimizer_state)
+        """Bytes held, each byte once: aliased main weights are not added again; temporaries
+        count as the larger of ``temporary_peak`` and ``trace_pool_arena``."""
+        return (self.model_weights + self.main_weights + self.main_grads
+                + max(self.temporary_peak, self.trace_pool_arena) + self.optimizer_state)
 
     def __str__(self) -> str:
         mib = 1 << 20
@@ -54,18 +59,22 @@ class MemoryReport:
             main = f"{self.main_weights / mib:.2f}MiB"
         optim = (f"optimizer_state={self.optimizer_state / mib:.2f}MiB "
                  if self.optimizer_state else "")
+        arena = (f"trace_pool_arena={self.trace_pool_arena / mib:.2f}MiB "
+                 f"(storage-freeing peak {self.temporary_peak / mib:.2f}MiB) "
+                 if self.trace_pool_arena else "")
         return (
             f"model_weights={self.model_weights / mib:.2f}MiB main_weights={main} "
             f"main_grads={self.main_grads / mib:.2f}MiB {optim}"
-            f"temporary_peak={self.temporary_peak / mib:.2f}MiB padding={self.padding_ratio:.3%} "
-            f"groups={self.num_groups}"
+            f"temporary_peak={self.temporary_peak / mib:.2f}MiB {arena}"
+            f"padding={self.padding_ratio:.3%} groups={self.num_groups}"
         )
 
 
 def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = None
                   ) -> MemoryReport:
     """Per-role bytes of every unit in ``module``'s tree (``main_grads`` at their size during the
-    optimizer step; ``temporary_peak`` is the high-water mark of temporary buckets so far).
+    optimizer step; ``temporary_peak`` is the high-water mark of temporary buckets so far;
+    ``trace_pool_arena`` the trace pool's arenas, see [Note: trace-planned pool]).
 
     With ``optimizer``, ``optimizer_state`` is the bytes of the tensors in its state for the
     parameters these units manage (this rank's local shards: AdamW's moments of a sharded
@@ -101,6 +110,7 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
             padded += group.layout.padding_numel
             managed += group.dist_params
     report.temporary_peak = sum(a.peak_bytes for a in allocators.values())
+    report.trace_pool_arena = sum(a.arena_bytes for a in allocators.values())
     report.padding_ratio = padded / max(content, 1)
     if optimizer is not None:
         report.optimizer_state = _optimizer_state_bytes(optimizer, managed)

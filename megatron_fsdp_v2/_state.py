@@ -25,6 +25,7 @@ weights gathered for the recompute serve the backward that follows.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -90,6 +91,7 @@ class FSDPState:
         self._graph_backwarded = False
         self._backward_task: int | None = None
         self.overlap = True  # prefetch gathers and run reductions in the background
+        self.enable_trace_pool = False  # see [Note: trace-planned pool]; all units agree
         # [Note: keeping gathered weights] ZeRO-3 units free their gathered weights after
         # forward and after backward. ``reshard_after_forward=False`` keeps them from a forward
         # (with grad) to its backward; ``reshard_after_backward=False`` keeps them from a
@@ -172,6 +174,8 @@ class FSDPState:
 
     def register_compute_params(self) -> None:
         self.slots.register_compute_params()
+        for group in self.groups:
+            group.note_views_exposed()  # see [Note: trace-planned pool]
 
     # ------------------------------------------------------------------ lazy init
 
@@ -182,6 +186,15 @@ class FSDPState:
             if (s := _registry.state_of(m)) is not None
         ]
         states = [s for _, s in named]
+        mixed = [name or "<root>" for name, s in named
+                 if s.enable_trace_pool != self.enable_trace_pool]
+        if mixed:
+            raise ValueError(
+                f"fully_shard(enable_trace_pool=...) must be the same for every unit of a tree "
+                f"(one allocator serves them all): the root has {self.enable_trace_pool}, units "
+                f"{mixed} have {not self.enable_trace_pool}; pass the same value to every "
+                "fully_shard call of this model"
+            )
         ctx = FSDPContext(self, states)
         for name, state in named:
             state.fqn = name or "<root>"
@@ -320,6 +333,9 @@ class FSDPState:
         if self.ctx.step_failed:
             # The last forward or backward raised before finishing (see FSDPContext.recover).
             self.ctx.recover()
+        if self.ctx.allocator.begin_iteration():  # see [Note: trace-planned pool]
+            for group in self.ctx.groups:
+                group.drop_gathered_views()  # of the replaced arena, so it can be freed
         for group in self.ctx.groups:
             group.grads.sweep()
             group.detect_main_weight_edits()
@@ -388,12 +404,31 @@ class FSDPState:
                 if isinstance(t, torch.Tensor) and t.requires_grad
             ]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, self._pre_backward, mode="any"
-                )
+                hook = self._pre_backward
+                if ctx.allocator.moves_buckets:  # see [Note: trace-planned pool]
+                    hook = functools.partial(self._checked_pre_backward, self._views_stamp())
+                torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return output
 
     # ------------------------------------------------------------------ backward
+
+    def _views_stamp(self) -> tuple[int, ...]:
+        return tuple(group.views_generation for group in self.groups)
+
+    def _checked_pre_backward(self, stamp: tuple[int, ...], grad: torch.Tensor) -> None:
+        """``_pre_backward`` of a graph built when the compute views had ``stamp``: raise,
+        before anything changes, if they moved since (a trace-pool replan between this graph's
+        forward and a backward over it, kept with ``retain_graph=True``): tensors autograd saved
+        would read memory that moved."""
+        if stamp != self._views_stamp():
+            raise RuntimeError(
+                f"backward over a graph of unit '{self.fqn}' built before the trace pool "
+                "(enable_trace_pool=True) moved its gathered weights (at the forward of a later "
+                "iteration, or after release_memory_pool()): tensors autograd saved would read "
+                "memory that moved. Run every backward over a retained graph before the next "
+                "forward, or use enable_trace_pool=False"
+            )
+        self._pre_backward(grad)
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.ctx

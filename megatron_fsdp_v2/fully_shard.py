@@ -16,6 +16,7 @@ from . import _fsdp2_compat, _materialize, _registry, _state_dict
 from ._allocator import BucketAllocator
 from ._collectives import broadcast_from_first
 from ._comm_groups import DEFAULT_TIMEOUT, comm_group, mesh_comm_group
+from ._context import TrainingState
 from ._flat_param_group import FlatParamGroup, mesh_device
 from ._layout import build_layout, split_for_padding
 from ._memory import MemoryReport, memory_report
@@ -200,6 +201,34 @@ class FSDPModule:
             for group in state.groups:
                 group.mark_main_weights_updated()
 
+    def release_memory_pool(self) -> None:
+        """Free the trace pool's arena (``fully_shard(..., enable_trace_pool=True)``; upstream
+        Megatron-FSDP's name) and forget its trace, between steps. The next forward records the
+        trace again and the one after plans a new arena, at new addresses (CUDA graphs captured
+        on the old ones must be captured again); training continues with the same numbers.
+        Applies to the whole tree of this unit's root; a no-op without the trace pool or before
+        the first forward.
+
+        Raises ``RuntimeError`` (changing nothing) between a forward and its backward, or while
+        temporary buckets are in use (inside an accumulation window that keeps buckets across
+        micro-batches, gathered weights kept with ``reshard_after_backward=False``)."""
+        state = _registry.state_of(self)  # type: ignore[arg-type]
+        assert state is not None
+        ctx = state.ctx
+        if ctx is None:
+            return
+        busy = [s.fqn for s in ctx.states
+                if s.training_state is not TrainingState.IDLE or s.needs_post_backward]
+        if busy or ctx.final_callback_queued:
+            raise RuntimeError(
+                "release_memory_pool() was called in the middle of a step (units "
+                f"{busy} ran forward and their backward has not finished): call it after the "
+                "backward (e.g. after optimizer.step()), before the next forward"
+            )
+        ctx.allocator.release()
+        for group in ctx.groups:
+            group.drop_gathered_views()  # the arena is freed once nothing views it
+
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise TypeError(
             f"copy.deepcopy of a fully_shard module ({type(self).__name__}) is not supported: "
@@ -296,6 +325,7 @@ def fully_shard(
     sync_module_states: bool = True,
     outer_dp_sharding_strategy: ShardingStrategy | str | int = "no_shard",
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    enable_trace_pool: bool = False,
 ) -> FSDPModule:
     """Shard ``module``'s parameters, gradients and/or optimizer state over a data-parallel mesh.
 
@@ -372,6 +402,15 @@ def fully_shard(
             state-dict or checkpoint call), in module order of the whole tree, each rank keeping
             its own rows only; see README "Large models". Without it, every such module needs
             ``reset_parameters()``. Every rank must use the same seed (nothing is broadcast).
+        enable_trace_pool: serve temporary buckets (ZeRO-3's gathered weights, reduce-scatter
+            inputs, communication workspaces) from one persistent arena per device, planned
+            from the lifetimes recorded in the first iteration, instead of allocating and
+            freeing them each time: every bucket keeps its address across iterations (what CUDA
+            graphs need), for an arena as large as the planned peak held between steps. A
+            changed trace (new shapes or control flow) is served outside the arena and planned
+            at the next iteration; see README "Trace-planned pool" and
+            :meth:`FSDPModule.release_memory_pool`. Same numbers as ``False`` (the default).
+            Every unit of a tree must pass the same value (``ValueError`` at the first forward).
 
     Coming from FSDP2: ``reshard_after_forward``, FSDP2's ``MixedPrecisionPolicy`` (with
     ``output_dtype``) and ``offload_policy=OffloadPolicy()`` are accepted; FSDP2's methods
@@ -399,6 +438,10 @@ def fully_shard(
     _fsdp2_compat.check_offload_policy(offload_policy)
     reshard = _fsdp2_compat.parse_reshard_after_forward(reshard_after_forward, strategy)
     timeout = validate_options(gradient_scaling_factor, max_padding_ratio, timeout)
+    if not isinstance(enable_trace_pool, bool):
+        raise TypeError(
+            f"enable_trace_pool must be a bool, got {type(enable_trace_pool).__name__}"
+        )
     check_param_init_fn(param_init_fn)
     axes = validate_mesh(mesh, outer_strategy, strategy)
     mesh = axes.mesh
@@ -506,6 +549,7 @@ def fully_shard(
     state = FSDPState(module, groups, mp_policy, allocator)
     state.overlap = overlap
     state.reshard_after_forward = reshard
+    state.enable_trace_pool = enable_trace_pool
     _registry.set_state(module, state)
     register_mesh(mesh, outer_optim=outer_optim)  # DTensor redistribution of uneven shards
     state.register_dist_params()

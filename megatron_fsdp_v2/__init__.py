@@ -5,6 +5,7 @@ Wrap modules with :func:`fully_shard`, pick a ZeRO strategy (``no_shard``, ``opt
 """
 
 from . import checkpoint
+from ._collective_impl import CollectiveCount
 from ._estimate import Estimate, estimate
 from .api import MixedPrecisionPolicy, ShardingStrategy
 from .fully_shard import FSDPModule, MemoryReport, UnshardHandle, fully_shard, memory_report
@@ -12,6 +13,7 @@ from .ops import build_info
 from .utils import clip_grad_norm_
 
 __all__ = [
+    "CollectiveCount",
     "Estimate",
     "FSDPModule",
     "MemoryReport",

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from . import _collectives as comm
 from . import _reduce, ops
 from ._allocator import BucketAllocator
+from ._collective_impl import GroupCollectives
 from ._grads import GroupGrads
 from ._layout import BufferLayout, ItemLayout
 from ._plan import Extent, Refresh, make_plan
@@ -106,6 +107,7 @@ class FlatParamGroup:
         grad_pre_scale: float,
         allocator: BucketAllocator,
         sync_from_rank0: bool = False,
+        collective_impl: str = "native",
     ) -> None:
         """Builds the buffers but leaves the module's parameters untouched: :meth:`bind`
         turns them into views of the buffers once every group of the unit was built (so a
@@ -116,7 +118,8 @@ class FlatParamGroup:
         ``strategy`` and every collective of the inner schedule are over the inner (last) axis;
         ``outer_strategy`` applies along dim 0 of a 2-D mesh (see [Note: buffer plan]); with
         ``OPTIM`` the layout is over ``R * S`` sub-shards, and ``mesh_process_group`` (a group
-        over the whole mesh) is where gradient norms are all-reduced."""
+        over the whole mesh) is where gradient norms are all-reduced. ``collective_impl``: see
+        [Note: collective implementation] in ``_collective_impl.py``."""
         self.layout = layout
         self.mesh = mesh  # the optimizer-facing DTensors live on it (all of its dims)
         inner = mesh.ndim - 1
@@ -162,6 +165,8 @@ class FlatParamGroup:
         # replaces it with the unit's fully qualified name.
         self.name = f"group of {fqns[0]!r}" + (f" (+{len(fqns) - 1})" if len(fqns) > 1 else "")
         self.debug_collectives = os.environ.get("MFSDP_DEBUG_COLLECTIVES", "0") == "1"
+        # Which calls carry this group's collectives, and the count of what ran.
+        self.collectives = GroupCollectives(collective_impl)
         self.owner = ""  # "<Class> at 0x...": the unit, in error messages (set by fully_shard)
         self.uncovered = layout.uncovered_ranges()  # padding and alignment gaps
         self._group_id = group_id
@@ -426,7 +431,8 @@ class FlatParamGroup:
                 f"{what} of {self.name} ({self.layout.total_numel} elements)",
                 self.device,
             )
-        return self.streams.run(launch, async_op=async_op, reduce=reduce)
+        with comm.issuing(self.collectives):
+            return self.streams.run(launch, async_op=async_op, reduce=reduce)
 
     def ready_compute_weights(self, async_op: bool = False) -> bool:
         """Make the compute weights current: gather them (a group that gathers) or refresh them

@@ -182,8 +182,7 @@ class FSDPContext:
                     # (and wait for no further one: each could take the whole timeout).
                     continue
                 group.free_gathered_weights()
-                for param in group.params:
-                    param.grad = None
+                group.grads.drop_compute_grads()
                 if discard_grads:
                     group.grads.zero_grad(set_to_none=True)
         self.reducing.clear()

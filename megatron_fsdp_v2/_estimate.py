@@ -303,8 +303,10 @@ def _replay_temporaries(model: nn.Module, micro_batches: int) -> int:
     * forward, units in module order: a unit's pre-forward gathers its weights
       (``unsharded_model_weight``) and prefetches the next unit's; its post-forward frees its
       own; the root's post-forward frees every unit's;
-    * backward, in reverse: a unit's pre-backward gathers its weights and prefetches the
-      previous unit's; its post-backward frees its weights, finishes the reduction in flight
+    * backward, in reverse: a unit's pre-backward gathers its weights, prefetches the
+      previous unit's and, where gradients go in place on the reduce-each path (a unit with no
+      unit below it), allocates its ``reduce_scatter_input`` (see [Note: gradients in place]
+      in ``_grads.py``); its post-backward frees its weights, finishes the reduction in flight
       (``max_inflight_reductions = 1``: its bucket is freed) and stages its own
       (``reduce_scatter_input`` each micro-batch, or on the last backward the accumulate path's
       ``grad_comm`` when the communication dtype differs); the root's post-backward runs at the
@@ -360,10 +362,19 @@ class _Replay:
         self.gather(i)
         if i > 0 and i - 1 not in self.done:
             self.gather(i - 1)  # prefetch the previous unit
+        for k, g in enumerate(self.states[i].groups):
+            if self._in_place_bucket(i, g):  # autograd writes into it from the pre-backward on
+                self.alloc.allocate((i, k, "rs"), g.layout.total_numel, g.dtypes.comm, _META)
         for child in reversed(self.children.get(i, [])):
             self.backward(child)
         if i != self.root:  # the root's runs in the final callback
             self.post_backward(i)
+
+    def _in_place_bucket(self, i: int, g: Any) -> bool:
+        """A reduce-each group whose gradients autograd writes into ``reduce_scatter_input``
+        (of a unit with no unit nested below it: ``FSDPState.prepare_gradients``)."""
+        return (g.requires_grad and g.plan.grads_in_place and not self.children.get(i)
+                and g.plan.grad_path is GradPath.REDUCE_EACH_MICRO_BATCH)
 
     def post_backward(self, i: int) -> None:
         self.reshard(i)
@@ -380,7 +391,8 @@ class _Replay:
                 numel, key = hi - lo, (i, k, "gc")
             else:
                 continue
-            self.alloc.allocate(key, numel, g.dtypes.comm, _META)
+            if not self._in_place_bucket(i, g):  # else allocated by the pre-backward
+                self.alloc.allocate(key, numel, g.dtypes.comm, _META)
             self.in_flight.append(key)
             if key[2] == "rs" and g.plan.window_grad_span is not None:
                 # HSDP outer optim: the inner reductions add into a bucket alive all window.

@@ -1,7 +1,7 @@
 """A flat group's gradients: the persistent ``main_grad`` buffer, the gradient path of the plan
-(stage each micro-batch, reduce through ``_reduce.py``), and what the optimizer sees as
-``.grad`` (DTensor views of ``main_grad``, installed per parameter with torch's semantics
-although the buffer is shared).
+(gradients written in place by autograd or staged per micro-batch, reduced through
+``_reduce.py``), and what the optimizer sees as ``.grad`` (DTensor views of ``main_grad``,
+installed per parameter with torch's semantics although the buffer is shared).
 
 [Note: gradients the optimizer sees]
 Each optimizer-facing parameter gets a DTensor view of its rows of ``main_grad``, built once (so
@@ -9,7 +9,8 @@ optimizers keyed on gradient identity see stable objects) and installed after th
 micro-batch of a window. Per parameter, as in single-process torch:
 
 * ``None`` when nothing flowed into it since its gradient was last cleared (AdamW then leaves
-  it alone: no weight decay, no momentum step). Locally that is known; another rank's use shows
+  it alone: no weight decay, no momentum step). Locally that is known (a compute ``.grad`` was
+  set, or its in-place alias written: [Note: gradients in place]); another rank's use shows
   in the reduced values, so a parameter unused here whose reduced local gradient is exactly
   zero gets ``None``. Also ``None``: an empty local shard (fused optimizers mishandle zero-size
   tensors) and a parameter that does not train.
@@ -19,6 +20,47 @@ micro-batch of a window. Per parameter, as in single-process torch:
   accumulating. Replaced by another tensor: adopt its values. Zeroed in place on the accumulate
   path (``zero_grad(set_to_none=False)``): the zeros are valid local partial sums, so the next
   window takes the one-collective path again.
+
+[Note: gradients in place]
+When the plan says ``grads_in_place`` (the first buffer the gradient path writes is in the
+compute dtype), :meth:`GroupGrads.prepare_backward` runs before a unit's parameters receive
+gradients (its pre-backward, and an activation-checkpoint recompute) and presets each compute
+parameter's ``.grad`` to an alias of its region of that buffer; autograd's ``AccumulateGrad``
+then adds into it in place (``grad += new``), as DDP's ``gradient_as_bucket_view`` and
+Megatron's ``main_grad`` do. No staging copy, and no gradient-sized tensor per parameter lives
+until the unit's post-backward.
+
+* Accumulate path (``no_shard``, ``optim``): the aliases view ``main_grad``, zeroed when a
+  window starts (state EMPTY). ``main_grad`` then holds *unscaled* local sums, and the
+  pre-scale (``1/D`` or ``gradient_scaling_factor``) is applied once before the delayed
+  collective (fused with the cast into the workspace when the communication dtype differs).
+  Micro-batches staged on this path (below) are therefore staged unscaled too. When
+  ``main_grad`` holds REDUCED values (an unmarked loop, gradients not cleared, an HSDP window
+  carry) no alias is set: those micro-batches take the staging path as before.
+* Reduce-each path (``optim_grads``): the aliases view the unit's ``reduce_scatter_input``
+  bucket, allocated and zeroed at the pre-backward instead of the post-backward (while its
+  autograd gradients would otherwise be alive: the same bytes, held as one bucket); the
+  post-backward scales it in place and reduces it. Not under ZeRO-3 (``optim_grads_params``,
+  HSDP outer ``optim``): there the early bucket adds to the unit's gathered weights, the
+  prefetched previous unit's and the bucket still in flight; measured (4 gloo ranks, 5.3M-
+  parameter GPT, ``bench_training.py``), the allocator peak grew by one block's bucket and peak
+  RSS above the runtime by 3 MiB (203 -> 206), where ``no_shard``, ``optim`` and ``optim_grads``
+  stayed equal; so ZeRO-3 stages, as FSDP2 does.
+
+Only units with no unit nested below them arm (``FSDPState.prepare_gradients``). A parent
+unit (typically the root: embeddings, output head) runs its pre-backward when backward starts
+and its post-backward when it ends; armed, its buffer would be allocated at the activation
+peak, and the first gradient it receives (the head's) would then coexist with it as autograd's
+temporary. Staged, its gradients are copied at the end, when activations are gone.
+
+The aliases are separate tensors over the buffer's storage (``Tensor.set_``), not autograd
+views, so each has its own version counter: a parameter received a gradient in this backward
+iff its alias' version moved (``AccumulateGrad`` is not called for a parameter nothing flowed
+into), which keeps ``.grad=None`` for unused parameters exactly as before. Whatever ``.grad``
+is after backward if it is not the alias (``create_graph=True`` makes ``AccumulateGrad`` replace
+it with ``grad + new``; user code may assign it) holds that parameter's whole value: it is
+staged over the parameter's region. After the reduction every compute ``.grad`` is ``None``
+again; the aliases are cached (the buffers keep one tensor object across storage freeing).
 
 [Note: HSDP window carry]
 On a 2-D mesh with an outer ``no_shard`` axis the plan has ``window_steps``: at the end of each
@@ -89,6 +131,11 @@ class GroupGrads:
         self.pending_install = False
         # [Note: HSDP window carry] main_grad_local's values at the window start, if any.
         self._carrying = False
+        # [Note: gradients in place] The aliases of the buffer they were built over, and while
+        # a backward writes through them, each armed parameter's alias version (else None).
+        self._alias_base: torch.Tensor | None = None
+        self._aliases: list[torch.Tensor] = []
+        self._armed: list[int | None] | None = None
 
     # ------------------------------------------------------------------ main_grad
 
@@ -130,9 +177,20 @@ class GroupGrads:
 
     # ------------------------------------------------------------------ the gradient path
 
+    @property
+    def _accumulate_scale(self) -> float:
+        """The scale of what the accumulate path stages into ``main_grad`` (1 when gradients go
+        in place: the delayed collective scales; see [Note: gradients in place])."""
+        return 1.0 if self.group.plan.grads_in_place else self.group.grad_pre_scale
+
+    @property
+    def _collective_scale(self) -> float:
+        """What the accumulate path's delayed collective multiplies ``main_grad`` by first."""
+        return self.group.grad_pre_scale if self.group.plan.grads_in_place else 1.0
+
     @traced("mfsdp::stage")
     def _stage(self, grads: Sequence[torch.Tensor | None], full_buffer: torch.Tensor,
-               accumulate: bool) -> None:
+               accumulate: bool, scale: float) -> None:
         """Write (or add) ``scale * param.grad`` into a full-size flat buffer."""
         layout = self.group.layout
         inputs, offsets = [], []
@@ -148,23 +206,137 @@ class GroupGrads:
                 if grad is None:
                     full_buffer[item.offset : item.end].zero_()
         if inputs:
-            ops.pack_(inputs, offsets, full_buffer, scale=self.group.grad_pre_scale,
-                      accumulate=accumulate)
+            ops.pack_(inputs, offsets, full_buffer, scale=scale, accumulate=accumulate)
+
+    # ------------------------------------------------------------------ gradients in place
+
+    def _in_place_buffer(self) -> torch.Tensor | None:
+        """The buffer this backward's gradients go into in place (allocated, zeroed where a
+        window or a micro-batch starts), or None: stage them (see [Note: gradients in place])."""
+        group = self.group
+        if group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE:
+            if self.state is GradState.REDUCED:
+                return None  # reduced values: later micro-batches are reduced, then added
+            buffer = self.ensure_main_grad()
+            if self.state is GradState.EMPTY:
+                buffer.zero_()
+            return buffer
+        buffer = group.allocator.allocate(
+            group.temporary_key("reduce_scatter_input"), group.layout.total_numel,
+            group.dtypes.comm, group.device,
+        )
+        buffer.zero_()
+        return buffer
+
+    def _aliases_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """One tensor per parameter over its region of ``buffer`` (a full-size flat buffer),
+        each with its own version counter (not an autograd view)."""
+        if self._alias_base is not buffer:
+            storage, base = buffer.untyped_storage(), buffer.storage_offset()
+            aliases = []
+            with torch.no_grad(), torch.inference_mode(False):
+                for item in self.group.layout.items:
+                    region = buffer[item.offset : item.end].view(item.shape)
+                    aliases.append(
+                        torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(
+                            storage, base + item.offset, region.shape, region.stride()
+                        )
+                    )
+            self._aliases, self._alias_base = aliases, buffer
+        return self._aliases
+
+    def prepare_backward(self) -> None:
+        """Before this group's parameters receive gradients in a backward (the unit's
+        pre-backward, an activation-checkpoint recompute): preset the compute parameters'
+        ``.grad`` to aliases of the plan's in-place buffer. Idempotent until :meth:`reduce`."""
+        group = self.group
+        if not group.plan.grads_in_place or not group.requires_grad or self._armed is not None:
+            return
+        # What the optimizer cleared since the install must not be added to (as in reduce).
+        self.sweep()
+        buffer = self._in_place_buffer()
+        if buffer is None:
+            return
+        armed: list[int | None] = []
+        with torch.no_grad():
+            for record, alias in zip(group.records, self._aliases_of(buffer)):
+                param = record.compute_param
+                if not param.requires_grad:
+                    armed.append(None)
+                    continue
+                if param.grad is not None:  # left by user code: keep its contribution
+                    alias.add_(param.grad)
+                param.grad = alias
+                armed.append(alias._version)
+        self._armed = armed
+
+    def _disarm(self) -> None:
+        """Drop the aliases of a backward that will not be reduced (gradients discarded)."""
+        if self._armed is not None:
+            self._armed = None
+            self._clear_aliases()
+
+    def _clear_aliases(self) -> None:
+        for record in self.group.records:
+            record.compute_param.grad = None
+        if self.group.plan.grad_path is GradPath.REDUCE_EACH_MICRO_BATCH:
+            self.group.allocator.free(self.group.temporary_key("reduce_scatter_input"))
+
+    def drop_compute_grads(self) -> None:
+        """Forget this backward's compute-parameter gradients (recovery after a failure)."""
+        self._disarm()
+        for record in self.group.records:
+            record.compute_param.grad = None
+
+    def _collect(self, armed: list[int | None] | None
+                 ) -> tuple[list[torch.Tensor | None], bool]:
+        """This backward's gradients still to be staged (None: none, or already in the
+        buffer), and whether any parameter received one; records who did."""
+        grads: list[torch.Tensor | None] = []
+        has_new = False
+        for index, record in enumerate(self.group.records):
+            grad = record.compute_param.grad
+            version = None if armed is None else armed[index]
+            if version is not None and grad is self._aliases[index]:
+                received = grad._version != version
+                grad = None  # in the buffer already
+            else:
+                received = grad is not None
+                if grad is not None and grad.requires_grad:  # create_graph=True
+                    grad = grad.detach()
+            grads.append(grad)
+            if received:
+                has_new = self._received[index] = True
+        return grads, has_new
+
+    def _stage_over(self, grads: Sequence[torch.Tensor | None], buffer: torch.Tensor,
+                    scale: float) -> None:
+        """Gradients autograd or the user put in place of the aliases: overwrite their
+        parameters' regions of ``buffer`` (they hold the whole value)."""
+        if any(g is not None for g in grads):
+            items = self.group.layout.items
+            kept = [(g.contiguous(), item.offset) for g, item in zip(grads, items) if g is not None]
+            ops.pack_([g for g, _ in kept], [o for _, o in kept], buffer, scale=scale,
+                      accumulate=False)
+
+    # ------------------------------------------------------------------ reductions
 
     def reduce(self, is_last_backward: bool, async_op: bool = False) -> bool:
-        """Stage this micro-batch's ``param.grad`` and run the plan's gradient path (see the
-        table in design.md §4). Returns whether anything was staged or reduced."""
+        """Stage this micro-batch's ``param.grad`` (or take it from where autograd wrote it in
+        place) and run the plan's gradient path (see the table in design.md §4). Returns
+        whether anything was staged or reduced."""
         group = self.group
         if not group.requires_grad:
             return False
-        # Gradients the optimizer cleared since they were installed must not be added to.
-        self.sweep()
-        grads = [r.compute_param.grad for r in group.records]
-        has_new = False
-        for index, grad in enumerate(grads):
-            if grad is not None:
-                has_new = self._received[index] = True
+        armed, self._armed = self._armed, None
+        if armed is None:
+            # Gradients the optimizer cleared since they were installed must not be added to
+            # (prepare_backward did this for an armed group).
+            self.sweep()
+        grads, has_new = self._collect(armed)
         if not has_new and not (is_last_backward and self.state is GradState.ACCUMULATING):
+            if armed is not None:
+                self._clear_aliases()
             return False
         if (
             group.plan.window_steps and not self.pending_install
@@ -177,15 +349,18 @@ class GroupGrads:
         )
         if delayed:
             main_grad = self.ensure_main_grad()
-            if has_new:
-                self._stage(grads, main_grad, accumulate=self.state is GradState.ACCUMULATING)
+            if armed is not None:
+                self._stage_over(grads, main_grad, self._accumulate_scale)
+            elif has_new:
+                self._stage(grads, main_grad, accumulate=self.state is GradState.ACCUMULATING,
+                            scale=self._accumulate_scale)
             self.state = GradState.ACCUMULATING
             if is_last_backward:
                 self.reduce_accumulated(async_op)
         else:
             # The reduce-each path; also an accumulate-path group that already reduced in
             # this window (an unmarked loop: every backward is "last").
-            self._reduce_micro_batch(grads, async_op)
+            self._reduce_micro_batch(grads, async_op, in_place=armed is not None)
         self.pending_install = True
         for record in group.records:
             record.compute_param.grad = None
@@ -197,16 +372,26 @@ class GroupGrads:
         self._pending.append(_reduce.reduce_accumulated(
             group.plan, self.ensure_main_grad(), group.dtypes.comm, group.process_group,
             group.allocator, group.temporary_key("grad_comm"), group.issue, async_op,
+            pre_scale=self._collective_scale,
         ))
         self.state = GradState.REDUCED
 
-    def _reduce_micro_batch(self, grads: Sequence[torch.Tensor | None], async_op: bool) -> None:
+    def _reduce_micro_batch(self, grads: Sequence[torch.Tensor | None], async_op: bool,
+                            in_place: bool = False) -> None:
         group = self.group
         key = group.temporary_key("reduce_scatter_input")
-        reduce_scatter_input = group.allocator.allocate(
-            key, group.layout.total_numel, group.dtypes.comm, group.device
-        )
-        self._stage(grads, reduce_scatter_input, accumulate=False)
+        scale = group.grad_pre_scale
+        if in_place:  # autograd wrote into the bucket (see [Note: gradients in place])
+            reduce_scatter_input = group.allocator.get(key)
+            assert reduce_scatter_input is not None and group.allocator.is_allocated(key)
+            if scale != 1.0:
+                reduce_scatter_input.mul_(scale)
+            self._stage_over(grads, reduce_scatter_input, scale)
+        else:
+            reduce_scatter_input = group.allocator.allocate(
+                key, group.layout.total_numel, group.dtypes.comm, group.device
+            )
+            self._stage(grads, reduce_scatter_input, accumulate=False, scale=scale)
         accumulate = self.state is not GradState.EMPTY
         self._pending.append(_reduce.reduce_micro_batch(
             group.plan, reduce_scatter_input, self._reduction_target(), accumulate,
@@ -340,6 +525,7 @@ class GroupGrads:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (``FSDPModule.zero_grad``)."""
+        self._disarm()
         for record in self.group.records:
             if set_to_none:
                 record.dist_param.grad = None

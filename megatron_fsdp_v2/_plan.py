@@ -25,6 +25,13 @@ inner shard (``window_grad_span``); ``window_steps = (reduce-scatter over "outer
 into ``main_grad`` once per window. The refresh casts the main sub-shard into its slot of
 ``model_weight`` and runs ``refresh_steps = (all-gather over "outer",)`` before the inner
 gathers; gradient norms are all-reduced over the whole mesh (``norm_axis = "mesh"``).
+
+``grads_in_place``: whether autograd writes gradients straight into the flat buffer the gradient
+path fills first (see [Note: gradients in place] in ``_grads.py``): ``main_grad`` on the
+accumulate path when the gradient dtype is the compute dtype, the ``reduce_scatter_input``
+bucket on the reduce-each path when the communication dtype is the compute dtype and weights
+are not gathered (``optim_grads``). Otherwise (a cast is needed; ZeRO-3, where the earlier
+bucket costs peak memory) each micro-batch's ``param.grad`` is staged with the ``pack_`` kernel.
 """
 
 from __future__ import annotations
@@ -134,6 +141,12 @@ class BufferPlan:
     main_weight_span: tuple[int, int]
     main_grad_span: tuple[int, int]
     shard_span: tuple[int, int]
+    grads_in_place: bool = False
+    """Compute parameters' ``.grad`` are preset to aliases of their regions of the buffer the
+    gradient path writes first (``main_grad`` on the accumulate path, which then holds unscaled
+    local sums and is scaled once before its delayed collective; ``reduce_scatter_input`` on the
+    reduce-each path, allocated and zeroed at the unit's pre-backward), so autograd accumulates
+    in place; see [Note: gradients in place] in ``_grads.py``. False: staged by ``pack_``."""
 
     @property
     def reduces_in_place(self) -> bool:
@@ -223,6 +236,14 @@ def make_plan(
         main_weight_span=shard if shards_main else full,
         main_grad_span=shard if shards_grads else full,
         shard_span=shard,
+        # The first buffer the gradient path writes must be in the compute dtype. Not with
+        # gathered weights (ZeRO-3): its bucket, allocated at the pre-backward, would add to the
+        # gathered weights and the previous unit's bucket in flight (see [Note: gradients in
+        # place] in _grads.py for the measurement).
+        grads_in_place=(
+            dtypes.comm == dtypes.model and not gathers
+            if grad_path is GradPath.REDUCE_EACH_MICRO_BATCH else dtypes.grad == dtypes.model
+        ),
     )
 
 
@@ -272,4 +293,5 @@ def _outer_optim_plan(
         main_weight_span=own,
         main_grad_span=own,
         shard_span=shard,
+        grads_in_place=False,  # gathered weights: see make_plan
     )

@@ -73,16 +73,20 @@ def _launch_reduction(
 def reduce_accumulated(
     plan: BufferPlan, main_grad: torch.Tensor, comm_dtype: torch.dtype,
     group: dist.ProcessGroup, allocator: BucketAllocator, workspace_key: Hashable,
-    issue: Issue, async_op: bool,
+    issue: Issue, async_op: bool, pre_scale: float = 1.0,
 ) -> Pending:
     """The delayed collective of the accumulate path (``no_shard``: all-reduce, ``optim``:
     reduce-scatter) over a full-size ``main_grad``: in place when the communication dtype is the
-    gradient dtype, else through a workspace bucket in the communication dtype."""
+    gradient dtype, else through a workspace bucket in the communication dtype. ``pre_scale``
+    multiplies ``main_grad`` first (gradients written in place hold unscaled sums), fused with
+    the copy into the workspace when there is one."""
     shard = slice(*plan.shard_span)
     if comm_dtype == main_grad.dtype:
+        if pre_scale != 1.0:
+            main_grad.mul_(pre_scale)
         return Pending(_launch_reduction(plan, main_grad[shard], main_grad, group, issue, async_op))
     workspace = allocator.allocate(workspace_key, main_grad.numel(), comm_dtype, main_grad.device)
-    ops.reduce_scatter_copy_in_(main_grad, workspace)
+    ops.reduce_scatter_copy_in_(main_grad, workspace, pre_scale=pre_scale)
     whole = plan.reduce_steps[0].op is Collective.ALL_REDUCE
     reduced, target = (workspace, main_grad) if whole else (workspace[shard], main_grad[shard])
 

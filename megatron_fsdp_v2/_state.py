@@ -108,6 +108,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self.fqn = type(module).__name__
+        self.owns_nested_units = False  # set by the root's lazy init
         # Which objects sit in the module's parameter slots, and checks that nobody else put
         # another one there (see _slots.py).
         self.slots = ParamSlots(self, module)
@@ -196,8 +197,16 @@ class FSDPState:
                 "fully_shard call of this model"
             )
         ctx = FSDPContext(self, states)
+        # [Note: gradients in place] only in units with no unit below them (prepare_gradients):
+        # every proper prefix of a unit's name that names a unit is a parent.
+        names = {name for name, _ in named}
+        parents = {""} if len(named) > 1 else set()
+        for name, _ in named:
+            parts = name.split(".")
+            parents.update(p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in names)
         for name, state in named:
             state.fqn = name or "<root>"
+            state.owns_nested_units = name in parents
             state.ctx = ctx
             # One allocator for the tree, so the temporary-bucket peak is the tree's peak.
             ctx.allocator.adopt(state.allocator)
@@ -282,6 +291,8 @@ class FSDPState:
             self.unshard()
             self.wait_for_unshard()
             self.register_compute_params()
+            if torch.is_grad_enabled():  # the recompute's backward writes gradients
+                self.prepare_gradients()
             if torch.is_grad_enabled() and not self.needs_post_backward:
                 # Reentrant checkpointing: the original forward ran under no_grad and hooked
                 # nothing; this recompute's graph is what the nested backward runs, so hook it
@@ -454,6 +465,18 @@ class FSDPState:
         # An activation-checkpoint recompute inside this module's forward (which bypasses the
         # forward hooks) must see compute parameters, not DTensors.
         self.register_compute_params()
+        self.prepare_gradients()
+
+    def prepare_gradients(self) -> None:
+        """Before this unit's parameters receive gradients: let autograd write them into the
+        flat buffers (see [Note: gradients in place] in ``_grads.py``). Not in a unit with units
+        nested below it (typically the root: embeddings, output head): its backward spans theirs,
+        so its buffer would be allocated before their backward, at the activation peak, although
+        most of its gradients arrive at the end; staging them then costs less peak memory."""
+        if self.owns_nested_units:
+            return
+        for group in self.groups:
+            group.grads.prepare_backward()
 
     def post_backward(self) -> None:
         """Called by ``_RegisterPostBackward``: runs once every forward call has its gradients."""

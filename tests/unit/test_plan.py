@@ -139,6 +139,8 @@ def test_hsdp_outer_optim_plan(dtypes, rank: int, outer_rank: int) -> None:
     assert plan.norm_axis == "mesh"
     assert plan.temporaries == ("unsharded_model_weight", "reduce_scatter_input", "window_grad",
                                 "window_carry")
+    # Gathered weights (ZeRO-3): gradients are staged (see [Note: gradients in place]).
+    assert not plan.grads_in_place
     comm_bf16 = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16).resolve(torch.float32)
     assert "outer_comm" in make_plan(ShardingStrategy.OPTIM_GRADS_PARAMS, comm_bf16, SUB_LAYOUT,
                                      rank, outer=ShardingStrategy.OPTIM, outer_rank=outer_rank,
@@ -146,3 +148,31 @@ def test_hsdp_outer_optim_plan(dtypes, rank: int, outer_rank: int) -> None:
     # 1-D plans and outer no_shard keep their reductions in main_grad.
     one_d = make_plan(ShardingStrategy.OPTIM_GRADS_PARAMS, dtypes, LAYOUT, 1)
     assert one_d.window_grad_span is None and one_d.norm_axis == "shard"
+
+
+@pytest.mark.parametrize("strategy", list(TABLE))
+def test_grads_in_place(strategy: str) -> None:
+    """[Note: gradients in place]: autograd writes gradients straight into the first buffer of
+    the gradient path (``main_grad`` on the accumulate path, ``reduce_scatter_input`` on the
+    reduce-each path) exactly when that buffer is in the compute dtype; else they are staged."""
+    def in_place(policy: MixedPrecisionPolicy, outer: ShardingStrategy | None = None) -> bool:
+        return make_plan(ShardingStrategy.parse(strategy), policy.resolve(torch.float32),
+                         LAYOUT, 1, outer=outer, outer_size=2).grads_in_place
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    each = TABLE[strategy][4] is EACH
+    if TABLE[strategy][3]:  # ZeRO-3 gathers weights: always staged
+        assert not any(in_place(MixedPrecisionPolicy(param_dtype=d, main_params_dtype=d))
+                       for d in (bf16, fp32))
+        return
+    assert in_place(MixedPrecisionPolicy())
+    assert in_place(MixedPrecisionPolicy(), outer=ShardingStrategy.NO_SHARD)
+    # bf16 compute, fp32 main gradients reduced in fp32: a cast either way.
+    assert not in_place(MixedPrecisionPolicy(param_dtype=bf16))
+    # bf16 compute reduced in bf16: the reduce-each bucket is bf16, main_grad fp32.
+    assert in_place(MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16)) is each
+    # fp32 compute reduced in bf16: main_grad is fp32, the reduce-each bucket bf16.
+    assert in_place(MixedPrecisionPolicy(reduce_dtype=bf16)) is not each
+    # bf16 everywhere.
+    assert in_place(MixedPrecisionPolicy(param_dtype=bf16, main_params_dtype=bf16))
+    assert in_place(MixedPrecisionPolicy(param_dtype=fp32))

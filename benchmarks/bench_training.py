@@ -5,6 +5,9 @@
     python benchmarks/bench_training.py --matrix   # --world 2,4 --mp fp32,bf16 --micro-batches 1,4
     python benchmarks/bench_training.py --world 4 --mesh 2,2 \
         --systems optim_grads,optim_grads_params,fsdp2_noreshard,fsdp2   # HSDP vs FSDP2's HSDP
+    python benchmarks/bench_training.py --model units --world 2 --rounds 3   # per-unit cost
+    python benchmarks/bench_training.py --model units --world 2 --systems no_shard,ddp \
+        --fsdp-kwargs reduce_bucket_size_mb=25   # coalesced reductions vs DDP's buckets
 
 ``--world``, ``--mp`` and ``--micro-batches`` take comma-separated lists; each combination is
 one configuration with its own table (and, with several, a closing table of ratios per
@@ -21,10 +24,19 @@ mesh (``torch.distributed.fsdp.fully_shard(module, mesh=<2-D mesh>)``: shards al
 replicates along dim 0, all-reduces across replicas after every reduce-scatter). DDP and
 ZeRO-1 stay 1-D over the world.
 
-Every system trains the same GPT (``examples/model.py``) from the same initial weights on the
-same synthetic tokens with the same AdamW, gradient clipping and micro-batching. Each run of a
-system is one fresh process group (``--world-size`` spawned ranks, file rendezvous; gloo on CPU,
-NCCL with one GPU per rank on CUDA), so what one system allocates never shows in another's peak.
+``--model units`` replaces the GPT by the many-small-units case: ``--units`` (default 64)
+``nn.Linear(16, 16)`` layers with tanh in a Sequential, each wrapped as a unit (FSDP2: each
+one, then the root; DDP/ZeRO-1: the whole model), ``--batch-size`` random 16-wide rows per
+micro-batch and rank, MSE loss against random targets, the same AdamW and clipping (``--optimizer
+sgd``: SGD with momentum instead, for both models). It measures the fixed cost every unit pays
+(hooks, one collective launch per group) rather than compute or bandwidth; ``--fsdp-kwargs
+reduce_bucket_size_mb=...`` shows what coalescing the reductions buys.
+
+Every system trains the same model (the GPT of ``examples/model.py`` by default) from the same
+initial weights on the same synthetic data with the same AdamW, gradient clipping and
+micro-batching. Each run of a system is one fresh process group (``--world-size`` spawned
+ranks, file rendezvous; gloo on CPU, NCCL with one GPU per rank on CUDA), so what one system
+allocates never shows in another's peak.
 
 * **Measurement run** (one per system, untimed, ``max(3, warmup + 1)`` steps): bytes
   communicated and peak memory. Bytes are counted on the last step (steady state: DDP rebuilds
@@ -99,6 +111,7 @@ SYSTEMS: dict[str, str] = {
 OURS = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 PEERS = {"no_shard": "ddp", "optim": "zero1", "optim_grads": "fsdp2_noreshard",
          "optim_grads_params": "fsdp2"}
+UNIT_DIM = 16  # --model units: width of each nn.Linear unit
 MODEL_SIZES = {  # name -> (dim, layers, heads)
     "tiny": (128, 2, 4),
     "small": (256, 4, 4),
@@ -212,16 +225,76 @@ def profile_breakdown(events: Any, steps: int) -> dict[str, Any]:
     return out
 
 
-def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tuple[
+class _Units(torch.nn.Module):
+    """``--model units``: ``n`` small ``nn.Linear`` units; ``blocks`` is what gets wrapped one
+    by one (the GPT's attribute name, so every system wraps both models the same way)."""
+
+    def __init__(self, n: int, dim: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(torch.nn.Linear(dim, dim) for _ in range(n)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def _make_model(a: dict[str, Any]) -> torch.nn.Module:
+    if a["model"] == "units":
+        return _Units(a["units"], UNIT_DIM)
+    from model import GPT, GPTConfig
+
+    return GPT(GPTConfig(vocab=a["vocab"], seq_len=a["seq_len"], dim=a["dim"],
+                         layers=a["layers"], heads=a["heads"]))
+
+
+def _make_batch(a: dict[str, Any], step: int, micro: int, rank: int,
+                device: torch.device) -> Any:
+    """One micro-batch of this rank, deterministic in (seed, step, micro, rank)."""
+    if a["model"] == "units":
+        g = torch.Generator().manual_seed(((a["seed"] * 1_000_003 + step) * 1009 + micro) * 131
+                                          + rank)
+        x = torch.randn(a["batch_size"], UNIT_DIM, generator=g)
+        return x.to(device), torch.randn(a["batch_size"], UNIT_DIM, generator=g).to(device)
+    from model import synthetic_batch
+
+    return synthetic_batch(a["batch_size"], a["seq_len"], a["vocab"], seed=a["seed"],
+                           step=step, micro=micro, rank=rank, device=device)
+
+
+def _loss(a: dict[str, Any], model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    if a["model"] == "units":
+        x, y = batch
+        return torch.nn.functional.mse_loss(model(x).float(), y)
+    from model import lm_loss
+
+    return lm_loss(model, batch)
+
+
+def _optimizer(a: dict[str, Any], params: Any, zero1: bool = False) -> torch.optim.Optimizer:
+    if a["optimizer"] == "sgd":
+        cls: Any = torch.optim.SGD
+        kwargs: dict[str, Any] = dict(lr=a["lr"], momentum=0.9)
+    else:
+        cls, kwargs = torch.optim.AdamW, dict(lr=a["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    if zero1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(params, optimizer_class=cls,
+                                       parameters_as_bucket_view=True, **kwargs)
+    return cls(params, **kwargs)
+
+
+def _build(system: str, device: torch.device, a: dict[str, Any]) -> tuple[
         torch.nn.Module, torch.optim.Optimizer, Callable[[], Any], Callable[[bool], Any]]:
     """(model, optimizer, clip(), micro_batch_context(is_last)) for one system."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from model import GPT
-
     torch.manual_seed(a["seed"])  # identical initial weights for every system and rank
-    model = GPT(cfg).to(device)
-    adamw = dict(lr=a["lr"], betas=(0.9, 0.95), weight_decay=0.1)
+    model = _make_model(a).to(device)
     ddp_kwargs = dict(device_ids=[device.index] if device.type == "cuda" else None,
                       gradient_as_bucket_view=True)
     clip = a["clip"]
@@ -248,7 +321,7 @@ def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tu
         for block in model.blocks:
             mfsdp.fully_shard(block, **wrap)
         mfsdp.fully_shard(model, **wrap)
-        opt = torch.optim.AdamW(model.parameters(), **adamw)
+        opt = _optimizer(a, model.parameters())
 
         def ours_clip() -> Any:
             return mfsdp.clip_grad_norm_(model.parameters(), clip) if clip > 0 else None
@@ -260,13 +333,7 @@ def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tu
         return model, opt, ours_clip, ours_micro
     if system in ("ddp", "zero1"):
         ddp = DDP(model, **ddp_kwargs)
-        if system == "ddp":
-            opt = torch.optim.AdamW(ddp.parameters(), **adamw)
-        else:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                          parameters_as_bucket_view=True, **adamw)
+        opt = _optimizer(a, ddp.parameters(), zero1=system == "zero1")
         return (ddp, opt, torch_clip(ddp),
                 lambda last: contextlib.nullcontext() if last else ddp.no_sync())
     if system in ("fsdp2", "fsdp2_noreshard"):
@@ -283,7 +350,7 @@ def _build(system: str, cfg: Any, device: torch.device, a: dict[str, Any]) -> tu
         for block in model.blocks:
             fsdp2_fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=fsdp2_mp)
         fsdp2_fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=fsdp2_mp)
-        opt = torch.optim.AdamW(model.parameters(), **adamw)
+        opt = _optimizer(a, model.parameters())
         return model, opt, torch_clip(model), lambda last: contextlib.nullcontext()
     raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
 
@@ -293,12 +360,9 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
     """``kind="time"``: warm-up + timed steps, nothing else running. ``kind="measure"``: a few
     untimed steps; bytes counted on the last one; memory recorded."""
     from comm_counter import CommCounter
-    from model import GPTConfig, lm_loss, synthetic_batch
 
-    cfg = GPTConfig(vocab=a["vocab"], seq_len=a["seq_len"], dim=a["dim"], layers=a["layers"],
-                    heads=a["heads"])
     result: dict[str, Any] = {"rank": rank, "rss_base_kib": _read_status_kib("VmRSS")}
-    model, opt, clip, micro_context = _build(system, cfg, device, a)
+    model, opt, clip, micro_context = _build(system, device, a)
     gc.collect()
     result["rss_after_build_kib"] = _read_status_kib("VmRSS")
     result["hwm_reset"] = _reset_rss_hwm()
@@ -324,9 +388,7 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
     for step in range(num_steps):
         if profiler is not None and step == a["warmup"]:
             profiler.start()
-        batches = [synthetic_batch(a["batch_size"], a["seq_len"], a["vocab"], seed=a["seed"],
-                                   step=step, micro=i, rank=rank, device=device)
-                   for i in range(micro)]
+        batches = [_make_batch(a, step, i, rank, device) for i in range(micro)]
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -339,7 +401,7 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
                     with _range("bench::forward", ranges), (
                             torch.autocast(device.type, dtype=torch.bfloat16) if autocast
                             else contextlib.nullcontext()):
-                        loss = lm_loss(model, tokens) / micro
+                        loss = _loss(a, model, tokens) / micro
                     with _range("bench::backward", ranges):
                         loss.backward()
                 loss_sum += loss.detach()
@@ -525,7 +587,8 @@ def summarize(system: str, measured: list[dict[str, Any]], timed_runs: list[list
         timed += per_step[a["warmup"]:]
     longest = max(curves, key=len)
     comm = max((r["comm"] for r in measured), key=lambda c: c["total_wire_bytes"])
-    tokens = a["world_size"] * a["micro_batches"] * a["batch_size"] * a["seq_len"]
+    tokens = (a["world_size"] * a["micro_batches"] * a["batch_size"]
+              * (a["seq_len"] if a["model"] == "gpt" else 1))  # units: rows
     out: dict[str, Any] = {
         "system": system,
         "label": label_of(system, a),
@@ -658,14 +721,14 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
     mem = "CUDA max allocated" if cuda else "RSS HWM"
     ddp = rows.get("ddp")
     lines = [
-        f"## Training benchmark: {a['num_params'] / 1e6:.1f}M-param GPT (dim {a['dim']}, "
-        f"{a['layers']} blocks, {a['heads']} heads, vocab {a['vocab']}), world size "
+        f"## Training benchmark: {a['model_desc']}, world size "
         f"{a['world_size']} on {a['device_desc']}"
         + (f", HSDP mesh {a['mesh'][0]}x{a['mesh'][1]} (replicate x shard) for ours and FSDP2"
            if a.get("mesh") else ""),
         "",
-        f"{a['micro_batches']} micro-batch(es) x {a['batch_size']} x {a['seq_len']} tokens per "
-        f"rank per step, {_MP_DESC[a['mp']]}, AdamW, clip {a['clip']}. Timing: {a['rounds']} "
+        f"{a['micro_batches']} micro-batch(es) x {a['batch_desc']} per "
+        f"rank per step, {_MP_DESC[a['mp']]}, {a['optimizer_desc']}, clip {a['clip']}. "
+        f"Timing: {a['rounds']} "
         f"round(s) over the systems in alternating order, each run in fresh processes with "
         f"{a['warmup']} warm-up + {a['steps']} timed steps; median [interquartile range] of "
         f"the slowest rank's step time over all timed steps. Bytes and memory: one more fresh "
@@ -796,6 +859,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     presets = ", ".join(f"{k} ({dim}x{layers})" for k, (dim, layers, _) in MODEL_SIZES.items())
+    p.add_argument("--model", choices=["gpt", "units"], default="gpt",
+                   help="gpt: the GPT of examples/model.py (--model-size); units: --units "
+                        f"wrapped nn.Linear({UNIT_DIM}, {UNIT_DIM}) units (per-unit fixed cost)")
+    p.add_argument("--units", type=int, default=64, help="units of --model units")
+    p.add_argument("--optimizer", choices=["adamw", "sgd"], default="adamw",
+                   help="AdamW (betas 0.9/0.95, weight decay 0.1) or SGD with momentum 0.9")
     p.add_argument("--model-size", default="medium", help=f"one of {presets}, or DIMxLAYERS")
     p.add_argument("--heads", type=int, default=None,
                    help="attention heads (default: from --model-size)")
@@ -858,6 +927,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.mps = [m.strip() for m in args.mp.split(",") if m.strip()]
     if not args.mps or any(m not in ("fp32", "bf16") for m in args.mps):
         p.error(f"--mp takes fp32, bf16 or both (fp32,bf16), got {args.mp!r}")
+    if args.units < 1:
+        p.error(f"--units must be >= 1, got {args.units}")
     if args.steps < 1 or args.rounds < 0 or args.warmup < 0 or args.profile_steps < 1:
         p.error("--steps and --profile-steps must be >= 1, --rounds and --warmup >= 0")
     if args.mesh is not None:
@@ -878,8 +949,7 @@ def _run_config(a: dict[str, Any]) -> dict[str, Any]:
     """Measurement run, timing rounds and (``--profile``) profiling run of every system for one
     (world, mp, micro-batches) configuration; the summary ``render`` formats."""
     systems = a["systems"]
-    print(f"== {a['num_params'] / 1e6:.1f}M-param GPT dim={a['dim']} layers={a['layers']} "
-          f"heads={a['heads']}; world size {a['world_size']} on {a['device_desc']}"
+    print(f"== {a['model_desc']}; world size {a['world_size']} on {a['device_desc']}"
           f"{'; HSDP mesh ' + 'x'.join(map(str, a['mesh'])) if a.get('mesh') else ''}; "
           f"{a['mp']}, {a['micro_batches']} micro-batch(es); systems: {', '.join(systems)}; "
           f"1 measurement run + {a['rounds']} timing round(s) of {a['warmup']} warm-up + "
@@ -960,11 +1030,18 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--world {max(args.worlds)} needs as many GPUs; "
                          f"{torch.cuda.device_count()} visible")
     cores = len(os.sched_getaffinity(0))
-    from model import GPT, GPTConfig
-
+    shape = dict(vars(args), dim=dim, layers=layers, heads=heads)
     with torch.device("meta"):
-        num_params = GPT(GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=dim, layers=layers,
-                                   heads=heads)).num_params()
+        num_params = _make_model(shape).num_params()  # type: ignore[operator]
+    if args.model == "units":
+        model_desc = (f"{args.units} wrapped nn.Linear({UNIT_DIM}, {UNIT_DIM}) units "
+                      f"({num_params:,} parameters)")
+        batch_desc = f"{args.batch_size} rows of {UNIT_DIM} (MSE)"
+    else:
+        model_desc = (f"{num_params / 1e6:.1f}M-param GPT (dim {dim}, {layers} blocks, "
+                      f"{heads} heads, vocab {args.vocab})")
+        batch_desc = f"{args.batch_size} x {args.seq_len} tokens"
+    optimizer_desc = "AdamW" if args.optimizer == "adamw" else "SGD (momentum 0.9)"
     summaries, tables = [], []
     for world in args.worlds:
         for mp_name in args.mps:
@@ -976,6 +1053,8 @@ def main(argv: list[str] | None = None) -> int:
                 a = dict(vars(args), dim=dim, layers=layers, heads=heads, device=device,
                          threads=threads, systems=systems, device_desc=device_desc,
                          num_params=num_params, world_size=world, mp=mp_name,
+                         model_desc=model_desc, batch_desc=batch_desc,
+                         optimizer_desc=optimizer_desc,
                          micro_batches=micro, measure_steps=max(3, args.warmup + 1),
                          load_start=os.getloadavg()[0], torch_version=torch.__version__)
                 summary = _run_config(a)

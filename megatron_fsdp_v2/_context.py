@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from ._allocator import BucketAllocator
+from ._coalesce import ReductionCoalescer
 from ._flat_param_group import FlatParamGroup
 from ._profiling import traced
 from ._trace_pool import TracePoolAllocator
@@ -54,6 +55,11 @@ class FSDPContext:
         self.max_inflight_reductions = 1
         # Debug/test event log of (event, unit fqn); None disables logging.
         self.events: list[tuple[str, str]] | None = None
+        # The tree's reduction buckets (the root's reduce_bucket_size_mb; see [Note: reduction
+        # buckets] in _coalesce.py), None: one delayed collective per group.
+        self.coalescer: ReductionCoalescer | None = None
+        if root.reduce_bucket_size_mb is not None:
+            self.coalescer = ReductionCoalescer(root.reduce_bucket_size_mb, self.allocator)
 
     def log(self, event: str, state: FSDPState) -> None:
         if self.events is not None:
@@ -76,7 +82,7 @@ class FSDPContext:
         """Finish the oldest in-flight reductions until at most ``keep`` units have some."""
         while len(self.reducing) > keep:
             for group in self.reducing.popleft().groups:
-                group.grads.wait_for_reduction()
+                group.grads.wait_for_reduction(coalesced=False)
 
     @property
     def groups(self) -> Iterable[FlatParamGroup]:
@@ -95,6 +101,8 @@ class FSDPContext:
                     and any(g.grads.awaits_last_reduction for g in state.groups)
                 ):
                     state.run_post_backward()
+            if self.coalescer is not None:
+                self.coalescer.flush()  # the last, partly filled reduction bucket
             self.reducing.clear()
             for state in self.states:
                 # Weights kept for the next forward stay (see [Note: keeping gathered weights]).
@@ -165,6 +173,8 @@ class FSDPContext:
         """
         if self.unrecoverable is not None:
             raise RuntimeError(self.unrecoverable)
+        if self.coalescer is not None:
+            self.coalescer.abandon()  # never issue a bucket the failed backward left open
         discard_grads = self.final_callback_queued or self.callback_failed or any(
             s.training_state is TrainingState.PRE_BACKWARD for s in self.states
         )

@@ -438,6 +438,10 @@ class FlatParamGroup:
         """Make the compute weights current: gather them (a group that gathers) or refresh them
         from updated main weights. Possibly asynchronous (:meth:`wait_for_compute_weights`).
         Returns whether a collective was issued."""
+        # Nothing to do (every pre-forward and pre-backward of a ready unit asks): skip the
+        # inference-mode context, a measurable per-unit cost on many small units.
+        if self._gathered if self.plan.gathers_weights else not self._weights_stale:
+            return False
         # Buckets and views made under inference mode could never be updated in place again.
         with torch.inference_mode(False):
             if self.plan.gathers_weights:

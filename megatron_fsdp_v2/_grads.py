@@ -95,6 +95,7 @@ from ._plan import GradPath
 from ._profiling import traced
 
 if TYPE_CHECKING:
+    from ._coalesce import ReductionCoalescer
     from ._flat_param_group import FlatParamGroup
 
 __all__ = ["GradState", "GroupGrads", "finalize_unsynchronized"]
@@ -121,6 +122,11 @@ class GroupGrads:
         self.state = GradState.EMPTY
         self._main_grad: torch.Tensor | None = None  # storage freed while EMPTY
         self._pending: list[_reduce.Pending] = []
+        # The delayed reduction queued in the tree's reduction buckets (see [Note: reduction
+        # buckets] in _coalesce.py); ``coalescer`` is set by the root's lazy init when the tree
+        # coalesces.
+        self.coalescer: ReductionCoalescer | None = None
+        self._coalesced: _reduce.Pending | None = None
         n = len(group.records)
         self._views: list[DTensor | None] | None = None
         self._installed: list[DTensor | None] = [None] * n
@@ -367,8 +373,14 @@ class GroupGrads:
         return True
 
     def reduce_accumulated(self, async_op: bool) -> None:
-        """The accumulate path's one collective over ``main_grad``."""
+        """The accumulate path's one collective over ``main_grad`` (or its place in a
+        reduction bucket, when the tree coalesces and the collective runs in the background)."""
         group = self.group
+        if self.coalescer is not None and async_op:
+            self._coalesced = self.coalescer.add(group, self.ensure_main_grad(),
+                                                 self._collective_scale)
+            self.state = GradState.REDUCED
+            return
         self._pending.append(_reduce.reduce_accumulated(
             group.plan, self.ensure_main_grad(), group.dtypes.comm, group.process_group,
             group.allocator, group.temporary_key("grad_comm"), group.issue, async_op,
@@ -474,11 +486,16 @@ class GroupGrads:
 
     @property
     def has_pending_reduction(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending) or self._coalesced is not None
 
     @traced("mfsdp::finish_reduce")
-    def wait_for_reduction(self) -> None:
-        """Wait for in-flight gradient collectives and fold their results into ``main_grad``."""
+    def wait_for_reduction(self, coalesced: bool = True) -> None:
+        """Wait for in-flight gradient collectives and fold their results into ``main_grad``.
+        ``coalesced=False`` leaves a reduction queued in a reduction bucket alone (it holds no
+        temporary bucket of this group; the final callback issues and waits for it)."""
+        if coalesced and self._coalesced is not None:
+            bucketed, self._coalesced = self._coalesced, None
+            bucketed.finish()
         pending, self._pending = self._pending, []
         for reduction in pending:
             reduction.finish()

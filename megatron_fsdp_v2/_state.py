@@ -92,6 +92,8 @@ class FSDPState:
         self._backward_task: int | None = None
         self.overlap = True  # prefetch gathers and run reductions in the background
         self.enable_trace_pool = False  # see [Note: trace-planned pool]; all units agree
+        # fully_shard's reduce_bucket_size_mb (see [Note: reduction buckets] in _coalesce.py).
+        self.reduce_bucket_size_mb: float | None = None
         # [Note: keeping gathered weights] ZeRO-3 units free their gathered weights after
         # forward and after backward. ``reshard_after_forward=False`` keeps them from a forward
         # (with grad) to its backward; ``reshard_after_backward=False`` keeps them from a
@@ -196,6 +198,16 @@ class FSDPState:
                 f"{mixed} have {not self.enable_trace_pool}; pass the same value to every "
                 "fully_shard call of this model"
             )
+        differing = [
+            f"'{name or '<root>'}': {s.reduce_bucket_size_mb}" for name, s in named
+            if s.reduce_bucket_size_mb != self.reduce_bucket_size_mb
+        ]
+        if differing:
+            raise ValueError(
+                "reduce_bucket_size_mb must be the same for every fully_shard unit of one model "
+                f"(the root has {self.reduce_bucket_size_mb}; units {', '.join(differing)}): "
+                "the buckets span units; pass the same value to every fully_shard call"
+            )
         ctx = FSDPContext(self, states)
         # [Note: gradients in place] only in units with no unit below them (prepare_gradients):
         # every proper prefix of a unit's name that names a unit is a parent.
@@ -213,6 +225,7 @@ class FSDPState:
             state.allocator = ctx.allocator
             for index, group in enumerate(state.groups):
                 group.allocator = ctx.allocator
+                group.grads.coalescer = ctx.coalescer
                 group.name = f"unit '{state.fqn}' group {index}"
         # A model built on the meta device gets its values now, in whole-tree module order.
         materialize(self.module)
@@ -366,6 +379,18 @@ class FSDPState:
     def _register_post_backward(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if not kwargs and all(isinstance(t, torch.Tensor) for t in args):
+            # The common call (tensors only): the same as below without the pytree round trip.
+            positions = [i for i, t in enumerate(args) if t.requires_grad]
+            if not positions:
+                return args, kwargs
+            outputs = _RegisterPostBackward.apply(self, *(args[i] for i in positions))
+            new_args = list(args)
+            for i, out in zip(positions, outputs):
+                new_args[i] = out
+            self.pending_post_backward += 1
+            self.registered_calls += 1
+            return tuple(new_args), kwargs
         flat, spec = tree_flatten((args, kwargs))
         positions = [
             i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
@@ -410,6 +435,12 @@ class FSDPState:
                 if not state._keeps_weights_for_backward() and state.reshard():
                     ctx.log("reshard", state)
         if torch.is_grad_enabled():
+            if isinstance(output, torch.Tensor):  # the common case, without the pytree walk
+                if output.requires_grad:
+                    # One tensor: a plain tensor hook fires exactly when the multi-grad hook
+                    # ("any") would, for a fraction of its setup cost.
+                    output.register_hook(self._pre_backward)
+                return output
             tensors = [
                 t for t in tree_flatten(output)[0]
                 if isinstance(t, torch.Tensor) and t.requires_grad

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from . import _fsdp2_compat, _materialize, _registry, _state_dict
 from ._allocator import BucketAllocator
+from ._coalesce import validate_bucket_size
 from ._collective_impl import CollectiveCount, merge_counts, parse_collective_impl
 from ._collectives import broadcast_from_first
 from ._comm_groups import DEFAULT_TIMEOUT, comm_group, mesh_comm_group
@@ -350,6 +351,7 @@ def fully_shard(
     param_init_fn: Callable[[nn.Module], None] | None = None,
     enable_trace_pool: bool = False,
     collective_impl: str = "native",
+    reduce_bucket_size_mb: float | None = None,
 ) -> FSDPModule:
     """Shard ``module``'s parameters, gradients and/or optimizer state over a data-parallel mesh.
 
@@ -445,6 +447,17 @@ def fully_shard(
             Applies to this unit's groups (each unit follows its own setting).
             :meth:`FSDPModule.collective_stats` reports what ran. See design.md "Collective
             selection".
+        reduce_bucket_size_mb: ``None`` (the default): one delayed gradient collective per
+            parameter group per window. A size in MiB (DDP's ``bucket_cap_mb``): ``no_shard``
+            and ``optim`` coalesce the delayed all-reduces / reduce-scatters of consecutive
+            groups, in backward order, into one collective per bucket of at most this size
+            (plus the remainder at the end of backward), through a temporary bucket of that
+            size; bitwise the same gradients (``no_shard`` on 3+ gloo ranks: up to the
+            summation order, as DDP's buckets). Worth it for many small units, whose
+            per-collective launch cost dominates. ``optim_grads``/``optim_grads_params`` are
+            unaffected; ``overlap=False`` runs every reduction at once, uncoalesced. Every unit
+            of a model must pass the same value (``ValueError`` at the first forward); a 2-D
+            (HSDP) mesh raises ``NotImplementedError``. See README "Many small units".
 
     Coming from FSDP2: ``reshard_after_forward``, FSDP2's ``MixedPrecisionPolicy`` (with
     ``output_dtype``) and ``offload_policy=OffloadPolicy()`` are accepted; FSDP2's methods
@@ -478,7 +491,13 @@ def fully_shard(
         )
     check_param_init_fn(param_init_fn)
     collective_impl = parse_collective_impl(collective_impl)
+    reduce_bucket_size_mb = validate_bucket_size(reduce_bucket_size_mb)
     axes = validate_mesh(mesh, outer_strategy, strategy)
+    if reduce_bucket_size_mb is not None and axes.outer is not None:
+        raise NotImplementedError(
+            "reduce_bucket_size_mb with a 2-D (HSDP) mesh is not supported: the window's outer "
+            "reductions are per group. Pass reduce_bucket_size_mb=None, or use a 1-D mesh"
+        )
     mesh = axes.mesh
     # Checks of what this rank holds (its parameters) may fail on one rank only. With
     # check_ranks, the failure is shared in the cross-rank check below, so that every rank
@@ -525,6 +544,8 @@ def fully_shard(
             extra["reshard_after_forward"] = reshard
         if collective_impl != "native":  # ranks must pair the same calls
             extra["collective_impl"] = collective_impl
+        if reduce_bucket_size_mb is not None:  # likewise
+            extra["reduce_bucket_size_mb"] = reduce_bucket_size_mb
         signature = unit_signature(
             module, managed, strategy, mp_policy, gradient_scaling_factor, timeout=timeout,
             max_padding_ratio=max_padding_ratio, overlap=overlap,
@@ -586,6 +607,7 @@ def fully_shard(
         _registry.register_records(group.records)
     state = FSDPState(module, groups, mp_policy, allocator)
     state.overlap = overlap
+    state.reduce_bucket_size_mb = reduce_bucket_size_mb
     state.reshard_after_forward = reshard
     state.enable_trace_pool = enable_trace_pool
     _registry.set_state(module, state)

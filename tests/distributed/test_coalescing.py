@@ -1,0 +1,318 @@
+"""Coalesced delayed reductions (``fully_shard(..., reduce_bucket_size_mb=...)``; see [Note:
+reduction buckets] in ``megatron_fsdp_v2/_coalesce.py``).
+
+Each case trains the same many-small-units model twice on the same ranks and data: once with
+one delayed collective per parameter group (``reduce_bucket_size_mb=None``) and once coalesced,
+and requires the same losses and parameters, bitwise (``no_shard`` on 3 ranks: gloo's ring sums
+an all-reduce's chunks from different ranks, so moving a gradient to another offset may change
+its last bit; there the tiny bucket, which issues exactly the uncoalesced collectives, must be
+bitwise equal and the others within 1e-6). The uncoalesced runs are what the parity tests
+compare with single-process PyTorch. The coalesced run must also issue fewer reductions
+(``CommDebugMode``) and report what it coalesced; the strategies that reduce every micro-batch
+must be unaffected. Every case runs under the rank pool's timeout.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils.checkpoint import checkpoint
+
+from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+from megatron_fsdp_v2._registry import state_of
+
+UNITS = 5
+STEPS = 3
+TIMEOUT_S = 180.0
+TINY, MID, HUGE = 1e-6, 0.0006, 100.0  # one group per bucket; ~2 units; everything at once
+
+
+class _FailInBackward(torch.autograd.Function):
+    """Identity whose backward raises (a failure in the middle of backward, on every rank)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected backward failure")
+
+
+class Units(nn.Module):
+    """``UNITS`` wrapped ``Linear(8, 8)`` units, an odd-shaped unit, a root-owned head; with
+    ``unused``: a wrapped unit that never runs and a root parameter that gets no gradient."""
+
+    def __init__(self, unused: bool) -> None:
+        super().__init__()
+        self.units = nn.ModuleList(nn.Linear(8, 8) for _ in range(UNITS))
+        self.odd = nn.Linear(8, 3)
+        self.head = nn.Linear(3, 1)
+        self.idle = nn.Linear(8, 8) if unused else None
+        self.extra = nn.Parameter(torch.randn(5)) if unused else None
+        self.checkpointed = False
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, unit in enumerate(self.units):
+            if self.fail and index == 2:  # units after it have queued their reductions
+                x = _FailInBackward.apply(x)
+            if self.checkpointed:
+                x = checkpoint(lambda t, u=unit: torch.tanh(u(t)), x, use_reentrant=False)
+            else:
+                x = torch.tanh(unit(x))
+        return self.head(self.odd(x))
+
+
+def _collectives(comm: CommDebugMode) -> dict[str, int]:
+    out = {"all_reduce": 0, "reduce_scatter": 0}
+    for op, n in comm.get_comm_counts().items():
+        name = str(op).split(".")[-1].rstrip("_")
+        if "allreduce" in name or "all_reduce" in name:
+            out["all_reduce"] += n
+        elif "reduce_scatter" in name:
+            out["reduce_scatter"] += n
+    return out
+
+
+def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, micro: int,
+           mp: str, variant: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Units(unused=variant == "unused")
+    model.checkpointed = variant == "checkpoint"
+    policy = {
+        "fp32": MixedPrecisionPolicy(),
+        "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+        "bf16_reduce": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                            reduce_dtype=torch.bfloat16),
+    }[mp]
+    wrap: dict[str, Any] = dict(sharding_strategy=strategy, mp_policy=policy,
+                                reduce_bucket_size_mb=bucket_mb)
+    for module in [*model.units, model.odd] + ([model.idle] if model.idle is not None else []):
+        fully_shard(module, **wrap)
+    if variant == "sync":
+        wrap["overlap"] = False
+    fully_shard(model, **wrap)
+    params = list(model.parameters())
+    # partial: the optimizer updates only the first units (the others keep accumulating).
+    trained = params[: 2 * 3] if variant == "partial" else params
+    opt = torch.optim.SGD(trained, lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1234)
+    losses, counts = [], []
+    for step in range(STEPS):
+        if variant == "fail" and step == 1:
+            # A backward that raises half-way, with reductions queued (or in flight): the next
+            # forward recovers (gradients discarded) and training goes on identically.
+            model.fail = True
+            with pytest.raises(RuntimeError, match="injected"):
+                F.mse_loss(model(torch.randn(4, 8, generator=gen)), torch.zeros(4, 1)).backward()
+            model.fail = False
+        data = [(torch.randn(world, 4, 8, generator=gen), torch.randn(world, 4, 1, generator=gen))
+                for _ in range(micro)]
+        with CommDebugMode() as comm, warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # the finalize variant's warning
+            for i, (x, y) in enumerate(data):
+                last = i == micro - 1 and variant != "finalize"
+                model.set_is_last_backward(last)
+                loss = F.mse_loss(model(x[rank]), y[rank]) / micro
+                loss.backward(retain_graph=variant == "retain")
+                losses.append(loss.detach().clone())
+            if variant == "retain":  # a second backward over the retained graph
+                model.set_is_last_backward(True)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        counts.append(_collectives(comm))
+    coalescer = state_of(model).ctx.coalescer  # type: ignore[union-attr]
+    stats = None if coalescer is None else {
+        "coalesced_collectives": coalescer.coalesced_collectives,
+        "coalesced_groups": coalescer.coalesced_groups,
+        "single_collectives": coalescer.single_collectives,
+    }
+    return {
+        "losses": torch.stack(losses),
+        "params": [p.to_local().detach().clone() if isinstance(p, DTensor) else p.detach().clone()
+                   for p in params],
+        "counts": counts,
+        "stats": stats,
+        "groups": sum(len(state_of(m).groups) for m in model.modules()  # type: ignore[union-attr]
+                      if state_of(m) is not None),
+        "peak": state_of(model).ctx.allocator.peak_bytes,  # type: ignore[union-attr]
+    }
+
+
+def _pair(ranks: Any, world: int, strategy: str, bucket_mb: float, micro: int = 1,
+          mp: str = "fp32", variant: str = "plain") -> tuple[list[Any], list[Any]]:
+    base = ranks.run(_train, world, strategy, None, micro, mp, variant, timeout_s=TIMEOUT_S)
+    coal = ranks.run(_train, world, strategy, bucket_mb, micro, mp, variant, timeout_s=TIMEOUT_S)
+    return base, coal
+
+
+def _assert_same(base: list[Any], coal: list[Any], exact: bool) -> None:
+    for rank, (b, c) in enumerate(zip(base, coal)):
+        pairs = [("losses", b["losses"], c["losses"])] + [
+            (f"parameter {i}", x, y) for i, (x, y) in enumerate(zip(b["params"], c["params"]))]
+        for what, x, y in pairs:
+            if exact:
+                assert torch.equal(x, y), (
+                    f"rank {rank} {what}: coalesced differs from uncoalesced, max abs diff "
+                    f"{(x.float() - y.float()).abs().max().item() if x.numel() else 0}")
+            else:
+                torch.testing.assert_close(y, x, rtol=1e-6, atol=1e-7,
+                                           msg=lambda m, r=rank, w=what: f"rank {r} {w}: {m}")
+
+
+def _reductions(result: dict[str, Any], strategy: str) -> list[int]:
+    op = "all_reduce" if strategy == "no_shard" else "reduce_scatter"
+    return [c[op] for c in result["counts"]]
+
+
+# (world, strategy, bucket size, micro-batches, mixed precision, variant)
+CASES = [
+    (2, "no_shard", HUGE, 1, "fp32", "plain"),
+    (2, "no_shard", MID, 3, "fp32", "plain"),
+    (2, "no_shard", TINY, 1, "fp32", "plain"),
+    (2, "optim", HUGE, 3, "fp32", "plain"),
+    (2, "optim", MID, 1, "fp32", "plain"),
+    (2, "no_shard", MID, 1, "fp32", "unused"),
+    (2, "optim", HUGE, 1, "fp32", "unused"),
+    (2, "no_shard", HUGE, 3, "fp32", "partial"),
+    (2, "optim", MID, 3, "fp32", "partial"),
+    (2, "no_shard", HUGE, 3, "fp32", "finalize"),
+    (2, "optim", HUGE, 1, "fp32", "finalize"),
+    (2, "no_shard", HUGE, 1, "bf16", "plain"),
+    (2, "optim", MID, 3, "bf16_reduce", "plain"),
+    (2, "no_shard", HUGE, 3, "bf16_reduce", "plain"),
+    (2, "no_shard", MID, 1, "fp32", "checkpoint"),
+    (2, "optim", HUGE, 3, "fp32", "retain"),
+    (2, "no_shard", MID, 3, "fp32", "retain"),
+    (2, "no_shard", HUGE, 1, "fp32", "fail"),
+    (2, "optim", MID, 3, "fp32", "fail"),
+    (2, "no_shard", HUGE, 3, "fp32", "sync"),
+    (3, "optim", HUGE, 1, "fp32", "plain"),
+    (3, "optim", MID, 3, "fp32", "unused"),
+    (3, "optim", TINY, 3, "bf16_reduce", "plain"),
+    (3, "no_shard", TINY, 3, "fp32", "plain"),
+    (3, "no_shard", HUGE, 1, "fp32", "plain"),
+    (3, "no_shard", MID, 3, "fp32", "unused"),
+]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world,strategy,bucket,micro,mp,variant", CASES,
+                         ids=[f"w{c[0]}-{c[1]}-{c[2]}MB-N{c[3]}-{c[4]}-{c[5]}" for c in CASES])
+def test_coalesced_matches_uncoalesced(ranks: Any, world: int, strategy: str, bucket: float,
+                                       micro: int, mp: str, variant: str) -> None:
+    base, coal = _pair(ranks, world, strategy, bucket, micro, mp, variant)
+    exact = strategy == "optim" or world == 2 or bucket == TINY
+    _assert_same(base, coal, exact)
+    b, c = base[0], coal[0]
+    assert b["stats"] is None
+    stats = c["stats"]
+    per_step_base = _reductions(b, strategy)
+    per_step_coal = _reductions(c, strategy)
+    if variant in ("finalize", "sync"):
+        # finalize: no backward was the last, so the optimizer step reduces each group at once;
+        # sync (overlap=False): every reduction runs at once. Both uncoalesced.
+        assert stats["coalesced_collectives"] == stats["single_collectives"] == 0, stats
+        assert per_step_coal == per_step_base
+        return
+    # Every group reduces once per step, in a bucket or on its own. Not with a partial
+    # optimizer: the groups it never clears hold reduced gradients, so their later windows
+    # reduce every micro-batch (the reduce-each path, never coalesced).
+    groups_reduced = stats["coalesced_groups"] + stats["single_collectives"]
+    trained_groups = c["groups"] - (1 if variant == "unused" else 0)  # the idle unit
+    if variant == "partial":
+        assert 0 < groups_reduced < STEPS * trained_groups, (stats, c["groups"])
+    elif variant == "fail":  # plus what the failed backward issued before it raised
+        assert groups_reduced >= STEPS * trained_groups, (stats, c["groups"])
+    else:
+        assert groups_reduced == STEPS * trained_groups, (stats, c["groups"])
+    if bucket == TINY:
+        assert stats["coalesced_collectives"] == 0, stats
+        assert per_step_coal == per_step_base
+        assert c["peak"] == b["peak"]  # no staging bucket
+    else:
+        assert stats["coalesced_collectives"] >= (1 if variant == "partial" else STEPS), stats
+        assert sum(per_step_coal) < sum(per_step_base), (per_step_coal, per_step_base)
+        if variant != "fail":  # its failed backward ran outside the counted steps
+            assert sum(per_step_base) - sum(per_step_coal) == (
+                stats["coalesced_groups"] - stats["coalesced_collectives"])
+    if bucket == HUGE and variant not in ("partial", "retain"):
+        assert per_step_coal == [1] * STEPS, per_step_coal  # one bucket for the whole model
+    if bucket == MID:
+        # At most 0.0006 MiB staged at once.
+        assert c["peak"] - b["peak"] <= int(MID * (1 << 20)) + 64, (c["peak"], b["peak"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_other_strategies_unaffected(ranks: Any, strategy: str) -> None:
+    base, coal = _pair(ranks, 2, strategy, HUGE, micro=3)
+    _assert_same(base, coal, exact=True)
+    assert coal[0]["counts"] == base[0]["counts"]
+    assert coal[0]["stats"] == {"coalesced_collectives": 0, "coalesced_groups": 0,
+                                "single_collectives": 0}
+
+
+def _invalid_sizes(rank: int, world: int) -> list[str]:
+    out = []
+    for value, error in [(0, ValueError), (-1.0, ValueError), (math.nan, ValueError),
+                         (math.inf, ValueError), (True, TypeError), ("25", TypeError)]:
+        model = nn.Linear(4, 4)
+        before = model.weight.detach().clone()
+        with pytest.raises(error, match="reduce_bucket_size_mb"):
+            fully_shard(model, sharding_strategy="no_shard", reduce_bucket_size_mb=value)
+        assert state_of(model) is None and torch.equal(model.weight, before)
+        out.append(repr(value))
+    # Units of one model must agree: raised at the first forward, before any collective.
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0], sharding_strategy="no_shard", reduce_bucket_size_mb=1.0)
+    fully_shard(model, sharding_strategy="no_shard")
+    with CommDebugMode() as comm, pytest.raises(ValueError, match="same for every fully_shard"):
+        model(torch.randn(2, 4))
+    assert comm.get_total_counts() == 0
+    return out
+
+
+def _hsdp_refused(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    model = nn.Linear(4, 4)
+    with pytest.raises(NotImplementedError, match="reduce_bucket_size_mb"):
+        fully_shard(model, mesh=mesh, sharding_strategy="no_shard", reduce_bucket_size_mb=1.0)
+    assert state_of(model) is None
+
+
+@pytest.mark.timeout(300)
+def test_invalid_bucket_size(ranks: Any) -> None:
+    ranks.run(_invalid_sizes, 2, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.timeout(300)
+def test_hsdp_refused(ranks: Any) -> None:
+    ranks.run(_hsdp_refused, 2, timeout_s=TIMEOUT_S)
+
+
+def _agrees_across_ranks(rank: int, world: int) -> None:
+    """Ranks passing different sizes fail the wrap-time cross-rank check on every rank."""
+    model = nn.Linear(4, 4)
+    with pytest.raises((RuntimeError, ValueError), match="reduce_bucket_size_mb"):
+        fully_shard(model, sharding_strategy="no_shard",
+                    reduce_bucket_size_mb=1.0 if rank == 0 else None)
+    dist.barrier()
+
+
+@pytest.mark.timeout(300)
+def test_ranks_must_agree(ranks: Any) -> None:
+    ranks.run(_agrees_across_ranks, 2, timeout_s=TIMEOUT_S)

@@ -435,20 +435,20 @@ class FSDPState:
                 if not state._keeps_weights_for_backward() and state.reshard():
                     ctx.log("reshard", state)
         if torch.is_grad_enabled():
+            hook = self._pre_backward
+            if ctx.allocator.moves_buckets:  # see [Note: trace-planned pool]
+                hook = functools.partial(self._checked_pre_backward, self._views_stamp())
             if isinstance(output, torch.Tensor):  # the common case, without the pytree walk
                 if output.requires_grad:
                     # One tensor: a plain tensor hook fires exactly when the multi-grad hook
                     # ("any") would, for a fraction of its setup cost.
-                    output.register_hook(self._pre_backward)
+                    output.register_hook(hook)
                 return output
             tensors = [
                 t for t in tree_flatten(output)[0]
                 if isinstance(t, torch.Tensor) and t.requires_grad
             ]
             if tensors:
-                hook = self._pre_backward
-                if ctx.allocator.moves_buckets:  # see [Note: trace-planned pool]
-                    hook = functools.partial(self._checked_pre_backward, self._views_stamp())
                 torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
         return output
 

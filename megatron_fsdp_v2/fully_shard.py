@@ -442,7 +442,7 @@ def fully_shard(
             ``"auto"`` issues, per backend, buffer size and group size, an equivalent measured
             faster on that backend, with no extra memory and bitwise the same results: on gloo
             a reduce-scatter of a buffer of 1 MiB or more as an in-place all-reduce of its
-            input bucket, an all-gather of 16 MiB or more as one broadcast per rank into
+            input bucket, an all-gather of 4 MiB or more as one broadcast per rank into
             place; on NCCL (and other backends) the native ones.
             Applies to this unit's groups (each unit follows its own setting).
             :meth:`FSDPModule.collective_stats` reports what ran. See design.md "Collective

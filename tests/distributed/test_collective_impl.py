@@ -2,7 +2,7 @@
 accounting (``FSDPModule.collective_stats``) says what ran, ``"native"`` keeps the count contract,
 and the selection table behaves as documented.
 
-The gloo rules substitute only buffers of at least 1 MiB (reduce-scatter) or 16 MiB
+The gloo rules substitute only buffers of at least 1 MiB (reduce-scatter) or 4 MiB
 (all-gather), far above these tiny models' buffers: the training cases lower the thresholds to 0
 (:func:`_substitute_all`), so every reduce-scatter and all-gather really runs as its substitute,
 and one case keeps the real table with a group above the thresholds. Each comparison trains the
@@ -370,7 +370,7 @@ def test_with_debug_order_check(ranks: RankPools) -> None:
 
 
 class _Wide(nn.Module):
-    """One group above both gloo thresholds (16 MiB of fp32 weights and bias), one below."""
+    """One group above both gloo thresholds (16 MiB of fp32 weights and bias), one below both."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -52,6 +52,22 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def _require_same(named: list[tuple[str, FSDPState]], root: FSDPState, option: str,
+                  why: str) -> None:
+    """Raise ``ValueError`` (at the root's lazy init, before any collective) unless every unit
+    of the tree passed the same ``fully_shard`` ``option``."""
+    wanted = getattr(root, option)
+    differing = [f"'{name or '<root>'}' ({getattr(s, option)})" for name, s in named
+                 if getattr(s, option) != wanted]
+    if differing:
+        raise ValueError(
+            f"fully_shard({option}=...) must be the same for every unit of a model, i.e. the "
+            f"same for every fully_shard call ({why}): the root has {wanted}, units "
+            f"{', '.join(differing)} differ; pass the same value to every fully_shard call of "
+            "this model"
+        )
+
+
 class _RegisterPostBackward(torch.autograd.Function):
     """Identity on a unit's inputs; its backward is the unit's post-backward hook."""
 
@@ -189,25 +205,9 @@ class FSDPState:
             if (s := _registry.state_of(m)) is not None
         ]
         states = [s for _, s in named]
-        mixed = [name or "<root>" for name, s in named
-                 if s.enable_trace_pool != self.enable_trace_pool]
-        if mixed:
-            raise ValueError(
-                f"fully_shard(enable_trace_pool=...) must be the same for every unit of a tree "
-                f"(one allocator serves them all): the root has {self.enable_trace_pool}, units "
-                f"{mixed} have {not self.enable_trace_pool}; pass the same value to every "
-                "fully_shard call of this model"
-            )
-        differing = [
-            f"'{name or '<root>'}': {s.reduce_bucket_size_mb}" for name, s in named
-            if s.reduce_bucket_size_mb != self.reduce_bucket_size_mb
-        ]
-        if differing:
-            raise ValueError(
-                "reduce_bucket_size_mb must be the same for every fully_shard unit of one model "
-                f"(the root has {self.reduce_bucket_size_mb}; units {', '.join(differing)}): "
-                "the buckets span units; pass the same value to every fully_shard call"
-            )
+        # One allocator and one reduction coalescer serve the whole tree.
+        _require_same(named, self, "enable_trace_pool", "one allocator serves them all")
+        _require_same(named, self, "reduce_bucket_size_mb", "the buckets span units")
         ctx = FSDPContext(self, states)
         # [Note: gradients in place] only in units with no unit below them (prepare_gradients):
         # every proper prefix of a unit's name that names a unit is a parent.

@@ -50,7 +50,8 @@ class FSDPContext:
         self._order_index: dict[int, int] = {}
         self.recording_order = True
         # Units whose gradient collectives may still be in flight, oldest first. At most
-        # ``max_inflight_reductions`` units' reduction buckets are alive at once.
+        # ``max_inflight_reductions`` units' reduction buckets are alive at once (reductions
+        # without a bucket are not counted: see drain_reductions).
         self.reducing: deque[FSDPState] = deque()
         self.max_inflight_reductions = 1
         # Debug/test event log of (event, unit fqn); None disables logging.
@@ -79,9 +80,16 @@ class FSDPContext:
         return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
 
     def drain_reductions(self, keep: int) -> None:
-        """Finish the oldest in-flight reductions until at most ``keep`` units have some."""
-        while len(self.reducing) > keep:
-            for group in self.reducing.popleft().groups:
+        """Finish the oldest in-flight reductions that hold temporary buckets until at most
+        ``keep`` units hold some. Reductions in place into persistent buffers (the accumulate
+        path's ``main_grad`` in its own dtype) cost no memory while in flight: they run on until
+        the final callback, as DDP's bucket all-reduces do, instead of stalling the backward of
+        the next unit (measured: ``optim`` on 4 gloo ranks waited 144 ms per step here)."""
+        holding = [state for state in self.reducing
+                   if any(g.grads.reduction_holds_temporary for g in state.groups)]
+        for state in holding[:max(len(holding) - keep, 0)]:
+            self.reducing.remove(state)
+            for group in state.groups:
                 group.grads.wait_for_reduction(coalesced=False)
 
     @property

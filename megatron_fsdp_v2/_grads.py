@@ -488,6 +488,11 @@ class GroupGrads:
     def has_pending_reduction(self) -> bool:
         return bool(self._pending) or self._coalesced is not None
 
+    @property
+    def reduction_holds_temporary(self) -> bool:
+        """An in-flight reduction of this group holds a temporary bucket until finished."""
+        return any(p.holds_temporary for p in self._pending)
+
     @traced("mfsdp::finish_reduce")
     def wait_for_reduction(self, coalesced: bool = True) -> None:
         """Wait for in-flight gradient collectives and fold their results into ``main_grad``.

@@ -4,7 +4,9 @@ call (nothing at import time).
 Before a step they catch an optimizer built before wrapping (it holds the compute parameters,
 which would be updated as stale copies that never see a gradient), reduce gradients of a window
 no backward marked last, and mark the groups the optimizer holds for the refresh of their
-compute weights (see [Note: replicated-buffer refresh]); after it, mark them again.
+compute weights (see [Note: replicated-buffer refresh]), and let an elementwise optimizer step on
+the local tensors (see [Note: local optimizer step]); after it, swap the DTensors back and mark
+the groups again.
 
 The first time they see an optimizer that holds managed parameters they also give it
 ``state_dict`` / ``load_state_dict`` post-hooks (``_state_dict.optimizer_*``), so that
@@ -31,6 +33,7 @@ from torch.optim.optimizer import (
 from . import _registry
 from ._flat_param_group import FlatParamGroup
 from ._grads import finalize_unsynchronized
+from ._optimizer_local import restore, swap_in_local_tensors
 from ._profiling import traced
 from ._state_dict import optimizer_load_state_dict_post_hook, optimizer_state_dict_post_hook
 
@@ -116,8 +119,11 @@ def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     # Marked before the step too: a step that raises half-way has still changed main weights.
     for group in info.groups:
         group.mark_main_weights_updated()
+    if info.groups:
+        swap_in_local_tensors(optimizer)
 
 
 def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    restore(optimizer)
     for group in _optimizer_groups(optimizer).groups:
         group.mark_main_weights_updated()

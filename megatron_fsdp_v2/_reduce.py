@@ -46,6 +46,12 @@ class Pending:
         if handle is not None:
             handle.wait()
 
+    @property
+    def holds_temporary(self) -> bool:
+        """Whether finishing it consumes a temporary bucket (a reduction in place into a
+        persistent buffer has nothing left to run)."""
+        return self._finish is not None
+
     def finish(self) -> None:
         self.wait()
         finish, self._finish = self._finish, None

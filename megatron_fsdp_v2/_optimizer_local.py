@@ -1,0 +1,161 @@
+"""The optimizer step on local tensors (see [Note: local optimizer step]).
+
+[Note: local optimizer step]
+The optimizer-facing parameters are DTensors, so a ``torch.optim`` step dispatches every one of
+its per-parameter ops (about twelve per parameter for a for-loop AdamW) through DTensor's
+Python dispatcher. Measured on the benchmark's 29.5M-parameter GPT (101 parameters, one CPU
+process): AdamW 70 ms on plain tensors, 88 ms on ``Replicate`` DTensors; with 4 ranks sharing
+2 cores, 157 ms against 255 ms, the whole step-time gap of ``no_shard`` against DDP.
+
+For optimizers whose update of a parameter reads only that parameter's own elements (the
+classes in ``ELEMENTWISE_OPTIMIZERS``), running the step on the DTensors' local tensors gives
+the same bits: DTensor runs exactly these ops on exactly these local tensors, with no
+collective (the placements are ``Replicate`` or ``Shard``, and an elementwise op needs no
+redistribution). So the global pre-step hook swaps, in the optimizer's own lists, each managed
+DTensor parameter for its local tensor, that tensor's ``.grad`` for the local gradient, and
+each per-parameter state tensor for its local tensor; the post-step hook swaps everything
+back, and wraps state tensors the step created (the first step) as DTensors with the
+parameter's placements, which is what the DTensor step would have created.
+
+Any doubt keeps the DTensor step: another optimizer class (it may read other elements, e.g. a
+norm per parameter), a subclass (it may override ``step``), a ``differentiable`` group, step
+hooks other than ours (user hooks must see what they saw before), a gradient that is not a
+DTensor, per-parameter state that is not a DTensor placed as its parameter (e.g. loaded by hand:
+DTensor would redistribute it or refuse, a local tensor might broadcast), a DTensor parameter
+this library does not manage, or ``torch.compile`` tracing the step. A step that raises leaves
+the swap in place; the next step, ``state_dict`` or ``load_state_dict`` of that optimizer undoes
+it first.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.optim import optimizer as torch_optimizer
+
+from . import _registry
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "restore", "swap_in_local_tensors"]
+
+ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+)
+# Their state tensors shaped like the parameter (DTensors under the DTensor step); ``step`` is
+# a plain scalar tensor either way.
+_PER_PARAM_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"})
+
+
+@dataclass
+class _Swap:
+    # (the param group's list, index, the DTensor parameter, its local tensor)
+    params: list[tuple[list[Any], int, DTensor, torch.Tensor]] = field(default_factory=list)
+    # id of a local state tensor -> the DTensor state it came from (reused on the way back)
+    state_of_local: dict[int, DTensor] = field(default_factory=dict)
+
+
+# Optimizers whose step runs on local tensors right now (or whose step raised half-way).
+_active: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Swap] = weakref.WeakKeyDictionary()
+_restore_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def _only_our_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        return False
+    handles = _registry.optimizer_hook_handles  # [our pre-step hook, our post-step hook]
+    pre = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+    post = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+    return (
+        len(handles) == 2 and pre is not None and post is not None
+        and list(pre) == [handles[0].id] and list(post) == [handles[1].id]
+    )
+
+
+def _eligible(optimizer: torch.optim.Optimizer) -> bool:
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS or torch.compiler.is_compiling():
+        return False
+    if any(group.get("differentiable", False) for group in optimizer.param_groups):
+        return False
+    return _only_our_hooks(optimizer)
+
+
+def _placed_as(value: Any, p: DTensor) -> bool:
+    return value is None or isinstance(value, DTensor) and (
+        value.placements == p.placements and value.device_mesh == p.device_mesh
+        and value.shape == p.shape and value._local_tensor.shape == p._local_tensor.shape
+    )
+
+
+def swap_in_local_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """Before ``optimizer.step()``: let it step on local tensors where that gives the same
+    bits (see [Note: local optimizer step]); a no-op otherwise."""
+    restore(optimizer)  # a step that raised left its swap behind
+    if not _eligible(optimizer):
+        return
+    swaps: list[tuple[list[Any], int, DTensor, torch.Tensor]] = []
+    for group in optimizer.param_groups:
+        for index, p in enumerate(group["params"]):
+            if not isinstance(p, DTensor):
+                continue
+            grad = p.grad
+            if _registry.record_of(p) is None or not (grad is None or isinstance(grad, DTensor)):
+                return  # a DTensor we do not manage, or a plain gradient: the DTensor step
+            if not all(_placed_as(value, p) for key, value in optimizer.state.get(p, {}).items()
+                       if key in _PER_PARAM_STATE):
+                return  # state placed otherwise (DTensor would redistribute it, or refuse)
+            swaps.append((group["params"], index, p, p._local_tensor))
+    if not swaps:
+        return
+    swap = _Swap()
+    state = optimizer.state
+    for params, index, p, local in swaps:
+        grad = p.grad
+        local.grad = grad._local_tensor if isinstance(grad, DTensor) else None
+        params[index] = local
+        param_state = state.pop(p, None)
+        if param_state is not None:
+            local_state = {}
+            for key, value in param_state.items():
+                if isinstance(value, DTensor):
+                    swap.state_of_local[id(value._local_tensor)] = value
+                    value = value._local_tensor
+                local_state[key] = value
+            state[local] = local_state
+    swap.params = swaps
+    _active[optimizer] = swap
+    if optimizer not in _restore_hooked:
+        optimizer.register_state_dict_pre_hook(restore)
+        optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: restore(opt))
+        _restore_hooked.add(optimizer)
+
+
+def restore(optimizer: torch.optim.Optimizer) -> None:
+    """Undo :func:`swap_in_local_tensors`: the DTensor parameters back in the optimizer's lists,
+    its state keyed by them again, with DTensor values (new ones for state the step created)."""
+    swap = _active.pop(optimizer, None)
+    if swap is None:
+        return
+    state = optimizer.state
+    for params, index, p, local in swap.params:
+        params[index] = p
+        local.grad = None
+        local_state = state.pop(local, None)
+        if local_state is None:
+            continue
+        param_state = {}
+        for key, value in local_state.items():
+            if key in _PER_PARAM_STATE and isinstance(value, torch.Tensor) and not isinstance(
+                    value, DTensor):
+                original = swap.state_of_local.get(id(value))
+                if original is not None and original._local_tensor is value:
+                    value = original
+                else:
+                    value = DTensor.from_local(
+                        value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                        stride=p.stride(),
+                    )
+            param_state[key] = value
+        state[p] = param_state

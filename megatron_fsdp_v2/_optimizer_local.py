@@ -89,28 +89,74 @@ def _placed_as(value: Any, p: DTensor) -> bool:
     )
 
 
+@dataclass
+class _Positions:
+    """Where an optimizer holds managed DTensor parameters (cached: the hook runs every step)."""
+
+    param_count: int
+    generation: int
+    # (the param group's list, index, the DTensor parameter)
+    entries: list[tuple[list[Any], int, DTensor]]
+    # id(parameter) -> its per-parameter state values last seen placed as the parameter
+    placed_state: dict[int, tuple[Any, ...]] = field(default_factory=dict)
+
+
+_positions: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Positions] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _find_positions(optimizer: torch.optim.Optimizer) -> _Positions | None:
+    """The managed DTensor parameters of ``optimizer`` and where they are (cached while its
+    lists hold the same objects); None if it holds a DTensor this library does not manage."""
+    param_count = sum(len(g["params"]) for g in optimizer.param_groups)
+    cached = _positions.get(optimizer)
+    if (
+        cached is not None and cached.param_count == param_count
+        and cached.generation == _registry.wrap_generation[0]
+        and all(params[index] is p for params, index, p in cached.entries)
+    ):
+        return cached
+    entries = []
+    for group in optimizer.param_groups:
+        for index, p in enumerate(group["params"]):
+            if isinstance(p, DTensor):
+                if _registry.record_of(p) is None:
+                    _positions.pop(optimizer, None)
+                    return None
+                entries.append((group["params"], index, p))
+    found = _Positions(param_count, _registry.wrap_generation[0], entries)
+    _positions[optimizer] = found
+    return found
+
+
 def swap_in_local_tensors(optimizer: torch.optim.Optimizer) -> None:
     """Before ``optimizer.step()``: let it step on local tensors where that gives the same
     bits (see [Note: local optimizer step]); a no-op otherwise."""
     restore(optimizer)  # a step that raised left its swap behind
     if not _eligible(optimizer):
         return
+    positions = _find_positions(optimizer)
+    if positions is None:
+        return  # a DTensor we do not manage: the DTensor step
+    state = optimizer.state
     swaps: list[tuple[list[Any], int, DTensor, torch.Tensor]] = []
-    for group in optimizer.param_groups:
-        for index, p in enumerate(group["params"]):
-            if not isinstance(p, DTensor):
-                continue
-            grad = p.grad
-            if _registry.record_of(p) is None or not (grad is None or isinstance(grad, DTensor)):
-                return  # a DTensor we do not manage, or a plain gradient: the DTensor step
-            if not all(_placed_as(value, p) for key, value in optimizer.state.get(p, {}).items()
-                       if key in _PER_PARAM_STATE):
-                return  # state placed otherwise (DTensor would redistribute it, or refuse)
-            swaps.append((group["params"], index, p, p._local_tensor))
+    for params, index, p in positions.entries:
+        grad = p.grad
+        if not (grad is None or isinstance(grad, DTensor)):
+            return  # a plain gradient: the DTensor step
+        param_state = state.get(p)
+        if param_state:
+            values = tuple(param_state.get(key) for key in _PER_PARAM_STATE)
+            seen = positions.placed_state.get(id(p))
+            if seen is None or any(a is not b for a, b in zip(seen, values)):
+                if not all(_placed_as(value, p) for value in values):
+                    return  # state placed otherwise (DTensor would redistribute it, or refuse)
+                positions.placed_state[id(p)] = values
+        swaps.append((params, index, p, p._local_tensor))
     if not swaps:
         return
     swap = _Swap()
-    state = optimizer.state
     for params, index, p, local in swaps:
         grad = p.grad
         local.grad = grad._local_tensor if isinstance(grad, DTensor) else None

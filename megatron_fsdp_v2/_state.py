@@ -536,7 +536,12 @@ class FSDPState:
             reduced |= group.grads.reduce(self.is_last_backward, async_op=ctx.overlap)
         if reduced:
             ctx.log("reduce", self)
-            if ctx.overlap:
+            # Only reductions that hold a temporary bucket are drained early. One in place into
+            # a persistent buffer (the accumulate path's ``main_grad`` in its own dtype) costs
+            # no memory in flight: it runs on until the final callback, as DDP's bucket
+            # all-reduces do, instead of stalling the next unit's backward (measured: ``optim``
+            # on 4 gloo ranks waited 144 ms per step in backward before).
+            if ctx.overlap and any(g.grads.reduction_holds_temporary for g in self.groups):
                 ctx.reducing.append(self)
         self.backward_done = True
         self.training_state = TrainingState.IDLE

@@ -259,3 +259,43 @@ def _check_state_equal(models: list[nn.Module], opts: list[Any], step: int) -> N
 def test_state_placed_otherwise_takes_the_dtensor_step(ranks: RankPools) -> None:
     for counts in ranks.run(_state_placed_otherwise, 2, timeout_s=TIMEOUT_S):
         assert len(counts) == 2 and all(c > 0 for c in counts), counts
+
+
+def _training_loop_extras(rank: int, world: int, strategy: str) -> list[str]:
+    """What a training loop adds around the step: an LR scheduler, a ``GradScaler`` (its
+    ``unscale_`` and skipped-step check run on the DTensor gradients before the step), a param
+    group added after two steps, a parameter frozen after two steps. The local step must match
+    the DTensor step bitwise through all of it. Returns the failures."""
+    torch.manual_seed(0)
+    base = OddMLP()
+    models = [_wrap(copy.deepcopy(base), strategy) for _ in range(2)]
+    opts = [torch.optim.AdamW([p for n, p in m.named_parameters() if not n.startswith("out.")],
+                              lr=1e-2) for m in models]
+    opts[1].register_step_pre_hook(lambda *args: None)
+    schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in opts]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in opts]
+    failures = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(4, 15, generator=g), torch.randn(4, 3, generator=g)
+        for model, opt, scheduler, scaler in zip(models, opts, schedulers, scalers):
+            if step == 2:
+                opt.add_param_group({"params": list(model.out.parameters()), "lr": 5e-3})
+                model.inp.weight.requires_grad_(False)
+            scaler.scale(F.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            scheduler.step()
+            opt.zero_grad()
+        try:
+            _check_twins(models[0], opts[0], models[1], opts[1], f"{strategy} step {step}")
+        except AssertionError as e:
+            failures.append(str(e))
+    return failures
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_scheduler_scaler_and_changing_groups(ranks: RankPools, strategy: str) -> None:
+    for failures in ranks.run(_training_loop_extras, 2, strategy, timeout_s=TIMEOUT_S):
+        assert failures == []

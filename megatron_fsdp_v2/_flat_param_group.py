@@ -251,8 +251,10 @@ class FlatParamGroup:
         plan, dtypes, device = self.plan, self.dtypes, self.device
         alloc = torch.zeros if initial is None else torch.empty  # padding must read as zeros
         lo, hi = plan.model_weight_span
-        self.model_weight = alloc(hi - lo, dtype=dtypes.model, device=device)
-        if initial is not None:
+        # Empty when every gather casts the main shard itself (Refresh.CAST_AT_GATHER).
+        self.model_weight = alloc(hi - lo if plan.keeps_model_weight else 0, dtype=dtypes.model,
+                                  device=device)
+        if initial is not None and plan.keeps_model_weight:
             ops.pack_([initial[lo:hi]], [0], self.model_weight)
         main_lo, main_hi = plan.main_weight_span
         if plan.main_weight_separate:
@@ -288,7 +290,9 @@ class FlatParamGroup:
         nothing else, so a rank never keeps more than its own share."""
         item = self.layout.items[index]
         flat = full.detach().reshape(-1)
-        buffers = [(self.model_weight, self.plan.model_weight_span)]
+        buffers = []
+        if self.plan.keeps_model_weight:
+            buffers.append((self.model_weight, self.plan.model_weight_span))
         if self.plan.main_weight_separate:
             buffers.append((self.main_weight, self.plan.main_weight_span))
         for buffer, (start, end) in buffers:
@@ -452,11 +456,14 @@ class FlatParamGroup:
         if self._gathered:
             return False
         refresh: _reduce.Pending | None = None
+        cast_at_gather = self.plan.refresh is Refresh.CAST_AT_GATHER
         if self._weights_stale:
             # The cast, then the plan's refresh steps (HSDP outer optim: the outer all-gather
             # that rebuilds the inner shard), which the inner gather waits for where it launches.
-            refresh = _reduce.refresh_weights(self.plan, self.main_weight, self.model_weight,
-                                              self.axis_groups, self.issue, async_op)
+            # Nothing to rebuild when the gather below casts the main shard itself.
+            if not cast_at_gather:
+                refresh = _reduce.refresh_weights(self.plan, self.main_weight, self.model_weight,
+                                                  self.axis_groups, self.issue, async_op)
             self._weights_stale = False
         output = self.allocator.allocate(
             self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
@@ -466,9 +473,16 @@ class FlatParamGroup:
         # iterations (see [Note: trace-planned pool]), then they follow it.
         if not self._views_bound or output is not self._bound_to:
             self._bind_compute_views(output)
-        self._pending_weights = _reduce.gather_weights(
-            output, self.model_weight, self.process_group, self.issue, async_op, after=refresh
-        )
+        if cast_at_gather:
+            self._pending_weights = _reduce.cast_and_gather_weights(
+                output, self.main_weight, self.plan.main_weight_span[0], self.process_group,
+                self.issue, async_op,
+            )
+        else:
+            self._pending_weights = _reduce.gather_weights(
+                output, self.model_weight, self.process_group, self.issue, async_op,
+                after=refresh,
+            )
         self._gathered = True
         return True
 

@@ -77,9 +77,12 @@ class Refresh(enum.Enum):
     CAST_OWN_SLOT_THEN_GATHER = "cast own slot, all-gather"
     """Cast this rank's main shard into its slot of the replicated model weights, then one
     in-place all-gather (ZeRO-1/2)."""
-    CAST_SHARD = "cast shard"
-    """Cast the main shard into the sharded model weights; the next gather spreads it (ZeRO-3
-    with a separate main buffer)."""
+    CAST_AT_GATHER = "cast into each gather"
+    """ZeRO-3 with a separate main buffer: every gather casts this rank's main shard straight
+    into its own slot of the temporary ``unsharded_model_weight`` bucket and all-gathers that
+    slot in place, so no persistent compute-dtype shard exists (``model_weight`` is empty). One
+    cast per gather (2N per iteration) instead of one per optimizer step, for a shard's worth of
+    compute-dtype memory (FSDP2 also casts into its all-gather input at each gather)."""
     CAST_OWN_SLOT_THEN_OUTER_GATHER = "cast own slot, outer all-gather"
     """HSDP outer ``optim``: cast the main sub-shard into its slot of the inner-shard model
     weights (a no-op when they alias), then one in-place all-gather over the outer axis rebuilds
@@ -149,6 +152,12 @@ class BufferPlan:
     in place; see [Note: gradients in place] in ``_grads.py``. False: staged by ``pack_``."""
 
     @property
+    def keeps_model_weight(self) -> bool:
+        """Whether ``model_weight`` is a persistent buffer (empty with
+        :attr:`Refresh.CAST_AT_GATHER`: the main shard is cast into each gather instead)."""
+        return self.refresh is not Refresh.CAST_AT_GATHER
+
+    @property
     def reduces_in_place(self) -> bool:
         """Whether the gradient collective runs on ``main_grad`` itself (accumulate path, same
         dtype): otherwise through a temporary bucket in the communication dtype."""
@@ -187,7 +196,7 @@ def make_plan(
     reduce_op = Collective.REDUCE_SCATTER if shards_main else Collective.ALL_REDUCE
 
     if gathers:
-        refresh = Refresh.CAST_SHARD if separate else Refresh.NONE
+        refresh = Refresh.CAST_AT_GATHER if separate else Refresh.NONE
     elif shards_main:
         refresh = Refresh.CAST_OWN_SLOT_THEN_GATHER
     else:

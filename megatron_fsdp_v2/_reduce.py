@@ -20,8 +20,8 @@ from ._plan import BufferPlan, Collective, Refresh
 from ._profiling import traced
 
 __all__ = [
-    "Issue", "Pending", "gather_weights", "reduce_accumulated", "reduce_micro_batch",
-    "reduce_window", "refresh_weights",
+    "Issue", "Pending", "cast_and_gather_weights", "gather_weights", "reduce_accumulated",
+    "reduce_micro_batch", "reduce_window", "refresh_weights",
 ]
 
 # issue(description, launch, async_op=..., reduce=...) -> handle or None (already done)
@@ -205,6 +205,23 @@ def gather_weights(
         if after is not None:
             after.wait()
         return comm.all_gather_into(unsharded_model_weight, model_weight_shard, group, a)
+
+    return Pending(issue("all-gather", launch, async_op=async_op, reduce=False))
+
+
+def cast_and_gather_weights(
+    unsharded_model_weight: torch.Tensor, main_weight_shard: torch.Tensor, offset: int,
+    group: dist.ProcessGroup, issue: Issue, async_op: bool,
+) -> Pending:
+    """ZeRO-3 with a separate main buffer (``Refresh.CAST_AT_GATHER``): cast this rank's main
+    shard into its own slot of the temporary unsharded bucket (``offset``: where the slot
+    starts), then all-gather that slot in place. The same bits as casting into a persistent
+    shard first and gathering from it."""
+    own_slot = unsharded_model_weight[offset : offset + main_weight_shard.numel()]
+    ops.refresh_from_shard_(main_weight_shard, unsharded_model_weight, offset)
+
+    def launch(a: bool) -> dist.Work | None:
+        return comm.all_gather_into(unsharded_model_weight, own_slot, group, a)
 
     return Pending(issue("all-gather", launch, async_op=async_op, reduce=False))
 

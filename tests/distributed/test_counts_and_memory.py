@@ -121,7 +121,8 @@ def _memory_worker(rank: int, world: int) -> None:
             "no_shard": (full["model"], full["main"], full["grad"]),
             "optim": (full["model"], shard["main"], full["grad"]),
             "optim_grads": (full["model"], shard["main"], shard["grad"]),
-            "optim_grads_params": (shard["model"], shard["main"], shard["grad"]),
+            # bf16 compute, fp32 main: every gather casts the main shard (no bf16 shard kept).
+            "optim_grads_params": (0, shard["main"], shard["grad"]),
         }[strategy]
         got = (report.model_weights, report.main_weights, report.main_grads)
         for role, g, e, itemsize in zip(("model", "main", "grad"), got, expect, (2, 4, 4)):
@@ -190,3 +191,51 @@ def _memory_alias_and_optimizer_worker(rank: int, world: int) -> None:
 
 def test_memory_report_aliasing_and_optimizer_state() -> None:
     run_distributed(_memory_alias_and_optimizer_worker, 2, timeout_s=300)
+
+
+def _gathered_weights_worker(rank: int, world: int) -> list[str]:
+    """ZeRO-3 with bf16 compute and fp32 main weights keeps no bf16 shard: every gather casts
+    the main shard into its slot of the gathered bucket (``Refresh.CAST_AT_GATHER``). The
+    weights a block computes with, in forward and in backward, after optimizer steps, must be
+    bitwise the bf16 cast of the full main weights. Returns the mismatches."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=32, layers=2, heads=2)
+    for block in model.blocks:
+        fully_shard(block, sharding_strategy="optim_grads_params", mp_policy=mp)
+    fully_shard(model, sharding_strategy="optim_grads_params", mp_policy=mp)
+    groups = _groups(model)
+    assert all(g.model_weight.numel() == 0 for g in groups), "a bf16 shard was kept"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    expected: dict[str, torch.Tensor] = {}
+    mismatches: list[str] = []
+
+    checked: list[str] = []
+
+    def check(name: str, weight: torch.Tensor, when: str) -> None:
+        checked.append(when)
+        if weight.dtype != torch.bfloat16 or not torch.equal(
+                weight.detach().view(torch.int16), expected[name].view(torch.int16)):
+            mismatches.append(f"{when} {name}")
+
+    for i, block in enumerate(model.blocks):
+        name = f"blocks.{i}.fc1.weight"
+        block.fc1.register_forward_pre_hook(
+            lambda m, args, n=name: check(n, m.weight, "forward"))
+        block.fc1.register_full_backward_pre_hook(
+            lambda m, grad, n=name: check(n, m.weight, "backward"))
+    for step in range(3):
+        expected = {n: p.full_tensor().to(torch.bfloat16) for n, p in model.named_parameters()}
+        for micro in range(2):
+            model.set_is_last_backward(micro == 1)
+            lm_loss(model, make_batches("lm", 1, 1, world, 2, seed=10 * step + micro)[0][0][rank]
+                    ).backward()
+        opt.step()
+        opt.zero_grad()
+    # 2 blocks x 2 micro-batches x 3 steps, in forward and in backward.
+    return mismatches + [f"{len(checked)} checks"]
+
+
+def test_zero3_casts_main_shard_into_each_gather() -> None:
+    for mismatches in run_distributed(_gathered_weights_worker, 2, timeout_s=300):
+        assert mismatches == ["24 checks"], mismatches

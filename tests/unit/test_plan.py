@@ -22,7 +22,8 @@ TABLE = {
               Refresh.CAST_OWN_SLOT_THEN_GATHER),
     "optim_grads": (FULL, SHARD, SHARD, False, EACH, RS, Refresh.CAST_OWN_SLOT_THEN_GATHER,
                     Refresh.CAST_OWN_SLOT_THEN_GATHER),
-    "optim_grads_params": (SHARD, SHARD, SHARD, True, EACH, RS, Refresh.NONE, Refresh.CAST_SHARD),
+    "optim_grads_params": (SHARD, SHARD, SHARD, True, EACH, RS, Refresh.NONE,
+                           Refresh.CAST_AT_GATHER),
 }
 
 LAYOUT = build_layout([torch.Size([7, 5]), torch.Size([3])], 3)  # 3 ranks, uneven

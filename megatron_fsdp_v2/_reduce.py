@@ -217,13 +217,9 @@ def cast_and_gather_weights(
     shard into its own slot of the temporary unsharded bucket (``offset``: where the slot
     starts), then all-gather that slot in place. The same bits as casting into a persistent
     shard first and gathering from it."""
-    own_slot = unsharded_model_weight[offset : offset + main_weight_shard.numel()]
     ops.refresh_from_shard_(main_weight_shard, unsharded_model_weight, offset)
-
-    def launch(a: bool) -> dist.Work | None:
-        return comm.all_gather_into(unsharded_model_weight, own_slot, group, a)
-
-    return Pending(issue("all-gather", launch, async_op=async_op, reduce=False))
+    own_slot = unsharded_model_weight[offset : offset + main_weight_shard.numel()]
+    return gather_weights(unsharded_model_weight, own_slot, group, issue, async_op)
 
 
 @traced("mfsdp::refresh")

@@ -40,6 +40,7 @@ from ._compile import eager_hook
 from ._context import FSDPContext, TrainingState
 from ._flat_param_group import FlatParamGroup
 from ._materialize import materialize
+from ._plan import GradPath
 from ._profiling import traced
 from ._slots import ParamSlots
 from .api import MixedPrecisionPolicy
@@ -500,13 +501,12 @@ class FSDPState:
 
     def prepare_gradients(self) -> None:
         """Before this unit's parameters receive gradients: let autograd write them into the
-        flat buffers (see [Note: gradients in place] in ``_grads.py``). Not in a unit with units
-        nested below it (typically the root: embeddings, output head): its backward spans theirs,
-        so its buffer would be allocated before their backward, at the activation peak, although
-        most of its gradients arrive at the end; staging them then costs less peak memory."""
-        if self.owns_nested_units:
-            return
+        flat buffers (see [Note: gradients in place] in ``_grads.py``, which says why a unit
+        with units nested below it does so only on the accumulate path)."""
         for group in self.groups:
+            accumulates = group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE
+            if self.owns_nested_units and not accumulates:
+                continue
             group.grads.prepare_backward()
 
     def post_backward(self) -> None:

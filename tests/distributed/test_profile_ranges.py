@@ -23,19 +23,21 @@ from _pool import RankPools
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 # Every strategy, every step: the hooks and the gradient path of the accumulate-then-reduce or
-# reduce-each plans all stage, reduce, wait and install.
+# reduce-each plans all reduce, wait and install.
 _ALWAYS = {
-    "mfsdp::unshard", "mfsdp::post_backward", "mfsdp::stage", "mfsdp::reduce", "mfsdp::wait",
+    "mfsdp::unshard", "mfsdp::post_backward", "mfsdp::reduce", "mfsdp::wait",
     "mfsdp::finish_reduce", "mfsdp::install", "mfsdp::final_callback", "mfsdp::free",
     "mfsdp::optimizer_pre_step",
 }
 # What the plan adds: a refresh of replicated compute weights after a step (optim, optim_grads);
-# a gather of sharded ones (optim_grads_params).
+# a gather of sharded ones (optim_grads_params); staging of gradients (fp32 gradients go in
+# place on the accumulate path, so no_shard and optim never stage; on the reduce-each path the
+# root does, and ZeRO-3 every unit: see [Note: gradients in place]).
 _BY_STRATEGY = {
     "no_shard": set(),
     "optim": {"mfsdp::refresh"},
-    "optim_grads": {"mfsdp::refresh"},
-    "optim_grads_params": {"mfsdp::gather"},
+    "optim_grads": {"mfsdp::refresh", "mfsdp::stage"},
+    "optim_grads_params": {"mfsdp::gather", "mfsdp::stage"},
 }
 
 

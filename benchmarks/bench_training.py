@@ -8,6 +8,8 @@
     python benchmarks/bench_training.py --model units --world 2 --rounds 3   # per-unit cost
     python benchmarks/bench_training.py --model units --world 2 --systems no_shard,ddp \
         --fsdp-kwargs reduce_bucket_size_mb=25   # coalesced reductions vs DDP's buckets
+    python benchmarks/bench_training.py --model units --world 2 --systems optim,zero1 \
+        --fsdp-kwargs reduce_bucket_size_mb=25,refresh_bucket_size_mb=25   # and refreshes
 
 ``--world``, ``--mp`` and ``--micro-batches`` take comma-separated lists; each combination is
 one configuration with its own table (and, with several, a closing table of ratios per
@@ -30,7 +32,9 @@ one, then the root; DDP/ZeRO-1: the whole model), ``--batch-size`` random 16-wid
 micro-batch and rank, MSE loss against random targets, the same AdamW and clipping (``--optimizer
 sgd``: SGD with momentum instead, for both models). It measures the fixed cost every unit pays
 (hooks, one collective launch per group) rather than compute or bandwidth; ``--fsdp-kwargs
-reduce_bucket_size_mb=...`` shows what coalescing the reductions buys.
+reduce_bucket_size_mb=...`` shows what coalescing the reductions buys, and
+``refresh_bucket_size_mb=...`` what coalescing the refresh all-gathers of ``optim`` and
+``optim_grads`` after each step buys.
 
 Every system trains the same model (the GPT of ``examples/model.py`` by default) from the same
 initial weights on the same synthetic data with the same AdamW, gradient clipping and

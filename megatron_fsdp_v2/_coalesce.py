@@ -62,18 +62,18 @@ __all__ = ["ReductionCoalescer", "validate_bucket_size"]
 _BUCKET_KEY = ("tree", "reduce_bucket")
 
 
-def validate_bucket_size(value: object) -> float | None:
-    """``reduce_bucket_size_mb``: ``None`` or a positive, finite number of MiB."""
+def validate_bucket_size(value: object, name: str = "reduce_bucket_size_mb") -> float | None:
+    """A bucket size argument ``name``: ``None`` or a positive, finite number of MiB."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(
-            f"reduce_bucket_size_mb must be None or a number of MiB (e.g. 25), got "
+            f"{name} must be None or a number of MiB (e.g. 25), got "
             f"{type(value).__name__} {value!r}"
         )
     if not math.isfinite(value) or value <= 0:
         raise ValueError(
-            f"reduce_bucket_size_mb must be a positive, finite number of MiB (e.g. 25), got "
+            f"{name} must be a positive, finite number of MiB (e.g. 25), got "
             f"{value!r}; pass None for one collective per parameter group"
         )
     return float(value)

@@ -13,6 +13,7 @@ from ._allocator import BucketAllocator
 from ._coalesce import ReductionCoalescer
 from ._flat_param_group import FlatParamGroup
 from ._profiling import traced
+from ._refresh_buckets import RefreshCoalescer
 from ._trace_pool import TracePoolAllocator
 
 if TYPE_CHECKING:
@@ -62,6 +63,13 @@ class FSDPContext:
         self.coalescer: ReductionCoalescer | None = None
         if root.reduce_bucket_size_mb is not None:
             self.coalescer = ReductionCoalescer(root.reduce_bucket_size_mb, self.allocator)
+        # The tree's refresh buckets (the root's refresh_bucket_size_mb; see [Note: refresh
+        # buckets] in _refresh_buckets.py), None: one refresh all-gather per group.
+        self.refresh_coalescer: RefreshCoalescer | None = None
+        if root.refresh_bucket_size_mb is not None:
+            self.refresh_coalescer = RefreshCoalescer(
+                root.refresh_bucket_size_mb, self.allocator, root.overlap
+            )
 
     def log(self, event: str, state: FSDPState) -> None:
         if self.events is not None:
@@ -181,6 +189,11 @@ class FSDPContext:
             s.training_state is TrainingState.PRE_BACKWARD for s in self.states
         )
         error: BaseException | None = None
+        if self.refresh_coalescer is not None:
+            try:  # refresh buckets in flight are matched across ranks: wait, then drop the plan
+                self.refresh_coalescer.settle()
+            except Exception as e:  # noqa: BLE001 - reported below, after the reset
+                error = e
         for state in self.states:
             for group in state.groups:
                 if error is None:

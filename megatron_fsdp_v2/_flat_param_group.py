@@ -34,6 +34,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,9 @@ from ._layout import BufferLayout, ItemLayout
 from ._plan import Extent, Refresh, make_plan
 from ._profiling import traced
 from .api import ResolvedDtypes, ShardingStrategy
+
+if TYPE_CHECKING:
+    from ._refresh_buckets import RefreshBucket
 
 __all__ = ["FlatParamGroup", "ParamRecord", "mesh_device"]
 
@@ -183,6 +187,9 @@ class FlatParamGroup:
         self.grads = GroupGrads(self)  # main_grad, the gradient path, what the optimizer sees
         self._pending_weights: _reduce.Pending | None = None
         self._weights_stale = False
+        # The refresh bucket planned for this group's next refresh, if any (see [Note: refresh
+        # buckets] in _refresh_buckets.py).
+        self.refresh_bucket: RefreshBucket | None = None
         self._gathered = False
         self._main_version = self.dist_param_version()
 
@@ -489,6 +496,9 @@ class FlatParamGroup:
     def _refresh(self, async_op: bool) -> bool:
         if not self._weights_stale:
             return False
+        bucket = self.refresh_bucket
+        if bucket is not None:  # issuing it makes this group fresh (take_refresh)
+            return bucket.coalescer.issue_through(bucket, async_op)
         self._weights_stale = False
         self._pending_weights = _reduce.refresh_weights(
             self.plan, self.main_weight, self.model_weight, self.axis_groups, self.issue,
@@ -496,10 +506,16 @@ class FlatParamGroup:
         )
         return self._pending_weights is not None
 
+    def take_refresh(self, pending: _reduce.Pending) -> None:
+        """This group's refresh was issued as part of a bucket; ``pending`` completes it."""
+        self.wait_for_compute_weights()
+        self._weights_stale = False
+        self._pending_weights = pending
+
     def wait_for_compute_weights(self) -> None:
         pending, self._pending_weights = self._pending_weights, None
         if pending is not None:
-            pending.wait()
+            pending.finish()
 
     @traced("mfsdp::free")
     def free_gathered_weights(self) -> bool:

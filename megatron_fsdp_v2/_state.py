@@ -111,6 +111,8 @@ class FSDPState:
         self.enable_trace_pool = False  # see [Note: trace-planned pool]; all units agree
         # fully_shard's reduce_bucket_size_mb (see [Note: reduction buckets] in _coalesce.py).
         self.reduce_bucket_size_mb: float | None = None
+        # fully_shard's refresh_bucket_size_mb (see [Note: refresh buckets]).
+        self.refresh_bucket_size_mb: float | None = None
         # [Note: keeping gathered weights] ZeRO-3 units free their gathered weights after
         # forward and after backward. ``reshard_after_forward=False`` keeps them from a forward
         # (with grad) to its backward; ``reshard_after_backward=False`` keeps them from a
@@ -209,6 +211,7 @@ class FSDPState:
         # One allocator and one reduction coalescer serve the whole tree.
         _require_same(named, self, "enable_trace_pool", "one allocator serves them all")
         _require_same(named, self, "reduce_bucket_size_mb", "the buckets span units")
+        _require_same(named, self, "refresh_bucket_size_mb", "the buckets span units")
         ctx = FSDPContext(self, states)
         # [Note: gradients in place] only in units with no unit below them (prepare_gradients):
         # every proper prefix of a unit's name that names a unit is a parent.
@@ -364,15 +367,22 @@ class FSDPState:
         for group in self.ctx.groups:
             group.grads.sweep()
             group.detect_main_weight_edits()
+        order = self.ctx.forward_order or self.ctx.states
+        buckets = self.ctx.refresh_coalescer
+        if buckets is not None:  # see [Note: refresh buckets]
+            buckets.plan([g for state in order for g in state.groups if g.needs_refresh])
         if self.ctx.overlap:
             # [Note: replicated-buffer refresh] is in place, so refreshing every unit at once
             # costs no memory: launch all refresh all-gathers now, in forward order, and let
             # each unit wait for its own in its pre-forward, overlapping the earlier units'
-            # compute.
-            for state in self.ctx.forward_order or self.ctx.states:
+            # compute. Refresh buckets: the first two, then one more as each completes.
+            for state in order:
                 issued = False
                 for group in state.groups:
-                    if group.needs_refresh and not group.plan.gathers_weights:
+                    if (
+                        group.needs_refresh and not group.plan.gathers_weights
+                        and (buckets is None or buckets.issues_now(group))
+                    ):
                         issued |= group.ready_compute_weights(async_op=True)
                 if issued:
                     self.ctx.log("refresh", state)
@@ -432,6 +442,8 @@ class FSDPState:
         self.training_state = TrainingState.IDLE
         if self.is_root:
             ctx.recording_order = False
+            if ctx.refresh_coalescer is not None:  # no refresh bucket outlives the forward
+                ctx.refresh_coalescer.settle()
             for state in ctx.states:  # prefetched but never run (skipped by control flow)
                 if not state._keeps_weights_for_backward() and state.reshard():
                     ctx.log("reshard", state)

@@ -352,6 +352,7 @@ def fully_shard(
     enable_trace_pool: bool = False,
     collective_impl: str = "native",
     reduce_bucket_size_mb: float | None = None,
+    refresh_bucket_size_mb: float | None = None,
 ) -> FSDPModule:
     """Shard ``module``'s parameters, gradients and/or optimizer state over a data-parallel mesh.
 
@@ -458,6 +459,15 @@ def fully_shard(
             unaffected; ``overlap=False`` runs every reduction at once, uncoalesced. Every unit
             of a model must pass the same value (``ValueError`` at the first forward); a 2-D
             (HSDP) mesh raises ``NotImplementedError``. See README "Many small units".
+        refresh_bucket_size_mb: ``None`` (the default): one all-gather per parameter group
+            rebuilds the replicated compute weights after each optimizer step (``optim``,
+            ``optim_grads``). A size in MiB (DeepSpeed's ``allgather_bucket_size``): those
+            all-gathers of consecutive groups, in forward order, run as one per bucket of at
+            most this size (gathered bytes), through temporary buckets (at most two alive);
+            bitwise the same weights. Worth it for many small units. ``no_shard`` and
+            ``optim_grads_params`` are unaffected. Every unit of a model must pass the same
+            value (``ValueError`` at the first forward); a 2-D (HSDP) mesh raises
+            ``NotImplementedError``. See README "Many small units".
 
     Coming from FSDP2: ``reshard_after_forward``, FSDP2's ``MixedPrecisionPolicy`` (with
     ``output_dtype``) and ``offload_policy=OffloadPolicy()`` are accepted; FSDP2's methods
@@ -492,11 +502,18 @@ def fully_shard(
     check_param_init_fn(param_init_fn)
     collective_impl = parse_collective_impl(collective_impl)
     reduce_bucket_size_mb = validate_bucket_size(reduce_bucket_size_mb)
+    refresh_bucket_size_mb = validate_bucket_size(refresh_bucket_size_mb,
+                                                  "refresh_bucket_size_mb")
     axes = validate_mesh(mesh, outer_strategy, strategy)
     if reduce_bucket_size_mb is not None and axes.outer is not None:
         raise NotImplementedError(
             "reduce_bucket_size_mb with a 2-D (HSDP) mesh is not supported: the window's outer "
             "reductions are per group. Pass reduce_bucket_size_mb=None, or use a 1-D mesh"
+        )
+    if refresh_bucket_size_mb is not None and axes.outer is not None:
+        raise NotImplementedError(
+            "refresh_bucket_size_mb with a 2-D (HSDP) mesh is not supported: the refresh runs "
+            "over both axes per group. Pass refresh_bucket_size_mb=None, or use a 1-D mesh"
         )
     mesh = axes.mesh
     # Checks of what this rank holds (its parameters) may fail on one rank only. With
@@ -546,6 +563,8 @@ def fully_shard(
             extra["collective_impl"] = collective_impl
         if reduce_bucket_size_mb is not None:  # likewise
             extra["reduce_bucket_size_mb"] = reduce_bucket_size_mb
+        if refresh_bucket_size_mb is not None:  # likewise
+            extra["refresh_bucket_size_mb"] = refresh_bucket_size_mb
         signature = unit_signature(
             module, managed, strategy, mp_policy, gradient_scaling_factor, timeout=timeout,
             max_padding_ratio=max_padding_ratio, overlap=overlap,
@@ -608,6 +627,7 @@ def fully_shard(
     state = FSDPState(module, groups, mp_policy, allocator)
     state.overlap = overlap
     state.reduce_bucket_size_mb = reduce_bucket_size_mb
+    state.refresh_bucket_size_mb = refresh_bucket_size_mb
     state.reshard_after_forward = reshard
     state.enable_trace_pool = enable_trace_pool
     _registry.set_state(module, state)

@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from . import _registry, ops
 from ._comm_groups import library_comm_groups
-from ._flat_param_group import FlatParamGroup
+from ._flat_param_group import FlatParamGroup, ParamRecord
 from ._grads import finalize_unsynchronized
 from .api import SUPPORTED_DTYPES
 
@@ -39,13 +39,12 @@ __all__ = ["clip_grad_norm_"]
 # first. No rank returns before its all-reduces.
 
 
-def _process_group(p: DTensor) -> dist.ProcessGroup:
+def _process_group(p: DTensor, record: ParamRecord | None) -> dist.ProcessGroup:
     # The library's own group for fully_shard parameters (it carries the collective timeout,
     # see fully_shard's ``timeout``); the mesh's group otherwise.
     # On an HSDP mesh with outer optim it spans the whole mesh (every rank holds a distinct
     # sub-shard); otherwise the inner group (outer replicas hold the same gradients).
-    owner = _registry.group_of(p)
-    return owner.norm_process_group if owner is not None else p.device_mesh.get_group()
+    return record.group.norm_process_group if record is not None else p.device_mesh.get_group()
 
 
 def _group_key(group: dist.ProcessGroup) -> tuple[tuple[int, ...], str]:
@@ -90,6 +89,7 @@ def _local_norm_part(tensors: list[torch.Tensor], norm_type: float,
     return total
 
 
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
     *, error_if_nonfinite: bool = False,
@@ -132,11 +132,13 @@ def clip_grad_norm_(
     # A window no backward marked last is reduced now, so the norm sees every gradient. The
     # groups come from the parameters, in list order (the same on every rank for the lists the
     # note below allows).
+    # One registry look-up per parameter (a weak-key dictionary: microseconds each, which adds
+    # up on many small parameters).
+    records = [_registry.record_of(p) for p in params]
     unsynchronized: dict[int, FlatParamGroup] = {}
-    for p in params:
-        owner = _registry.group_of(p)
-        if owner is not None:
-            unsynchronized.setdefault(id(owner), owner)
+    for record in records:
+        if record is not None:
+            unsynchronized.setdefault(id(record.group), record.group)
     finalize_unsynchronized(unsynchronized.values(), "clip_grad_norm_")
     # See [Note: clipping collectives].
     groups: dict[int, dist.ProcessGroup] = {}
@@ -144,12 +146,12 @@ def clip_grad_norm_(
     replicated: list[torch.Tensor] = []
     library_param_seen = False
     device: torch.device | None = None
-    for p in params:
+    for p, record in zip(params, records):
         grad = p.grad
-        if _registry.record_of(p) is not None:
+        if record is not None:
             library_param_seen = True
         if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
-            group = _process_group(p)
+            group = _process_group(p, record)
             groups.setdefault(id(group), group)
             if grad is not None:
                 sharded.setdefault(id(group), []).append(grad.to_local())

@@ -213,8 +213,8 @@ class FSDPState:
         _require_same(named, self, "reduce_bucket_size_mb", "the buckets span units")
         _require_same(named, self, "refresh_bucket_size_mb", "the buckets span units")
         ctx = FSDPContext(self, states)
-        # [Note: gradients in place] only in units with no unit below them (prepare_gradients):
-        # every proper prefix of a unit's name that names a unit is a parent.
+        # [Note: gradients in place] a unit with units below it arms on the accumulate path only
+        # (prepare_gradients): every proper prefix of a unit's name that names a unit is a parent.
         names = {name for name, _ in named}
         parents = {""} if len(named) > 1 else set()
         for name, _ in named:

@@ -6,10 +6,10 @@ refresh all-gather per parameter group (``refresh_bucket_size_mb=None``, what th
 compare with single-process PyTorch) and once coalesced, and requires bitwise the same losses
 and parameters (copies move bits). The coalesced run must issue fewer all-gathers
 (``CommDebugMode``), report what it coalesced, hold no refresh bucket after a forward, and keep
-its temporary peak within two buckets. Variants: no overlap, a unit skipped by control flow, an
-eval forward between steps, a forward that raises half-way (recovery), the trace-planned pool,
-uneven shards at world 3. The argument checks are shared with ``reduce_bucket_size_mb`` in
-``test_coalescing.py``.
+its temporary peak within two buckets. Variants: no overlap, a unit skipped by control flow,
+an inference-mode forward between steps, a forward that raises half-way (recovery), the
+trace-planned pool, uneven shards at world 3. The argument checks are shared with
+``reduce_bucket_size_mb`` in ``test_coalescing.py``.
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, mp: st
                 model(x[rank])
             model.fail = False
         if variant == "eval" and step == 2:
-            with torch.no_grad():  # refreshes everything; the training forward finds it fresh
-                losses.append(F.mse_loss(model(x[rank]), y[rank]))
+            # Refreshes everything (bucket copies written under inference mode); the training
+            # forward then finds every group fresh.
+            with torch.inference_mode():
+                losses.append(F.mse_loss(model(x[rank]), y[rank]).clone())
         model.skip = 2 if variant == "skip" and step == 2 else None
         with CommDebugMode() as comm:
             loss = F.mse_loss(model(x[rank]), y[rank])
@@ -122,6 +124,7 @@ CASES = [
     (2, "optim", MID, "fp32", "skip"),
     (2, "optim_grads", HUGE, "bf16", "skip"),
     (2, "optim", MID, "fp32", "eval"),
+    (2, "optim_grads", MID, "bf16", "eval"),
     (2, "optim", MID, "bf16", "pool"),
     (2, "optim_grads", MID, "fp32", "pool"),
     (2, "optim", MID, "fp32", "fail"),

@@ -224,11 +224,5 @@ class RefreshCoalescer:
     def issues_now(self, group: FlatParamGroup) -> bool:
         """Whether the root's launch of every refresh issues ``group``'s now: a group on its
         own, or in a bucket while fewer than two are alive (the rest follow as they complete)."""
-        bucket = group.refresh_bucket
-        return bucket is None or len(self._alive) < _MAX_ALIVE
-
-    @property
-    def alive(self) -> int:
-        """Buckets issued and not completed."""
-        return len(self._alive)
+        return group.refresh_bucket is None or len(self._alive) < _MAX_ALIVE
 

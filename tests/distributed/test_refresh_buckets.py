@@ -106,8 +106,6 @@ def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, mp: st
         "live_after_forward": live_after_forward,
         "stats": None if coalescer is None else (coalescer.coalesced_collectives,
                                                  coalescer.coalesced_groups),
-        "groups": sum(len(state_of(m).groups) for m in model.modules()  # type: ignore[union-attr]
-                      if state_of(m) is not None),
     }
 
 

@@ -203,9 +203,21 @@ class ReductionCoalescer:
         handle = first.issue(what, launch, async_op=True, reduce=True)
         allocator = self.allocator
 
+        if all(target.dtype == comm_dtype for _, target in outputs):
+            # A copy without a cast: one foreach call (the same bits as the kernel, whose
+            # unit scale is exact), not a kernel launch and its checks per group.
+            reduced_parts = [reduced for reduced, _ in outputs]
+            targets = [target for _, target in outputs]
+
+            def copy_out() -> None:
+                torch._foreach_copy_(targets, reduced_parts)
+        else:
+            def copy_out() -> None:
+                for reduced, target in outputs:
+                    ops.reduce_scatter_copy_out_(reduced, target)
+
         def finish() -> None:
-            for reduced, target in outputs:
-                ops.reduce_scatter_copy_out_(reduced, target)
+            copy_out()
             allocator.free(_BUCKET_KEY)
 
         return _reduce.Pending(handle, finish)

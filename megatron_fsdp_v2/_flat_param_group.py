@@ -533,6 +533,12 @@ class FlatParamGroup:
     def is_gathered(self) -> bool:
         return self._gathered
 
+    @property
+    def holds_weight_work(self) -> bool:
+        """Gathered weights or an in-flight gather or refresh: what
+        :meth:`free_gathered_weights` acts on (a cheap check for the many hooks that ask)."""
+        return self._gathered or self._pending_weights is not None
+
     # ------------------------------------------------------------------ accounting
 
     def memory_bytes(self) -> dict[str, int]:

@@ -130,6 +130,9 @@ class GroupGrads:
         self.group = group
         self.state = GradState.EMPTY
         self._main_grad: torch.Tensor | None = None  # storage freed while EMPTY
+        # Whether ``_main_grad`` has its storage (release_storage frees it): checked several
+        # times per group per step, cheaper than asking the storage.
+        self._main_grad_allocated = False
         self._pending: list[_reduce.Pending] = []
         # The delayed reduction queued in the tree's reduction buckets (see [Note: reduction
         # buckets] in _coalesce.py); ``coalescer`` is set by the root's lazy init when the tree
@@ -158,12 +161,16 @@ class GroupGrads:
         """``main_grad`` with its storage allocated (one tensor object for life, so cached
         gradient views stay valid; see [Note: storage-freeing buckets])."""
         main_grad = self._main_grad
+        if self._main_grad_allocated:
+            assert main_grad is not None
+            return main_grad
         if main_grad is None:
             lo, hi = self.group.plan.main_grad_span
             main_grad = torch.empty(hi - lo, dtype=self.group.dtypes.grad, device=self.group.device)
             self._main_grad = main_grad
-        elif main_grad.untyped_storage().nbytes() == 0:
+        else:
             main_grad.untyped_storage().resize_(main_grad.numel() * main_grad.element_size())
+        self._main_grad_allocated = True
         return main_grad
 
     def main_grad_local(self) -> torch.Tensor:
@@ -178,6 +185,7 @@ class GroupGrads:
         self._free_window_grad()
         if self._main_grad is not None:
             self._main_grad.untyped_storage().resize_(0)
+        self._main_grad_allocated = False
         self.state = GradState.EMPTY
         self._installed = [None] * len(self._installed)
         self._any_installed = False
@@ -273,16 +281,16 @@ class GroupGrads:
         if buffer is None:
             return
         armed: list[int | None] = []
-        with torch.no_grad():
-            for record, alias in zip(group.records, self._aliases_of(buffer)):
-                param = record.compute_param
-                if not param.requires_grad:
-                    armed.append(None)
-                    continue
-                if param.grad is not None:  # left by user code: keep its contribution
+        for record, alias in zip(group.records, self._aliases_of(buffer)):
+            param = record.compute_param
+            if not param.requires_grad:
+                armed.append(None)
+                continue
+            if param.grad is not None:  # left by user code: keep its contribution
+                with torch.no_grad():  # entered only here: a measurable cost per group
                     alias.add_(param.grad)
-                param.grad = alias
-                armed.append(alias._version)
+            param.grad = alias
+            armed.append(alias._version)
         self._armed = armed
 
     def _disarm(self) -> None:

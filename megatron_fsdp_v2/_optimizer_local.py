@@ -29,6 +29,7 @@ it first.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,9 +148,9 @@ def swap_in_local_tensors(optimizer: torch.optim.Optimizer) -> None:
             return  # a plain gradient: the DTensor step
         param_state = state.get(p)
         if param_state:
-            values = tuple(param_state.get(key) for key in _PER_PARAM_STATE)
+            values = tuple(map(param_state.get, _PER_PARAM_STATE))
             seen = positions.placed_state.get(id(p))
-            if seen is None or any(a is not b for a, b in zip(seen, values)):
+            if seen is None or not all(map(operator.is_, seen, values)):
                 if not all(_placed_as(value, p) for value in values):
                     return  # state placed otherwise (DTensor would redistribute it, or refuse)
                 positions.placed_state[id(p)] = values

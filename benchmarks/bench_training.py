@@ -59,7 +59,9 @@ allocates never shows in another's peak.
   hits every system alike; each runs ``--warmup`` untimed then ``--steps`` timed steps with
   nothing else active (no counter, default allocator settings). A step's time is the slowest
   rank's (ranks start each step after a barrier); the table shows the median and interquartile
-  range over all timed steps of all rounds.
+  range over all timed steps of all rounds. Step-time ratios also show the range of the
+  per-round ratios (``paired_round_ratios``: each round's median against the peer's in the same
+  round), the spread a difference has to exceed before it says anything.
 * **Losses**: the table shows each system's largest loss difference from DDP over all steps
   (they must agree, or the timing means nothing), the loss curves, and each system's largest
   difference between its own runs.
@@ -582,6 +584,7 @@ def summarize(system: str, measured: list[dict[str, Any]], timed_runs: list[list
               a: dict[str, Any]) -> dict[str, Any]:
     """Aggregate one system: its measurement run (per-rank results) and its timing runs."""
     timed: list[float] = []
+    round_medians: list[float] = []  # one per timing round, for paired_round_ratios
     curves: list[list[float]] = []
     for ranks in [measured] + timed_runs:
         steps = len(ranks[0]["losses"])
@@ -589,6 +592,8 @@ def summarize(system: str, measured: list[dict[str, Any]], timed_runs: list[list
     for ranks in timed_runs:
         per_step = [max(r["times"][s] for r in ranks) for s in range(len(ranks[0]["times"]))]
         timed += per_step[a["warmup"]:]
+        if per_step[a["warmup"]:]:
+            round_medians.append(statistics.median(per_step[a["warmup"]:]))
     longest = max(curves, key=len)
     comm = max((r["comm"] for r in measured), key=lambda c: c["total_wire_bytes"])
     tokens = (a["world_size"] * a["micro_batches"] * a["batch_size"]
@@ -609,7 +614,8 @@ def summarize(system: str, measured: list[dict[str, Any]], timed_runs: list[list
     if timed:
         q = statistics.quantiles(timed, n=4) if len(timed) >= 2 else [timed[0]] * 3
         out.update(step_s_median=statistics.median(timed), step_s_p25=q[0], step_s_p75=q[2],
-                   step_s_all=timed, tokens_per_s=tokens / statistics.median(timed))
+                   step_s_all=timed, step_s_round_medians=round_medians,
+                   tokens_per_s=tokens / statistics.median(timed))
     if a["device"] == "cuda":
         out["peak_mib"] = max(max(r["cuda_peak_build"], r["cuda_peak_train"])
                               for r in measured) / MiB
@@ -635,6 +641,25 @@ def _fmt_calls(calls: dict[str, int]) -> str:
 
 def _ratio(x: float | None, y: float | None) -> str:
     return f"{x / y:.2f}x" if x is not None and y else "n/a"
+
+
+def paired_round_ratios(ours: dict[str, Any], peer: dict[str, Any]) -> list[float]:
+    """Step time ours / peer per timing round: each round's median against the peer's median
+    in the same round. A round runs the systems back to back, so a machine that is slower
+    for a while (other load, 4 ranks sharing 2 cores) slows both sides of a ratio alike; the
+    spread of these ratios is what a difference must exceed to be real."""
+    xs = ours.get("step_s_round_medians") or []
+    ys = peer.get("step_s_round_medians") or []
+    return [x / y for x, y in zip(xs, ys) if y]
+
+
+def _step_ratio(ours: dict[str, Any], peer: dict[str, Any]) -> str:
+    """The median ratio, and with two rounds or more the range of the per-round ratios."""
+    text = _ratio(ours.get("step_s_median"), peer.get("step_s_median"))
+    rounds = paired_round_ratios(ours, peer)
+    if len(rounds) >= 2:
+        text += f" [{min(rounds):.2f}-{max(rounds):.2f}]"
+    return text
 
 
 _MP_DESC = {"fp32": "fp32",
@@ -701,7 +726,7 @@ def render_matrix(summaries: list[dict[str, Any]]) -> str:
     """One line per configuration: step-time and peak-above-base ratios of ours to each peer."""
     systems = summaries[0]["config"]["systems"]
     pairs = [(o, p) for o, p in PEERS.items() if o in systems and p in systems]
-    lines = ["## Matrix: ours / peer (step time, peak RSS above base)", "",
+    lines = ["## Matrix: ours / peer (step time [per-round range], peak RSS above base)", "",
              "| world | mp | micro-batches | " + " | ".join(f"{o} / {p}" for o, p in pairs) + " |",
              "|---|---|---|" + "---|" * len(pairs)]
     for summary in summaries:
@@ -709,7 +734,7 @@ def render_matrix(summaries: list[dict[str, Any]]) -> str:
         cells = []
         for o, p in pairs:
             if o in rows and p in rows:
-                step = _ratio(rows[o].get("step_s_median"), rows[p].get("step_s_median"))
+                step = _step_ratio(rows[o], rows[p])
                 peak = _ratio(rows[o]["peak_above_base_mib"], rows[p]["peak_above_base_mib"])
                 cells.append(f"{step}, {peak}")
             else:
@@ -759,7 +784,10 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
             f"| {r['label']} | {step} | {tps} | {r['comm_mib']:.1f} | "
             f"{r['comm_expected_mib']:.1f} | {_fmt_calls(r['comm']['calls'])} | "
             f"{r['peak_mib']:.0f} | {r['peak_above_base_mib']:.0f} | {buffers} | {loss_diff} |")
-    lines += ["", "Ratios, ours / closest peer (below 1: ours is faster, leaner or sends less):",
+    lines += ["", "Ratios, ours / closest peer (below 1: ours is faster, leaner or sends less; "
+              "step time: the ratio of the medians over all timed steps, then [lowest-highest] "
+              "of the per-round ratios, each round's median against the peer's in the same "
+              "round):",
               "",
               "| ours | peer | step time | peak memory | peak above base | comm bytes |",
               "|---|---|---|---|---|---|"]
@@ -772,8 +800,7 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
                          "excluded) | | | |")
             continue
         o, p = rows[ours], rows[peer]
-        lines.append(f"| {o['label']} | {p['label']} | "
-                     f"{_ratio(o.get('step_s_median'), p.get('step_s_median'))} | "
+        lines.append(f"| {o['label']} | {p['label']} | {_step_ratio(o, p)} | "
                      f"{_ratio(o['peak_mib'], p['peak_mib'])} | "
                      f"{_ratio(o['peak_above_base_mib'], p['peak_above_base_mib'])} | "
                      f"{_ratio(o['comm_mib'], p['comm_mib'])} |")

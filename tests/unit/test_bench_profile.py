@@ -1,4 +1,5 @@
-"""benchmarks/bench_training.py's --profile arithmetic and its configuration flags.
+"""benchmarks/bench_training.py's --profile arithmetic, its per-round step-time ratios and its
+configuration flags.
 
 The breakdown ([Note: profile breakdown] there) sums the union of matching ranges inside the
 benchmark's step ranges on the training thread: nested and overlapping ranges count once, time
@@ -87,3 +88,31 @@ def test_matrix_and_quick_flags() -> None:
 def test_bad_flags_exit(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         bench.parse_args(argv)
+
+
+def _ranks(times_per_round: list[list[float]]) -> tuple[list[dict], list[list[dict]]]:
+    """(measurement run, timing runs) of one system on two ranks; rank 1 is 10% slower, so the
+    slowest rank's times are what counts."""
+    def run(times: list[float]) -> list[dict]:
+        return [{"rank": r, "losses": [1.0] * len(times),
+                 "times": [t * (1 + r / 10) for t in times],
+                 "comm": {"total_wire_bytes": 0, "calls": {}}, "peak_rss_kib": 1024,
+                 "rss_base_kib": 512, "train_hwm_kib": None} for r in range(2)]
+    return run([0.0]), [run(times) for times in times_per_round]
+
+
+def test_paired_round_ratios() -> None:
+    a = dict(warmup=1, world_size=2, micro_batches=1, batch_size=2, seq_len=4, model="gpt",
+             num_params=10, mesh=None, mp="fp32", device="cpu", fsdp_kwargs={})
+    # The second round ran on a machine twice as slow, for both systems: the per-round ratios
+    # do not see it. The first step of each round is the warm-up; rank 1 is the slowest (x1.1).
+    ours = bench.summarize("no_shard", *_ranks([[9.0, 1.1, 1.0, 1.2], [9.0, 2.0, 2.2, 2.0]]), a)
+    peer = bench.summarize("ddp", *_ranks([[9.0, 1.1, 1.1, 1.0], [9.0, 2.0, 2.0, 2.4]]), a)
+    assert ours["step_s_round_medians"] == pytest.approx([1.21, 2.2])
+    assert peer["step_s_round_medians"] == pytest.approx([1.21, 2.2])
+    assert bench.paired_round_ratios(ours, peer) == pytest.approx([1.0, 1.0])
+    faster = bench.summarize("ddp", *_ranks([[9.0, 1.0, 1.0, 1.0], [9.0, 2.0, 2.0, 2.0]]), a)
+    assert bench.paired_round_ratios(ours, faster) == pytest.approx([1.1, 1.0])
+    assert bench._step_ratio(ours, faster).endswith("[1.00-1.10]")
+    one_round = bench.summarize("ddp", *_ranks([[9.0, 1.0]]), a)
+    assert "[" not in bench._step_ratio(one_round, one_round)  # no range from a single round

@@ -610,10 +610,21 @@ class GroupGrads:
         if (
             self.group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE
             and self.state is GradState.REDUCED
-            and not bool(self.main_grad_local().any())
+            and _all_zeros(self.main_grad_local())
         ):
-            self.ensure_main_grad().zero_()
+            # The optimizer-facing part is zero already (zero_grad(set_to_none=False) zeroed
+            # the installed views): zero only the rest of main_grad, the other ranks' regions
+            # after a reduce-scatter (nothing for no_shard), instead of writing the whole buffer
+            # a second time (measured: 10 ms of a 110 ms forward, 1-rank 29.5M GPT).
+            self._zero_outside_local()
             self.restart_accumulation_from_zeros()
+
+    def _zero_outside_local(self) -> None:
+        main_grad = self.ensure_main_grad()
+        offset = self.group.plan.main_grad_span[0]
+        lo, hi = self.group.plan.main_weight_span
+        main_grad[: lo - offset].zero_()
+        main_grad[hi - offset :].zero_()
 
     def finalize(self) -> bool:
         """Reduce and install gradients that no backward marked as the last of its window
@@ -631,6 +642,16 @@ class GroupGrads:
     def memory_bytes(self) -> int:
         lo, hi = self.group.plan.main_grad_span
         return (hi - lo) * self.group.dtypes.grad.itemsize if self.group.requires_grad else 0
+
+
+def _all_zeros(tensor: torch.Tensor) -> bool:
+    """Whether every element is zero (``-0.0`` included; NaN is not). One ``aminmax`` pass:
+    2.4x faster than ``Tensor.any()`` on CPU (7 against 17 ms over 29.5M fp32 elements, 2
+    threads), and it runs once per group and step after ``zero_grad(set_to_none=False)``."""
+    if tensor.numel() == 0:
+        return True
+    low, high = torch.aminmax(tensor)
+    return bool((low == 0) & (high == 0))
 
 
 def finalize_unsynchronized(groups: Iterable[FlatParamGroup], where: str) -> None:

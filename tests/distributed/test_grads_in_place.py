@@ -178,7 +178,9 @@ def _case(rank: int, world: int, strategy: str, mp: str, micro: int, variant: st
     stages on the reduce-each path: see ``FSDPState.prepare_gradients``). ``variant``: ``plain``;
     ``create_graph`` (the last micro-batch's backward with ``create_graph=True``: autograd
     replaces ``.grad``); ``replaced`` (a hook replaces a compute parameter's ``.grad`` by an
-    equal tensor); ``retain_graph`` (each micro-batch's backward twice)."""
+    equal tensor); ``retain_graph`` (each micro-batch's backward twice); ``zeros`` (every
+    optimizer clears with ``zero_grad(set_to_none=False)``: the next window finds zeroed
+    gradients and accumulates on them in place, on the one-collective path)."""
     torch.manual_seed(0)
     base = Net(ckpt)
     ref = copy.deepcopy(base)
@@ -231,7 +233,7 @@ def _case(rank: int, world: int, strategy: str, mp: str, micro: int, variant: st
             ours, ref, False, f"{where}, vs torch", *ref_tol, ref=True))
         for opt in opts:
             opt.step()
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=variant != "zeros")
         if create_graph:  # torch's .grad holds a graph: drop it
             for p in ref.parameters():
                 p.grad = None
@@ -248,6 +250,7 @@ CASES = [
     *[(2, s, "fp32", 2, v) for s in STRATEGIES for v in ("create_graph", "replaced",
                                                          "retain_graph")],
     *[(3, s, "fp32", n, "plain") for s in STRATEGIES for n in (1, 3)],
+    *[(w, s, "fp32", 2, "zeros") for w in (2, 3) for s in STRATEGIES],
 ]
 
 
@@ -265,14 +268,15 @@ def test_matches_staging_and_torch(ranks: RankPools, world: int, strategy: str, 
         root = units.count("<root>")
         if not root_in_place:  # the root stages every backward
             assert root >= STEPS * micro, units
-        elif variant in ("plain", "replaced"):
+        elif variant in ("plain", "replaced", "zeros"):
             assert root == 0, f"the root staged although in place: {units}"
         else:  # create_graph replaces .grad; retain_graph's second backward finds REDUCED
             assert root >= STEPS, units
         nested = sorted({u for u in units if u != "<root>"})
         if strategy not in IN_PLACE or mp == "bf16":
             assert nested == ["block", "shared"], f"expected staging in every unit: {units}"
-        elif mp == "fp32" and (variant == "plain" or variant == "retain_graph" and not accumulates):
+        elif mp == "fp32" and (variant in ("plain", "zeros")
+                               or variant == "retain_graph" and not accumulates):
             assert nested == [], f"gradients were staged although in place: {units}"
         elif variant == "replaced":
             assert nested == ["block"], f"expected the replaced gradient staged: {units}"

@@ -414,7 +414,7 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
             with _range("bench::optimizer", ranges):
                 clip()
                 opt.step()
-                opt.zero_grad(set_to_none=True)
+                opt.zero_grad(set_to_none=a["zero_grad"] == "none")
             if device.type == "cuda":
                 torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -934,6 +934,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "backward, exposed communication, optimizer step and copy kernels per "
                         "step, side by side with the peer")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps per system")
+    p.add_argument("--zero-grad", choices=["none", "zeros"], default="none",
+                   help="every system's optimizer.zero_grad between steps: none = "
+                        "set_to_none=True (free gradient memory where the system can), zeros = "
+                        "set_to_none=False (keep it allocated and zero it in place)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -1073,6 +1077,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{heads} heads, vocab {args.vocab})")
         batch_desc = f"{args.batch_size} x {args.seq_len} tokens"
     optimizer_desc = "AdamW" if args.optimizer == "adamw" else "SGD (momentum 0.9)"
+    optimizer_desc += (", zero_grad(set_to_none=True)" if args.zero_grad == "none"
+                       else ", zero_grad(set_to_none=False)")
     summaries, tables = [], []
     for world in args.worlds:
         for mp_name in args.mps:

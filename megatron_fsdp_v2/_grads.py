@@ -130,9 +130,6 @@ class GroupGrads:
         self.group = group
         self.state = GradState.EMPTY
         self._main_grad: torch.Tensor | None = None  # storage freed while EMPTY
-        # Whether ``_main_grad`` has its storage (release_storage frees it): checked several
-        # times per group per step, cheaper than asking the storage.
-        self._main_grad_allocated = False
         self._pending: list[_reduce.Pending] = []
         # The delayed reduction queued in the tree's reduction buckets (see [Note: reduction
         # buckets] in _coalesce.py); ``coalescer`` is set by the root's lazy init when the tree
@@ -161,31 +158,30 @@ class GroupGrads:
         """``main_grad`` with its storage allocated (one tensor object for life, so cached
         gradient views stay valid; see [Note: storage-freeing buckets])."""
         main_grad = self._main_grad
-        if self._main_grad_allocated:
-            assert main_grad is not None
-            return main_grad
         if main_grad is None:
             lo, hi = self.group.plan.main_grad_span
             main_grad = torch.empty(hi - lo, dtype=self.group.dtypes.grad, device=self.group.device)
             self._main_grad = main_grad
-        else:
+        elif main_grad.untyped_storage().nbytes() == 0:
             main_grad.untyped_storage().resize_(main_grad.numel() * main_grad.element_size())
-        self._main_grad_allocated = True
         return main_grad
+
+    def _local_bounds(self) -> tuple[int, int]:
+        """Where in ``main_grad`` the optimizer-facing gradients lie."""
+        offset = self.group.plan.main_grad_span[0]
+        lo, hi = self.group.plan.main_weight_span
+        return lo - offset, hi - offset
 
     def main_grad_local(self) -> torch.Tensor:
         """The part of ``main_grad`` behind the optimizer-facing gradients."""
-        main_grad = self.ensure_main_grad()
-        offset = self.group.plan.main_grad_span[0]
-        lo, hi = self.group.plan.main_weight_span
-        return main_grad[lo - offset : hi - offset]
+        lo, hi = self._local_bounds()
+        return self.ensure_main_grad()[lo:hi]
 
     def release_storage(self) -> None:
         self._drop_carry()
         self._free_window_grad()
         if self._main_grad is not None:
             self._main_grad.untyped_storage().resize_(0)
-        self._main_grad_allocated = False
         self.state = GradState.EMPTY
         self._installed = [None] * len(self._installed)
         self._any_installed = False
@@ -620,11 +616,10 @@ class GroupGrads:
             self.restart_accumulation_from_zeros()
 
     def _zero_outside_local(self) -> None:
+        lo, hi = self._local_bounds()
         main_grad = self.ensure_main_grad()
-        offset = self.group.plan.main_grad_span[0]
-        lo, hi = self.group.plan.main_weight_span
-        main_grad[: lo - offset].zero_()
-        main_grad[hi - offset :].zero_()
+        main_grad[:lo].zero_()
+        main_grad[hi:].zero_()
 
     def finalize(self) -> bool:
         """Reduce and install gradients that no backward marked as the last of its window

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _registry
 from ._layout import BufferLayout
+from ._param_classes import check_param_class
 from .api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 
 __all__ = [
@@ -189,6 +190,7 @@ def collect_managed_params(
                     "tensors only: pass it in ignored_params, or wrap the module before "
                     "distributing its parameters otherwise"
                 )
+            check_param_class(fqn, param)
             managed.append(ManagedParam(fqn, param))
     for m in managed:
         p = m.param

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: PyTorch (CUDA build when the machine offers it, so the CUDA kernels are
-# compiled even without a GPU), test tools (and transformers, for the Hugging Face tests), and the
-# extension, built in place. Idempotent: a
-# second run only rebuilds what changed.
+# compiled even without a GPU), test tools (transformers for the Hugging Face tests, torchao for
+# the tensor-subclass tests; the package needs neither at run time), and the extension, built in
+# place. Idempotent: a second run only rebuilds what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,6 +24,9 @@ fi
 RUFF_VERSION=0.17.6
 MYPY_VERSION=2.4.1
 TRANSFORMERS_VERSION=5.24.0
+# torchao: a test dependency only (tests/distributed/test_subclass_params.py: its float8, NF4 and MX
+# tensor-subclass parameters), installed with --no-deps so that it can never change torch.
+TORCHAO_VERSION=0.18.0
 TEST_DEPS=(pytest pytest-timeout numpy ninja setuptools wheel hypothesis
            "ruff==${RUFF_VERSION}" "mypy==${MYPY_VERSION}" "transformers==${TRANSFORMERS_VERSION}")
 RUFF_VERSION=$RUFF_VERSION MYPY_VERSION=$MYPY_VERSION TRANSFORMERS_VERSION=$TRANSFORMERS_VERSION \
@@ -39,6 +42,9 @@ def ok(name, version):
         return False
 sys.exit(not all(ok(n, v) for n, v in want.items()))
 PY
+
+python -c "import importlib.metadata as md, sys; sys.exit(md.version('torchao') != '${TORCHAO_VERSION}')" \
+    2>/dev/null || $PIP install --no-deps "torchao==${TORCHAO_VERSION}"
 
 # One CUDA arch keeps the CI build short; an explicit TORCH_CUDA_ARCH_LIST wins.
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"

@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, ShardingStrategy, _comm_groups, fully_shard
 from megatron_fsdp_v2._registry import state_of
@@ -51,8 +52,11 @@ def snapshot(module: nn.Module) -> list[Any]:
 
 
 def _has_data(p: torch.Tensor) -> bool:
-    """False for meta tensors and for ZeRO-3 compute parameters whose storage is freed."""
-    if p.device.type == "meta":
+    """False for meta tensors, a lazy module's uninitialized parameters, wrapper subclasses
+    (their identity is compared instead: not every one supports ``equal``) and ZeRO-3 compute
+    parameters whose storage is freed."""
+    if (p.device.type == "meta" or isinstance(p, nn.UninitializedParameter)
+            or is_traceable_wrapper_subclass(p)):
         return False
     if p.layout is not torch.strided:
         return True

@@ -22,7 +22,10 @@ slots (``module._parameters``, not its children's) or a meta buffer:
 3. copies each parameter's rows that this rank's buffers hold (``write_full_param``) and puts
    the DTensor parameters back, dropping the full-size tensors.
 
-So the random stream is consumed module by module in construction order, and with the same seed
+A module whose ``reset_parameters`` covers a subtree (a parent that re-initializes its
+children) is called after that subtree instead, and initializers that cannot be reproduced are
+refused: see [Note: initializers that cover a subtree] in ``_init_order.py``, which plans the
+calls. So the random stream is consumed module by module in construction order, and with the same seed
 the values equal, bitwise, those of the model built on the device, as long as construction
 initializes each module's parameters by its ``reset_parameters`` (true of torch's layers; a
 custom module whose ``__init__`` draws for its parameters after building its children would
@@ -67,6 +70,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _registry
 from ._flat_param_group import FlatParamGroup
+from ._init_order import InitCall, plan_init_calls, refuse_unreproducible_inits
 from ._slots import owned_modules
 
 __all__ = [
@@ -138,8 +142,9 @@ def materialize_hook(module: nn.Module, *args: Any) -> None:
 
 
 def materialize(root: nn.Module) -> None:
-    """Give every pending unit in ``root``'s tree its values (see [Note: meta materialization]).
-    Local: no collective. Cheap when nothing is pending."""
+    """Give every pending unit in ``root``'s tree its values (see [Note: meta materialization]
+    and [Note: initializers that cover a subtree]). Local: no collective. Cheap when nothing is
+    pending."""
     if not _pending:
         return
     units = {id(m): (m, _pending[m]) for m in root.modules() if m in _pending}
@@ -150,22 +155,58 @@ def materialize(root: nn.Module) -> None:
         for _, submodule in owned_modules(module):
             owner[id(submodule)] = unit
     pending_groups = {id(g) for _, unit in units.values() for g in unit.groups if g.pending_init}
-    work = []
-    for name, module in root.named_modules():
-        holder = owner.get(id(module))
-        if holder is not None:
+    slots_of: dict[int, list[tuple[str, str]]] = {}
+    for module in root.modules():
+        if id(module) in owner:
             slots = _pending_slots(module, pending_groups)
             if slots:
-                _check_initializer(name, module, holder, slots[0])
-                work.append((name, module, holder))
+                slots_of[id(module)] = slots
+
+    def has_pending(module: nn.Module) -> bool:
+        return id(module) in slots_of
+
+    def may_cover(module: nn.Module) -> bool:
+        unit = owner.get(id(module))
+        return unit is not None and unit.param_init_fn is None
+
+    # Everything that can refuse runs before anything is drawn or written.
+    refuse_unreproducible_inits(root, has_pending, may_cover)
+    calls = plan_init_calls(root, has_pending, may_cover)
+    covered = _covered_modules(calls)
+    for call in calls:
+        if has_pending(call.module) and id(call.module) not in covered:
+            _check_initializer(call.name, call.module, owner[id(call.module)],
+                               slots_of[id(call.module)][0])
     written: set[int] = set()  # records that got their value in this pass
-    for name, module, holder in work:
-        _materialize_module(name, module, holder, pending_groups, written)
+    installed: list[_Installed] = []  # full-size values not yet written (see _Installed)
+    try:
+        for call in calls:
+            unit = owner[id(call.module)]
+            _install_module(call.name, call.module, unit, pending_groups, installed)
+            if call.covering:
+                _share_tied(installed)
+            _run_initializer(call.module, unit)
+            if call.commit:
+                _commit(installed, written)
+                installed.clear()
+    finally:
+        for entry in reversed(installed):  # an initializer raised: put the placeholders back
+            entry.restore()
     for module, unit in units.values():
         for group in unit.groups:
             group.finish_materialization()
         del _pending[module]
         _check_nothing_left(module)
+
+
+def _covered_modules(calls: list[InitCall]) -> set[int]:
+    """Modules below a covering module: their parameters may be set by its ``reset_parameters``
+    alone (checked after it ran, see ``_commit``)."""
+    covered: set[int] = set()
+    for call in calls:
+        if call.covering:
+            covered.update(id(m) for m in call.module.modules() if m is not call.module)
+    return covered
 
 
 def _pending_slots(module: nn.Module, pending_groups: set[int]) -> list[tuple[str, str]]:
@@ -197,53 +238,125 @@ def _check_initializer(
     )
 
 
-def _materialize_module(
+@dataclass(eq=False)
+class _Installed:
+    """A full-size tensor put in a parameter slot for an initializer to write, until its value
+    is written to the flat buffers (``_commit``) and ``placeholder`` (the unit's compute
+    parameter) goes back in the slot. ``version``: the tensor's version counter when
+    installed, to tell whether an initializer wrote it. A buffer materialized in a module
+    without an initializer is tracked too (``record`` and ``placeholder`` None: it stays)."""
+
+    name: str
+    module: nn.Module
+    slot: str
+    record: Any
+    placeholder: nn.Parameter | None
+    value: torch.Tensor
+    version: int
+    has_initializer: bool
+
+    def current(self) -> torch.Tensor | None:
+        slots = self.module._parameters if self.record is not None else self.module._buffers
+        return slots[self.slot]
+
+    def restore(self) -> None:
+        if self.placeholder is not None:
+            self.module._parameters[self.slot] = self.placeholder
+
+
+def _install_module(
     name: str, module: nn.Module, unit: _PendingUnit, pending_groups: set[int],
-    written: set[int],
+    installed: list[_Installed],
 ) -> None:
-    temporaries: dict[str, tuple[Any, bool]] = {}  # slot -> (record, first holder)
+    """Replace ``module``'s meta buffers for good and put fresh full-size tensors in the slots of
+    its pending parameters (slots that already hold one are left as they are)."""
+    has_initializer = unit.param_init_fn is not None or callable(
+        getattr(module, "reset_parameters", None)
+    )
+    for slot, buffer in list(module._buffers.items()):
+        if buffer is not None and buffer.device.type == "meta":
+            value = torch.empty_like(buffer, device=unit.device)
+            module._buffers[slot] = value
+            if not has_initializer:  # a covering module above must set it: checked
+                installed.append(_Installed(_join(name, slot), module, slot, None, None, value,
+                                            value._version, has_initializer))
     for slot, param in module._parameters.items():
         record = _registry.record_of(param) if param is not None else None
         if record is None or id(record.group) not in pending_groups:
             continue
-        temporaries[slot] = (record, id(record) not in written)
-        written.add(id(record))
-    meta_buffers = [
-        slot for slot, b in module._buffers.items() if b is not None and b.device.type == "meta"
-    ]
-    if not temporaries and not meta_buffers:
-        return
-    for slot in meta_buffers:
-        buffer = module._buffers[slot]
-        assert buffer is not None
-        module._buffers[slot] = torch.empty_like(buffer, device=unit.device)
-    saved = {slot: module._parameters[slot] for slot in temporaries}
+        group = record.group
+        value = nn.Parameter(
+            torch.empty(record.item.shape, dtype=group.param_dtype, device=group.device),
+            requires_grad=record.dist_param.requires_grad,
+        )
+        assert param is not None
+        installed.append(_Installed(_join(name, slot), module, slot, record, param, value,
+                                    value._version, has_initializer))
+        module._parameters[slot] = value
+
+
+def _share_tied(installed: list[_Installed]) -> None:
+    """Before a covering ``reset_parameters``: a parameter tied between modules of its subtree
+    is one tensor there, as after construction's tying, holding the first holder's value."""
+    first: dict[int, _Installed] = {}
+    for entry in installed:
+        if entry.record is None:
+            continue
+        holder = first.setdefault(id(entry.record), entry)
+        if holder is not entry and entry.current() is entry.value:
+            entry.module._parameters[entry.slot] = holder.value  # type: ignore[assignment]
+
+
+def _run_initializer(module: nn.Module, unit: _PendingUnit) -> None:
+    with torch.no_grad():
+        if unit.param_init_fn is not None:
+            unit.param_init_fn(module)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()  # type: ignore[operator]
+        # else: a module below a covering one, initialized by that one's reset_parameters
+
+
+def _commit(installed: list[_Installed], written: set[int]) -> None:
+    """Write each installed parameter's value to the flat buffers (the first holder of a tied
+    parameter wins, as construction followed by tying) and put the placeholders back."""
     try:
-        for slot, (record, _) in temporaries.items():
-            group = record.group
-            module._parameters[slot] = nn.Parameter(
-                torch.empty(record.item.shape, dtype=group.param_dtype, device=group.device),
-                requires_grad=record.dist_param.requires_grad,
-            )
-        with torch.no_grad():
-            if unit.param_init_fn is not None:
-                unit.param_init_fn(module)
-            else:
-                module.reset_parameters()  # type: ignore[operator]
-        for slot, (record, first) in temporaries.items():
-            value = module._parameters[slot]
+        for entry in installed:
+            value = entry.current()
+            record = entry.record
+            unwritten = value is entry.value and value._version == entry.version
+            if record is None:  # a buffer of a module without an initializer
+                if unwritten:
+                    raise RuntimeError(
+                        f"materializing buffer '{entry.name}': its module "
+                        f"({type(entry.module).__name__}) has no reset_parameters() and the "
+                        "reset_parameters() of the module above it that covers its subtree "
+                        "did not write it. Initialize it there, give "
+                        f"{type(entry.module).__name__} a reset_parameters(), or pass "
+                        "param_init_fn"
+                    )
+                continue
             if value is None or value.shape != record.item.shape or value.device.type == "meta":
-                what = "param_init_fn" if unit.param_init_fn is not None else "reset_parameters"
                 raise RuntimeError(
-                    f"materializing '{_join(name, slot)}': {what} of {type(module).__name__} "
-                    f"left it as {_describe(value)}, expected a tensor of shape "
-                    f"{tuple(record.item.shape)} on {record.group.device}; initialize the "
-                    "parameter in place (nn.init.*, .copy_) instead of replacing it"
+                    f"materializing '{entry.name}': the initializer of "
+                    f"{type(entry.module).__name__} left it as {_describe(value)}, expected a "
+                    f"tensor of shape {tuple(record.item.shape)} on {record.group.device}; "
+                    "initialize the parameter in place (nn.init.*, .copy_) instead of "
+                    "replacing it"
                 )
-            if first:
+            if unwritten and not entry.has_initializer:
+                raise RuntimeError(
+                    f"materializing '{entry.name}': its module ({type(entry.module).__name__}) "
+                    "has no reset_parameters() and the reset_parameters() of the module above "
+                    "it that covers its subtree did not write it; nothing of that subtree was "
+                    "materialized. Initialize it in that reset_parameters(), give "
+                    f"{type(entry.module).__name__} a reset_parameters(), or pass param_init_fn"
+                )
+            if id(record) not in written:
+                written.add(id(record))
                 record.group.write_full_param(record.index, value)
     finally:
-        module._parameters.update(saved)
+        for entry in reversed(installed):
+            entry.restore()
 
 
 def _check_nothing_left(module: nn.Module) -> None:

@@ -311,7 +311,8 @@ class SideStreamSleep:
     collective lands late, and a consumer that reads its output, or a free that reuses its
     buffer, without waiting on the collective's event sees wrong bits. Synchronous launches
     (``overlap=False``) and gloo launches on CPU are passed through unchanged. ``count`` is the
-    number of collectives delayed; a CUDA run that delays none proves nothing."""
+    number of collectives launched on a side stream (delayed when ``cycles`` > 0); a CUDA run
+    that launched none there proves nothing."""
 
     def __init__(self, cycles: int) -> None:
         from megatron_fsdp_v2 import _collectives
@@ -324,7 +325,7 @@ class SideStreamSleep:
         amplifier = self
 
         def run(streams, launch, *, async_op, reduce):  # type: ignore[no-untyped-def]
-            if not (async_op and streams.is_cuda and amplifier.cycles > 0):
+            if not (async_op and streams.is_cuda):
                 return original(streams, launch, async_op=async_op, reduce=reduce)
 
             def delayed(flag):  # type: ignore[no-untyped-def]
@@ -335,7 +336,8 @@ class SideStreamSleep:
                         "sleep injection would delay the wrong stream; update SideStreamSleep"
                     )
                 amplifier.count += 1
-                torch.cuda._sleep(amplifier.cycles)
+                if amplifier.cycles > 0:
+                    torch.cuda._sleep(amplifier.cycles)
                 return launch(flag)
 
             return original(streams, delayed, async_op=async_op, reduce=reduce)

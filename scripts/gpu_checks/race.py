@@ -65,8 +65,9 @@ def main() -> None:
                     c.assert_bitwise(f"{label}: parameters, overlap on vs off", on[1], off[1])
                     if device.type == "cuda" and delayed == 0:
                         raise c.CheckFailed(f"{label}: no collective ran on a side stream")
-                    print(f"[{name}] {label}: bitwise equal ({delayed} collectives delayed "
-                          f"by {args.sleep_cycles} cycles)" if device.type == "cuda" else
+                    print(f"[{name}] {label}: bitwise equal ({delayed} collectives on side "
+                          f"streams, each after a {args.sleep_cycles}-cycle sleep)"
+                          if device.type == "cuda" else
                           f"[{name}] {label}: bitwise equal (cpu: gloo async, no delay)")
                 except Exception as e:  # noqa: BLE001 - one line per failing case
                     failures.append(f"{label}: {type(e).__name__}: {e}")

@@ -25,11 +25,11 @@ slots (``module._parameters``, not its children's) or a meta buffer:
 A module whose ``reset_parameters`` covers a subtree (a parent that re-initializes its
 children) is called after that subtree instead, and initializers that cannot be reproduced are
 refused: see [Note: initializers that cover a subtree] in ``_init_order.py``, which plans the
-calls. So the random stream is consumed module by module in construction order, and with the same seed
-the values equal, bitwise, those of the model built on the device, as long as construction
-initializes each module's parameters by its ``reset_parameters`` (true of torch's layers; a
-custom module whose ``__init__`` draws for its parameters after building its children would
-differ). A parameter tied between modules takes its value from the first module in order that
+calls. So the random stream is consumed module by module in construction order, and with the
+same seed the values equal, bitwise, those of the model built on the device, as long as
+construction initializes each module's parameters by its ``reset_parameters`` (true of torch's
+layers; a custom module whose ``__init__`` draws for its parameters inline, without an
+initializer method, would differ). A parameter tied between modules takes its value from the first module in order that
 holds it; later holders still run their init on a scratch copy that is dropped, which is what
 construction followed by tying (``head.weight = tok.weight``) consumes. Peak memory: this
 rank's buffers plus one module's full parameters.

@@ -2,8 +2,8 @@
 
 ``torch.compile`` traces custom ops with FakeTensors: each op needs a kernel that
 checks metadata and produces output metadata without touching data. ``pack_``
-and ``fp8_quantize_`` return nothing, so their fake kernels only validate (with the same messages as the
-C++ checks, so errors surface at trace time). ``register_fake`` also serves the
+and ``fp8_quantize_`` return nothing, so their fake kernels only validate (with the
+same messages as the C++ checks, so errors surface at trace time). ``register_fake`` also serves the
 Meta device. Imported by ``megatron_fsdp_v2.ops`` only when the extension (and
 therefore the op schemas) is loaded.
 """

@@ -14,8 +14,15 @@ Inputs: the parameter list of a 12-layer, 768-wide GPT (50304-token embedding,
 CPU, 512M on CUDA). "bytes" counts bytes read plus bytes written (an accumulating
 destination is read and written). Times are medians over --iters after warm-up.
 
+The fp8 suite (``--suite fp8``, also part of ``all``) times ``fp8_quantize_`` (fp32
+main-weight shard -> float8_e4m3fn with its amax, one pass) against torch's two-pass
+expression, ``(x * scale).clamp(-max, max).to(fp8)`` plus ``x.abs().amax()``: for one
+shard and for a flat group of 64 shards (one call against a per-shard loop and against
+the ``_foreach_*`` equivalent), at each of --fp8-numels elements.
+
     python benchmarks/bench_kernels.py --device cpu --iters 10
     python benchmarks/bench_kernels.py --device cuda --iters 50 --dtype bfloat16
+    python benchmarks/bench_kernels.py --suite fp8 --threads 2 --fp8-numels 1M,16M
 """
 
 from __future__ import annotations
@@ -201,6 +208,74 @@ def build_jobs(device: torch.device, dtype: torch.dtype, flat_numel: int) -> lis
     ]
 
 
+def parse_numel(text: str) -> int:
+    """'16M' -> 16 * 2**20, '512K' -> 512 * 2**10, '1000' -> 1000."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+def build_fp8_jobs(device: torch.device, numels: list[int],
+                   fp8: torch.dtype = torch.float8_e4m3fn) -> list[Job]:
+    """fp8_quantize_ against torch's two-pass quantize + amax, one shard and 64 shards."""
+    max_finite = torch.finfo(fp8).max
+    fmt = str(fp8).removeprefix("torch.float8_")
+    gen = torch.Generator(device=device).manual_seed(1)
+    jobs = []
+    for n in numels:
+        label = f"{n >> 20}M" if n % (1 << 20) == 0 else str(n)
+        x = torch.randn(n, generator=gen, device=device) * 100
+        scale = torch.tensor(max_finite / 400.0, device=device)
+        flat8 = torch.empty(n, dtype=fp8, device=device)
+        amax = torch.empty((), device=device)
+
+        def expression(x=x, scale=scale):
+            return (x * scale).clamp(-max_finite, max_finite).to(fp8), x.abs().amax()
+
+        def expression_into_flat(x=x, scale=scale, flat8=flat8, amax=amax):
+            flat8.copy_((x * scale).clamp(-max_finite, max_finite).to(fp8))
+            amax.copy_(x.abs().amax())
+
+        jobs.append(Job(
+            f"fp8_quantize f32->{fmt}+amax {label}", n * 5,
+            lambda x=x, scale=scale, flat8=flat8, amax=amax: mops.fp8_quantize_(
+                [x], [scale], [0], flat8, [amax]),
+            {"torch expr + amax (new)": expression,
+             "torch expr->copy_ + amax": expression_into_flat},
+        ))
+
+        # A flat group: 64 shards, each with its own scale; amaxes are views of one
+        # buffer (what one all-reduce of all amaxes needs).
+        shards = list(x.tensor_split(64))
+        offsets = [0]
+        for shard in shards[:-1]:
+            offsets.append(offsets[-1] + shard.numel())
+        scales = [torch.tensor(max_finite / (300.0 + i), device=device) for i in range(64)]
+        amax_buf = torch.empty(64, device=device)
+        amaxes = list(amax_buf.unbind())
+        views8 = [flat8.narrow(0, o, sh.numel()) for o, sh in zip(offsets, shards)]
+
+        def loop(shards=shards, scales=scales, views8=views8, amaxes=amaxes):
+            for shard, sc, view, am in zip(shards, scales, views8, amaxes):
+                view.copy_((shard * sc).clamp(-max_finite, max_finite).to(fp8))
+                am.copy_(shard.abs().amax())
+
+        def foreach(shards=shards, scales=scales, views8=views8, amax_buf=amax_buf):
+            scaled = torch._foreach_mul(shards, scales)
+            torch._foreach_clamp_min_(scaled, -max_finite)
+            torch._foreach_clamp_max_(scaled, max_finite)
+            torch._foreach_copy_(views8, scaled)
+            amax_buf.copy_(torch.stack(torch._foreach_norm(shards, float("inf"))))
+
+        jobs.append(Job(
+            f"fp8_quantize 64 shards {label}", n * 5,
+            lambda shards=shards, scales=scales, offsets=offsets, flat8=flat8, amaxes=amaxes:
+                mops.fp8_quantize_(shards, scales, offsets, flat8, amaxes),
+            {"per-shard torch loop": loop, "_foreach_ mul/clamp/copy/norm": foreach},
+        ))
+    return jobs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -212,6 +287,10 @@ def main() -> None:
                         help="CPU intra-op threads (default: torch's default)")
     parser.add_argument("--flat-numel", type=int, default=None,
                         help="elements of the large flat buffer (default 64M cpu, 512M cuda)")
+    parser.add_argument("--suite", default="all", choices=["all", "flat", "fp8"],
+                        help="flat: the flat-buffer copies and reduction; fp8: fp8_quantize_")
+    parser.add_argument("--fp8-numels", default="1M,16M",
+                        help="comma-separated element counts of the fp8 jobs (K/M suffixes)")
     args = parser.parse_args()
 
     device = torch.device(args.device)
@@ -223,7 +302,9 @@ def main() -> None:
     flat_numel = args.flat_numel or (64 << 20 if device.type == "cpu" else 512 << 20)
     timer = make_timer(device, args.iters, args.warmup)
 
-    jobs = build_jobs(device, dtype, flat_numel)
+    jobs = build_jobs(device, dtype, flat_numel) if args.suite != "fp8" else []
+    if args.suite != "flat":
+        jobs += build_fp8_jobs(device, [parse_numel(t) for t in args.fp8_numels.split(",")])
     max_bytes = max(j.nbytes for j in jobs)
     plain_src = torch.ones(max_bytes // 8 + 1, device=device)
     plain_dst = torch.empty_like(plain_src)

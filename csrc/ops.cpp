@@ -9,7 +9,10 @@
 //
 // Two ops, because every flat-buffer copy of the runtime is a pack: the
 // refresh and reduce-scatter copies of megatron_fsdp_v2/ops/__init__.py are
-// single-segment pack_ calls behind their own argument checks.
+// single-segment pack_ calls behind their own argument checks. A third,
+// fp8_quantize_, is the FP8 refresh of a flat group of main-weight shards: its
+// segments carry a scale and an amax slot each (mfsdp/fp8_quantize.h), and its
+// kernels are cpu/fp8_quantize_cpu.cpp and cuda/fp8_quantize_cuda.cu.
 //
 // Conventions: in-place ops end in `_`, mark every mutated tensor `Tensor(a!)`
 // and return `()`. Scales are `float` (double in C++) and are applied in fp32
@@ -20,6 +23,7 @@
 
 #include "mfsdp/backend.h"
 #include "mfsdp/checks.h"
+#include "mfsdp/fp8_quantize.h"
 
 namespace mfsdp {
 
@@ -30,6 +34,19 @@ TORCH_LIBRARY(megatron_fsdp_v2, m) {
       "bool accumulate=False) -> ()");
   // sum_i sum(tensors[i].float() ** 2) as a 0-dim float32 tensor (non-empty list)
   m.def("multi_tensor_sum_of_squares(Tensor[] tensors) -> Tensor");
+  // For each i, with v = inputs[i].flatten().float() * scales[i] (one fp32 rounding)
+  // and max = the largest finite value of flat.dtype (448 e4m3fn, 57344 e5m2):
+  //   flat[offsets[i] : offsets[i] + inputs[i].numel()] = v.clamp(-max, max).to(flat.dtype)
+  //   amaxes[i] = inputs[i].abs().amax() as fp32, 0 for an empty input
+  // in one pass over the input: torch's saturated cast bit for bit (a NaN stays NaN,
+  // +-inf saturate to +-max; the amax is NaN when the input has one). inputs: one of
+  // float32 / float16 / bfloat16; flat: float8_e4m3fn or float8_e5m2; scales and
+  // amaxes: one-element float32 tensors on flat's device (read / written on the
+  // device, no host sync). An amax slot shared by several inputs gets the max over
+  // them; amaxes must not overlap the inputs, scales or flat.
+  m.def(
+      "fp8_quantize_(Tensor[] inputs, Tensor[] scales, int[] offsets, Tensor(a!) flat, "
+      "Tensor(b!)[] amaxes) -> ()");
 }
 
 namespace {
@@ -78,6 +95,28 @@ at::Tensor multi_tensor_sum_of_squares(at::TensorList tensors) {
                                  tensors[0].scalar_type());
 }
 
+template <const Fp8Backend& kBackend>
+void fp8_quantize_(at::TensorList inputs, at::TensorList scales, at::IntArrayRef offsets,
+                   const at::Tensor& flat, at::TensorList amaxes) {
+  check_fp8_quantize(inputs, scales, offsets, flat, amaxes, "fp8_quantize_");
+  TORCH_INTERNAL_ASSERT(flat.device().type() == kBackend.device_type);
+  if (inputs.empty()) return;
+  // Empty inputs stay in the list: their amax slots are written too.
+  std::vector<QuantizeSegment> segments;
+  segments.reserve(inputs.size());
+  uint8_t* base = static_cast<uint8_t*>(flat.data_ptr());
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    segments.push_back({inputs[i].const_data_ptr(), base + offsets[i], inputs[i].numel(),
+                        scales[i].const_data_ptr<float>(), amaxes[i].data_ptr<float>()});
+  }
+  kBackend.quantize(flat.device(), segments, inputs[0].scalar_type(), flat.scalar_type());
+}
+
+template <const Fp8Backend& kBackend>
+void register_fp8_kernels(torch::Library& m) {
+  m.impl("fp8_quantize_", &fp8_quantize_<kBackend>);
+}
+
 template <const Backend& kBackend>
 void register_kernels(torch::Library& m) {
   m.impl("pack_", &pack_<kBackend>);
@@ -86,10 +125,16 @@ void register_kernels(torch::Library& m) {
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(megatron_fsdp_v2, CPU, m) { register_kernels<kCpuBackend>(m); }
+TORCH_LIBRARY_IMPL(megatron_fsdp_v2, CPU, m) {
+  register_kernels<kCpuBackend>(m);
+  register_fp8_kernels<kCpuFp8Backend>(m);
+}
 
 #ifdef MFSDP_WITH_CUDA
-TORCH_LIBRARY_IMPL(megatron_fsdp_v2, CUDA, m) { register_kernels<kCudaBackend>(m); }
+TORCH_LIBRARY_IMPL(megatron_fsdp_v2, CUDA, m) {
+  register_kernels<kCudaBackend>(m);
+  register_fp8_kernels<kCudaFp8Backend>(m);
+}
 #endif
 
 }  // namespace mfsdp

@@ -29,8 +29,8 @@ calls. So the random stream is consumed module by module in construction order, 
 same seed the values equal, bitwise, those of the model built on the device, as long as
 construction initializes each module's parameters by its ``reset_parameters`` (true of torch's
 layers; a custom module whose ``__init__`` draws for its parameters inline, without an
-initializer method, would differ). A parameter tied between modules takes its value from the first module in order that
-holds it; later holders still run their init on a scratch copy that is dropped, which is what
+initializer method, would differ). A parameter tied between modules takes its value from the
+first module in order that holds it; later holders still run their init on a scratch copy that is dropped, which is what
 construction followed by tying (``head.weight = tok.weight``) consumes. Peak memory: this
 rank's buffers plus one module's full parameters.
 

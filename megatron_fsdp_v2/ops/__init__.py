@@ -19,7 +19,9 @@ Shared contract:
 
 Two ops are native: ``pack_`` and ``multi_tensor_sum_of_squares``. The refresh and
 reduce-scatter copies are one-segment ``pack_`` calls behind their own argument
-checks (``_checks``), so they share its kernels, numerics and CUDA launch.
+checks (``_checks``), so they share its kernels, numerics and CUDA launch. A third
+native op, ``fp8_quantize_``, is the FP8 refresh of a flat group of main-weight shards
+(its own contract, below); the runtime does not call it yet.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ __all__ = [
     "HAS_EXTENSION",
     "USE_REFERENCE_OPS",
     "build_info",
+    "fp8_quantize_",
     "multi_tensor_sum_of_squares",
     "pack_",
     "reduce_scatter_copy_in_",
@@ -53,7 +56,7 @@ if HAS_EXTENSION:
     from megatron_fsdp_v2.ops import _fake  # noqa: F401  (registers the fake kernels)
 
 # Either torch.ops.megatron_fsdp_v2 or the reference module: same names (pack_,
-# multi_tensor_sum_of_squares), same calls.
+# multi_tensor_sum_of_squares, fp8_quantize_), same calls.
 _impl = _reference if (USE_REFERENCE_OPS or not HAS_EXTENSION) else torch.ops.megatron_fsdp_v2
 
 
@@ -164,3 +167,33 @@ def multi_tensor_sum_of_squares(tensors: Sequence[Tensor], *,
             )
         return torch.zeros((), dtype=torch.float32, device=device)
     return _impl.multi_tensor_sum_of_squares(tensors)
+
+
+def fp8_quantize_(inputs: Sequence[Tensor], scales: Sequence[Tensor], offsets: Sequence[int],
+                  flat: Tensor, amaxes: Sequence[Tensor]) -> None:
+    """Quantize a list of main-weight shards into one flat FP8 buffer and take their amaxes.
+
+    For each ``i``, in one pass over ``inputs[i]``:
+    ``flat[offsets[i] : offsets[i] + n_i] = (inputs[i].reshape(-1).float() * scales[i])
+    .clamp(-max, max).to(flat.dtype)`` with ``max = torch.finfo(flat.dtype).max`` (448 for
+    float8_e4m3fn, 57344 for float8_e5m2), bit for bit; and ``amaxes[i] =
+    inputs[i].abs().amax()`` as float32 (0 for an empty input). The cast saturates: values
+    beyond ``+-max``, infinities included, become ``+-max``; a NaN stays NaN (torch's
+    clamp propagates it), and an input holding a NaN has a NaN amax. An amax slot shared
+    by several inputs receives the max over them. The amax is that of the input, before
+    the scale: the next step's scale (``max / amax``) needs no second pass over the
+    weights. On CUDA a call is two launches per 512 inputs and never syncs with the host
+    (scales are read and amaxes written on the device).
+
+    Args:
+        inputs: contiguous float32, float16 or bfloat16 tensors (one dtype), on
+            ``flat``'s device; any shape, read flattened.
+        scales: one float32 tensor with one element (0-dim or shape ``(1,)``) per input.
+        offsets: element (= byte) offset of each input's slot in ``flat``.
+        flat: 1-D contiguous float8_e4m3fn or float8_e5m2 buffer (mutated); its dtype is
+            the format.
+        amaxes: one float32 tensor with one element per input (mutated); must not
+            overlap ``inputs``, ``scales`` or ``flat``.
+    """
+    _impl.fp8_quantize_(_as_list(inputs), _as_list(scales), _as_list(offsets), flat,
+                        _as_list(amaxes))

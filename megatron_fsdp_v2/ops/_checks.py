@@ -1,8 +1,8 @@
 """Argument checks of the ``megatron_fsdp_v2`` ops, in Python.
 
-* ``check_list_and_flat`` and ``check_tensor_list`` repeat the C++ front end's checks
-  (``csrc/include/mfsdp/checks.h``) message for message; the reference ops and the
-  fake (meta) kernels use them, so every implementation fails alike.
+* ``check_list_and_flat``, ``check_tensor_list`` and ``check_fp8_quantize`` repeat the
+  C++ front end's checks (``csrc/include/mfsdp/checks.h``) message for message; the
+  reference ops and the fake (meta) kernels use them, so every implementation fails alike.
 * ``check_pair``, ``check_same_numel`` and ``check_range`` exist only here: they
   validate the single-segment wrappers (``refresh_from_shard_``,
   ``reduce_scatter_copy_in_``, ``reduce_scatter_copy_out_``) before those call
@@ -15,12 +15,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from megatron_fsdp_v2.api import SUPPORTED_DTYPES
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""Output dtypes of ``fp8_quantize_`` (the fp8 flat buffer's dtype picks the format)."""
+
+FP8_INPUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Input dtypes of ``fp8_quantize_``; float64 would round at ``x.float()`` before the scale."""
+
 __all__ = [
+    "FP8_DTYPES",
+    "FP8_INPUT_DTYPES",
     "check_flat_buffer",
+    "check_fp8_quantize",
     "check_list_and_flat",
     "check_pair",
     "check_range",
@@ -121,3 +131,48 @@ def check_range(src: Tensor, src_arg: str, dst: Tensor, dst_arg: str, dst_offset
         _fail(op, f"{offset_arg} out of range: `{src_arg}` at {offset_arg} {dst_offset} with "
                   f"numel {numel} needs elements [{dst_offset}, {dst_offset + numel}) but "
                   f"`{dst_arg}` has numel {dst_numel}")
+
+
+def _check_fp32_slot(t: Tensor, arg: str, flat: Tensor, op: str) -> None:
+    """A one-element float32 tensor on ``flat``'s device (a per-tensor scale or amax slot)."""
+    _check_same_device(t, arg, flat, "flat", op)
+    if t.dtype != torch.float32 or t.numel() != 1:
+        _fail(op, f"`{arg}` must be a float32 tensor with one element (0-dim or shape (1,)), "
+                  f"got {t.dtype} of shape {tuple(t.shape)}")
+
+
+def check_fp8_quantize(inputs: Sequence[Tensor], scales: Sequence[Tensor],
+                       offsets: Sequence[int], flat: Tensor, amaxes: Sequence[Tensor],
+                       op: str) -> None:
+    """The checks of ``fp8_quantize_``: ``check_list_and_flat`` with the quantize dtypes,
+    plus one scale and one amax slot per input."""
+    if flat.dim() != 1:
+        _fail(op, f"`flat` must be a 1-D flat buffer, got a {flat.dim()}-D tensor of shape "
+                  f"{tuple(flat.shape)}")
+    _check_contiguous(flat, op, "flat")
+    if flat.dtype not in FP8_DTYPES:
+        _fail(op, f"unsupported dtype {flat.dtype} for `flat`; expected float8_e4m3fn or "
+                  "float8_e5m2")
+    n = len(inputs)
+    if not len(scales) == len(offsets) == len(amaxes) == n:
+        _fail(op, f"list length mismatch: got {n} tensors in `inputs`, {len(scales)} `scales`, "
+                  f"{len(offsets)} `offsets` and {len(amaxes)} `amaxes`; expected one of each "
+                  "per input")
+    flat_numel = flat.numel()
+    for i, (t, offset) in enumerate(zip(inputs, offsets)):
+        arg = f"inputs[{i}]"
+        _check_same_device(t, arg, flat, "flat", op)
+        if i == 0:
+            if t.dtype not in FP8_INPUT_DTYPES:
+                _fail(op, f"unsupported dtype {t.dtype} for `{arg}`; expected float32, float16 "
+                          "or bfloat16")
+        else:
+            _check_same_dtype(inputs, i, "inputs", op)
+        _check_contiguous(t, op, arg)
+        numel = t.numel()
+        if not (0 <= offset <= flat_numel and numel <= flat_numel - offset):
+            _fail(op, f"offsets[{i}] out of range: {arg} at offset {offset} with numel {numel} "
+                      f"needs elements [{offset}, {offset + numel}) but `flat` has numel "
+                      f"{flat_numel}")
+        _check_fp32_slot(scales[i], f"scales[{i}]", flat, op)
+        _check_fp32_slot(amaxes[i], f"amaxes[{i}]", flat, op)

@@ -25,7 +25,7 @@ import torch
 __all__ = ["HAS_CUDA_KERNELS", "HAS_EXTENSION", "USE_REFERENCE_OPS", "build_info"]
 
 _REBUILD = "pip install --no-build-isolation -e ."
-_OP_NAMES = ("pack_", "multi_tensor_sum_of_squares")  # the schemas of csrc/ops.cpp
+_OP_NAMES = ("pack_", "multi_tensor_sum_of_squares", "fp8_quantize_")  # csrc/ops.cpp's schemas
 
 
 def _import_extension() -> ModuleType | None:

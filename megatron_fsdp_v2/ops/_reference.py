@@ -1,5 +1,5 @@
-"""Pure-PyTorch implementations of the ``megatron_fsdp_v2`` ops (``pack_`` and
-``multi_tensor_sum_of_squares``).
+"""Pure-PyTorch implementations of the ``megatron_fsdp_v2`` ops (``pack_``,
+``multi_tensor_sum_of_squares`` and ``fp8_quantize_``).
 
 They are the test oracle for the C++/CUDA kernels and the fallback used when the
 extension is not built or ``MFSDP_USE_REFERENCE_OPS=1`` is set. They are built on
@@ -11,7 +11,9 @@ the ATen ops PyTorch FSDP2 uses for the same jobs (``_foreach_copy_``,
 * with accumulation, ``opmath(dst) + opmath(src) * scale`` rounds once more
   before the cast to the destination dtype.
 
-opmath is float32, or float64 when either side is float64. Arguments are
+opmath is float32, or float64 when either side is float64. ``fp8_quantize_`` is
+torch's saturated cast itself, ``(x.float() * scale).clamp(-max, max).to(fp8)``, the
+expression torchao's float8 weight cast uses, with ``x.abs().amax()``. Arguments are
 validated by ``_checks`` with the C++ front end's messages.
 """
 
@@ -22,9 +24,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from megatron_fsdp_v2.ops._checks import check_list_and_flat, check_tensor_list
+from megatron_fsdp_v2.ops._checks import (
+    check_fp8_quantize,
+    check_list_and_flat,
+    check_tensor_list,
+)
 
-__all__ = ["multi_tensor_sum_of_squares", "pack_"]
+__all__ = ["fp8_quantize_", "multi_tensor_sum_of_squares", "pack_"]
 
 
 # ----------------------------------------------------------------------------
@@ -73,3 +79,19 @@ def multi_tensor_sum_of_squares(tensors: Sequence[Tensor]) -> Tensor:
     wide = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
     norms = torch._foreach_norm(list(tensors), 2, dtype=wide)
     return torch.stack(norms).square().sum().to(torch.float32)
+
+
+def fp8_quantize_(inputs: Sequence[Tensor], scales: Sequence[Tensor], offsets: Sequence[int],
+                  flat: Tensor, amaxes: Sequence[Tensor]) -> None:
+    check_fp8_quantize(inputs, scales, offsets, flat, amaxes, "fp8_quantize_")
+    max_finite = torch.finfo(flat.dtype).max
+    # Zero every slot first, then max-combine, so a slot shared by several inputs gets
+    # the max over them (the kernels' contract); an empty input leaves its slot at 0.
+    for amax in amaxes:
+        amax.zero_()
+    for x, scale, offset, amax in zip(inputs, scales, offsets, amaxes):
+        values = x.reshape(-1).float()
+        quantized = (values * scale.reshape(())).clamp(-max_finite, max_finite).to(flat.dtype)
+        flat.narrow(0, offset, values.numel()).copy_(quantized)
+        if values.numel() > 0:
+            amax.copy_(torch.maximum(amax.reshape(()), values.abs().amax()).reshape(amax.shape))

@@ -101,4 +101,67 @@ inline void check_tensor_list(at::TensorList tensors, const char* list_arg, cons
   }
 }
 
+// ---------------------------------------------------------------------------
+// fp8_quantize_ (csrc/ops.cpp): the checks of pack_'s list and flat buffer, with
+// the dtypes of the quantize op, plus one scale and one amax slot per input.
+
+inline bool is_fp8_dtype(at::ScalarType t) {
+  return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+
+// The inputs a main-weight shard can have; float64 is not accepted because
+// `x.float()` would round it before the multiply.
+inline bool is_quantize_input_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16;
+}
+
+// A one-element float32 tensor (0-dim or shape (1,)) on `flat`'s device: a
+// per-tensor scale or amax slot, read or written by the kernel without a host sync.
+inline void check_fp32_slot(const at::Tensor& t, const std::string& arg, const at::Tensor& flat,
+                            const char* flat_arg, const char* op) {
+  check_same_device(t, arg, flat, flat_arg, op);
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, op, ": `", arg,
+              "` must be a float32 tensor with one element (0-dim or shape (1,)), got ",
+              t.scalar_type(), " of shape ", t.sizes());
+}
+
+inline void check_fp8_quantize(at::TensorList inputs, at::TensorList scales,
+                               at::IntArrayRef offsets, const at::Tensor& flat,
+                               at::TensorList amaxes, const char* op) {
+  TORCH_CHECK(flat.dim() == 1, op, ": `flat` must be a 1-D flat buffer, got a ", flat.dim(),
+              "-D tensor of shape ", flat.sizes());
+  check_contiguous(flat, op, "flat");
+  TORCH_CHECK(is_fp8_dtype(flat.scalar_type()), op, ": unsupported dtype ", flat.scalar_type(),
+              " for `flat`; expected float8_e4m3fn or float8_e5m2");
+  const size_t n = inputs.size();
+  TORCH_CHECK(scales.size() == n && offsets.size() == n && amaxes.size() == n, op,
+              ": list length mismatch: got ", n, " tensors in `inputs`, ", scales.size(),
+              " `scales`, ", offsets.size(), " `offsets` and ", amaxes.size(),
+              " `amaxes`; expected one of each per input");
+  const int64_t flat_numel = flat.numel();
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& t = inputs[i];
+    const std::string arg = c10::str("inputs[", i, "]");
+    check_same_device(t, arg, flat, "flat", op);
+    if (i == 0) {
+      TORCH_CHECK(is_quantize_input_dtype(t.scalar_type()), op, ": unsupported dtype ",
+                  t.scalar_type(), " for `", arg, "`; expected float32, float16 or bfloat16");
+    } else {
+      TORCH_CHECK(t.scalar_type() == inputs[0].scalar_type(), op,
+                  ": dtype mismatch in `inputs`: inputs[0] is ", inputs[0].scalar_type(),
+                  " but ", arg, " is ", t.scalar_type(),
+                  "; all tensors in one call must share a dtype");
+    }
+    check_contiguous(t, op, arg);
+    const int64_t offset = offsets[i];
+    const int64_t numel = t.numel();
+    TORCH_CHECK(offset >= 0 && offset <= flat_numel && numel <= flat_numel - offset, op,
+                ": offsets[", i, "] out of range: ", arg, " at offset ", offset, " with numel ",
+                numel, " needs elements [", offset, ", ", offset + numel,
+                ") but `flat` has numel ", flat_numel);
+    check_fp32_slot(scales[i], c10::str("scales[", i, "]"), flat, "flat", op);
+    check_fp32_slot(amaxes[i], c10::str("amaxes[", i, "]"), flat, "flat", op);
+  }
+}
+
 }  // namespace mfsdp

@@ -30,9 +30,10 @@ same seed the values equal, bitwise, those of the model built on the device, as 
 construction initializes each module's parameters by its ``reset_parameters`` (true of torch's
 layers; a custom module whose ``__init__`` draws for its parameters inline, without an
 initializer method, would differ). A parameter tied between modules takes its value from the
-first module in order that holds it; later holders still run their init on a scratch copy that is dropped, which is what
-construction followed by tying (``head.weight = tok.weight``) consumes. Peak memory: this
-rank's buffers plus one module's full parameters.
+first module in order that holds it; later holders still run their init on a scratch copy that
+is dropped, which is what construction followed by tying (``head.weight = tok.weight``)
+consumes. Peak memory: this rank's buffers plus one module's full parameters (or the largest
+covered subtree's).
 
 Before anything is written, the pass checks that every such module has ``reset_parameters``
 (or that ``param_init_fn`` is given), else a ``RuntimeError`` names the first parameter or buffer

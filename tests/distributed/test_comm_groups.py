@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2 import _comm_groups, fully_shard
 from megatron_fsdp_v2._backends import group_timeout
 from megatron_fsdp_v2._registry import state_of
 
@@ -36,7 +36,10 @@ pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
 
 
 def _stage_mesh() -> Any:
-    """A 2x2 (pp, dp) mesh; this rank's data-parallel sub-mesh (its stage's two ranks)."""
+    """A 2x2 (pp, dp) mesh; this rank's data-parallel sub-mesh (its stage's two ranks). Forgets
+    the library groups earlier cases on these ranks cached (a group is cached by ranks and
+    timeout, not by mesh), so each case creates and counts its own."""
+    _comm_groups.clear_comm_groups()
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
 
 
@@ -99,8 +102,8 @@ def _stages_worker(rank: int, world: int) -> None:
 def _reuse_worker(rank: int, world: int) -> None:
     """The timeout the mesh's group has: that group, nothing created (1-D job mesh and a
     sub-mesh)."""
-    job_mesh = init_device_mesh("cpu", (world,))
     sub = _stage_mesh()
+    job_mesh = init_device_mesh("cpu", (world,))
     for mesh in (job_mesh, sub):
         timeout = group_timeout(mesh.get_group())
         assert timeout is not None

@@ -6,13 +6,19 @@ lives in pyproject.toml. Install with ``pip install --no-build-isolation -e .``.
 Environment:
   MFSDP_FORCE_CPU=1      build CPU kernels only, even with a CUDA toolchain.
   MFSDP_FORCE_CUDA=1     fail instead of silently building CPU-only.
-  TORCH_CUDA_ARCH_LIST   CUDA archs to compile for (default "8.0;9.0").
+  TORCH_CUDA_ARCH_LIST   CUDA archs to compile for (default: those torch was built for
+                         that nvcc can compile, plus PTX of the newest; see cuda_arch_list).
   MAX_JOBS               parallel compile jobs (honored by BuildExtension).
 """
 
+from __future__ import annotations
+
 import glob
 import os
+import re
+import subprocess
 import sys
+from collections.abc import Collection, Sequence
 
 import torch
 from setuptools import find_namespace_packages, setup
@@ -23,6 +29,54 @@ CSRC = os.path.join(ROOT, "csrc")
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+# nvcc flags besides the architectures. None may mention "arch": torch then drops the -gencode
+# flags it derives from TORCH_CUDA_ARCH_LIST (cpp_extension._get_cuda_arch_flags).
+NVCC_FLAGS = ("-O3", "-lineinfo", "--expt-relaxed-constexpr")
+
+# Used when torch does not say which architectures it was built for: Turing to Blackwell.
+FALLBACK_CUDA_ARCHS = ("7.5", "8.0", "8.6", "9.0", "10.0", "12.0")
+
+
+def cuda_arch_list(
+    explicit: str | None, torch_archs: Sequence[str], nvcc_archs: Collection[str] | None
+) -> str:
+    """The ``TORCH_CUDA_ARCH_LIST`` to build with: ``explicit`` (the environment's) when set,
+    as given; else every architecture torch was built for (``torch_archs``, as
+    ``torch.cuda.get_arch_list()`` names them: ``"sm_75"``, ..., ``"sm_120"``) that nvcc can
+    compile (``nvcc_archs`` as ``"X.Y"``; ``None``: unknown, no filter), ``FALLBACK_CUDA_ARCHS``
+    when torch names none, and PTX of the newest (``"+PTX"``), so a GPU newer than every
+    compiled one JIT-compiles the kernels instead of failing with "no kernel image is
+    available". Arch-specific variants (``sm_90a``) are left out: the kernels use no
+    arch-specific feature, and the plain ``sm_90`` build covers those GPUs."""
+    if explicit and explicit.strip():
+        return explicit.strip()
+    archs = []
+    for name in torch_archs:
+        match = re.fullmatch(r"sm_(\d+)(\d)", name)
+        if match:
+            archs.append(f"{match.group(1)}.{match.group(2)}")
+    if not archs:
+        archs = list(FALLBACK_CUDA_ARCHS)
+    if nvcc_archs is not None:
+        archs = [a for a in archs if a in nvcc_archs] or archs  # nvcc unreadable: keep all
+    archs = sorted(set(archs), key=lambda a: tuple(int(part) for part in a.split(".")))
+    archs[-1] += "+PTX"
+    return ";".join(archs)
+
+
+def _nvcc_archs(home):
+    """The virtual architectures ``nvcc --list-gpu-arch`` names, as ``"X.Y"``; ``None`` when it
+    cannot say (an old nvcc, or none)."""
+    nvcc = os.path.join(home or "", "bin", "nvcc")
+    try:
+        out = subprocess.run([nvcc, "--list-gpu-arch"], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = {f"{m.group(1)}.{m.group(2)}" for m in re.finditer(r"compute_(\d+)(\d)\b", out)}
+    return found or None
 
 
 def _has_cuda_headers(home):
@@ -43,22 +97,15 @@ def _pin_cuda_home() -> None:
             return
 
 
-FORCE_CPU, FORCE_CUDA = _env_flag("MFSDP_FORCE_CPU"), _env_flag("MFSDP_FORCE_CUDA")
-if FORCE_CPU and FORCE_CUDA:
-    raise RuntimeError("MFSDP_FORCE_CPU=1 and MFSDP_FORCE_CUDA=1 contradict each other; set one.")
-if not FORCE_CPU:
-    _pin_cuda_home()
+def _with_cuda(force_cpu: bool, force_cuda: bool) -> bool:
+    from torch.utils import cpp_extension
 
-from torch.utils import cpp_extension  # noqa: E402  (after CUDA_HOME is pinned)
-
-
-def _with_cuda() -> bool:
-    if FORCE_CPU:
+    if force_cpu:
         return False
     home = cpp_extension.CUDA_HOME
     nvcc = os.path.join(home or "", "bin", "nvcc")
     ok = torch.version.cuda is not None and _has_cuda_headers(home) and os.path.isfile(nvcc)
-    if not ok and FORCE_CUDA:
+    if not ok and force_cuda:
         raise RuntimeError(
             f"MFSDP_FORCE_CUDA=1 but no usable CUDA toolchain: torch.version.cuda="
             f"{torch.version.cuda!r}, CUDA_HOME={home!r} (needs bin/nvcc, include/cuda_runtime.h)."
@@ -66,8 +113,10 @@ def _with_cuda() -> bool:
     return ok
 
 
-def _extension():
-    with_cuda = _with_cuda()
+def _extension(force_cpu: bool, force_cuda: bool):
+    from torch.utils import cpp_extension
+
+    with_cuda = _with_cuda(force_cpu, force_cuda)
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")))
     sources += sorted(glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
     cxx = ["-O3", "-ffp-contract=off"]  # no FMA contraction: kernels match the reference bitwise
@@ -80,10 +129,17 @@ def _extension():
             define_macros=macros, extra_compile_args={"cxx": cxx},
             extra_link_args=["-fopenmp"] if "-fopenmp" in cxx else [],
         )
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # BuildExtension turns this variable into -gencode flags (cpp_extension._get_cuda_arch_flags;
+    # unset, it would build only for the GPUs visible now, and fail with none visible).
+    os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list(
+        os.environ.get("TORCH_CUDA_ARCH_LIST"), torch.cuda.get_arch_list(),
+        _nvcc_archs(cpp_extension.CUDA_HOME),
+    )
+    print(f"megatron_fsdp_v2: TORCH_CUDA_ARCH_LIST={os.environ['TORCH_CUDA_ARCH_LIST']}",
+          file=sys.stderr)
     sources += sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
     macros.append(("MFSDP_WITH_CUDA", None))
-    nvcc = ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]
+    nvcc = list(NVCC_FLAGS)
     return cpp_extension.CUDAExtension(
         "megatron_fsdp_v2._C", sources, include_dirs=[os.path.join(CSRC, "include")],
         define_macros=macros, extra_compile_args={"cxx": cxx, "nvcc": nvcc},
@@ -91,10 +147,27 @@ def _extension():
     )
 
 
-setup(
-    packages=find_namespace_packages(include=["megatron_fsdp_v2*"], exclude=["*__pycache__*"]),
-    # Absolute source paths end up in SOURCES.txt, which include_package_data would reject.
-    include_package_data=False,
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": cpp_extension.BuildExtension},
-)
+def main() -> None:
+    force_cpu, force_cuda = _env_flag("MFSDP_FORCE_CPU"), _env_flag("MFSDP_FORCE_CUDA")
+    if force_cpu and force_cuda:
+        raise RuntimeError(
+            "MFSDP_FORCE_CPU=1 and MFSDP_FORCE_CUDA=1 contradict each other; set one."
+        )
+    if not force_cpu:
+        _pin_cuda_home()
+    from torch.utils import cpp_extension
+
+    setup(
+        packages=find_namespace_packages(include=["megatron_fsdp_v2*"],
+                                         exclude=["*__pycache__*"]),
+        # Absolute source paths end up in SOURCES.txt, which include_package_data would reject.
+        include_package_data=False,
+        ext_modules=[_extension(force_cpu, force_cuda)],
+        cmdclass={"build_ext": cpp_extension.BuildExtension},
+    )
+
+
+# setuptools runs this file as __main__ (pip's build backend too); importing it, as
+# tests/unit/test_setup_arch.py does, only defines the functions above.
+if __name__ == "__main__":
+    main()

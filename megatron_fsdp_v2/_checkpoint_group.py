@@ -59,7 +59,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import _registry
-from ._comm_groups import timeout_group
+from ._comm_groups import whole_mesh_group
 
 __all__ = [
     "Failure",
@@ -90,15 +90,14 @@ def mesh_group(group: Any) -> dist.ProcessGroup:
     timeout of its inner communication group (see the note at the top). Collective over the
     mesh's ranks on its first call for a (ranks, timeout, backend); cached afterwards."""
     inner = group.process_group
-    ranks = tuple(sorted(int(r) for r in group.mesh.mesh.flatten().tolist()))
-    backend = str(dist.get_backend(inner))
     timeout_s: float | None = None
     for key, cached in _registry.comm_groups.items():
-        if cached is inner:
+        # The inner group's own key (a reused mesh group may be cached under other axes too).
+        if cached is inner and key[3] == "shard" and key[1] >= 0:
             timeout_s = key[1]
             break
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-    return timeout_group(ranks, backend, timeout, "mesh")
+    return whole_mesh_group(group.mesh, timeout)
 
 
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ._backends import backend_for
+
 __all__ = [
     "COLLECTIVE_IMPLS", "CollectiveCount", "GroupCollectives", "Rule", "RULES", "backend_of",
     "choose", "parse_collective_impl",
@@ -148,12 +150,9 @@ def choose(impl: str, backend: str, logical: str, nbytes: int, world: int) -> st
 
 def backend_of(group: dist.ProcessGroup, device_type: str) -> str:
     """The backend that runs ``group``'s collectives on tensors of ``device_type`` (a group
-    may have one backend per device type, e.g. ``"cpu:gloo,cuda:nccl"``)."""
-    backend = str(dist.get_backend(group))
-    if ":" not in backend:
-        return backend
-    per_device = dict(part.split(":", 1) for part in backend.split(","))
-    return per_device.get(device_type, backend)
+    may have one backend per device type, e.g. ``"cpu:gloo,cuda:nccl"``, and no backend string
+    at all: see ``[Note: backend detection]``); ``""`` when it has none for that device."""
+    return backend_for(group, device_type)
 
 
 @dataclass

@@ -3,16 +3,19 @@ created with the collective timeout (cached in ``_registry``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from . import _registry
+from ._backends import backend_impl, collective_device_type, group_timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT", "LAUNCH_HINT", "clear_comm_groups", "comm_group", "default_mesh",
-    "group_alive", "library_comm_groups", "timeout_group", "mesh_comm_group",
+    "group_alive", "library_comm_groups", "mesh_comm_group", "timeout_group",
+    "whole_mesh_group",
 ]
 
 LAUNCH_HINT = (
@@ -35,10 +38,14 @@ def group_alive(group: dist.ProcessGroup) -> bool:
 
 
 def default_mesh() -> DeviceMesh:
-    """A 1-D mesh over the whole world: ``cuda`` for NCCL, ``cpu`` otherwise (gloo)."""
+    """A 1-D mesh over the whole world, on ``cuda`` or ``cpu`` (see the comment inside)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(f"fully_shard needs an initialized default process group: {LAUNCH_HINT}")
-    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    # "cuda" when the default group has a CUDA backend of its own (NCCL, whatever string named
+    # it: "nccl", "cuda:nccl", "cpu:gloo,cuda:nccl", or no backend at all on a GPU machine) and
+    # this process can use CUDA: torchrun with one GPU per rank. "cpu" otherwise, gloo included
+    # (it lists cuda too, but through host copies; see [Note: backend detection]).
+    device_type = collective_device_type()
     mesh = _registry.default_meshes.get(device_type)
     if mesh is None or not group_alive(mesh.get_group()):
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
@@ -48,31 +55,55 @@ def default_mesh() -> DeviceMesh:
 
 # ---------------------------------------------------------------------- communication group
 # [Note: collective timeout]
-# All of the library's collectives run on a process group created here, over the mesh's ranks,
-# with ``timeout`` (default DEFAULT_TIMEOUT). When a rank fails (an exception in forward,
-# backward or the optimizer step) and leaves the others inside a collective, they raise after
-# ``timeout`` instead of waiting for torch's default (10 minutes) or forever: gloo raises from the
+# All of the library's collectives run on a process group over the mesh's ranks with
+# ``timeout`` (default DEFAULT_TIMEOUT). When a rank fails (an exception in forward, backward or
+# the optimizer step) and leaves the others inside a collective, they raise after ``timeout``
+# instead of waiting for torch's default (10 minutes) or forever: gloo raises from the
 # collective (or from ``work.wait()``); NCCL's watchdog aborts the communicator and, by default,
-# the process, which torchrun then reports. ``new_group`` is itself collective over the mesh's
-# ranks: ``fully_shard`` creates the group on its first call with a given (mesh, timeout) and
-# every rank makes the same calls in the same order (wrapping is identical on every rank), so
-# the creations match. The group is cached per (mesh ranks, timeout, backend, axis), so a model of
-# many units uses one group (one NCCL communicator) per distinct timeout and axis. On a 2-D (HSDP)
-# mesh each axis gets its own: the inner (``"shard"``) group, created first, then the outer one;
-# both are sub-meshes, so only their members call ``new_group`` (``use_local_synchronization``).
+# the process, which torchrun then reports.
+#
+# Which group (``timeout_group``), cached per (mesh ranks, timeout, backend config, axis):
+# * the mesh's own group when it already has that timeout, or ``timeout`` is ``None``: nothing
+#   is created (no collective, no extra NCCL communicator);
+# * else a group split from the mesh's group with ``dist.split_group`` when the default group is
+#   bound to a device (``init_process_group(..., device_id=...)``, as examples/train.py does).
+#   There ``new_group`` would not do: torch creates every new group as an ``ncclCommSplit`` of
+#   the *default* group's communicator, a collective over the whole job, so ranks that create
+#   different groups (pipeline stages with their own meshes or timeouts) would hang in it, even
+#   with ``use_local_synchronization``. ``split_group`` splits the mesh's communicator instead:
+#   only the mesh's ranks take part;
+# * else (no bound device: gloo, or NCCL initialised lazily) ``new_group`` over the mesh's
+#   ranks, with ``use_local_synchronization`` for a sub-mesh so only its members take part:
+#   without a bound device torch creates the group from the store among the members, and
+#   ``split_group`` is not available (it needs a bound device).
+# Creation is collective over the mesh's ranks only; every rank of a mesh makes the same
+# ``fully_shard`` calls in the same order (wrapping is identical on every rank), so the
+# creations match. So a model of many units uses one group per distinct timeout and axis. On
+# a 2-D (HSDP) mesh each axis gets its own: the inner (``"shard"``) group, created first, then
+# the outer one. The whole-mesh group of HSDP with outer ``optim`` (axis ``"mesh"``) has no
+# mesh group over exactly its ranks to start from when the mesh is a sub-mesh of a larger one:
+# with a bound device it is split from torch's flattened mesh (``mesh._flatten()``, which torch
+# creates collectively over the whole job), without one it is a members-only ``new_group``.
+#
+# A limit that comes from torch, not from these calls: torch names a new group from a counter
+# that each rank advances per group it creates. Ranks of different sub-meshes that create
+# different numbers of groups (here: different numbers of distinct timeouts) end up with
+# different counters, and a later group created over ranks of both (a ``new_group`` of the
+# job, a new mesh) then gets different names on different ranks and hangs. Create every mesh
+# before the first ``fully_shard``, give every sub-mesh the same number of distinct timeouts,
+# or pass ``timeout=None`` (the mesh's groups, nothing created).
 
 def comm_group(
     mesh: DeviceMesh, timeout: timedelta | None, axis: str = "shard"
 ) -> dist.ProcessGroup:
     """The process group the units on the 1-D ``mesh`` communicate on: the mesh's own group when
-    ``timeout`` is ``None`` or the mesh has one rank, else a group over the mesh's ranks with that
-    timeout (created once, then cached). ``axis``: ``"shard"`` (a 1-D mesh, or the inner axis of
-    a 2-D one) or ``"outer"`` (HSDP's replicate axis)."""
+    ``timeout`` is ``None`` or the mesh has one rank, else :func:`timeout_group` of it.
+    ``axis``: ``"shard"`` (a 1-D mesh, or the inner axis of a 2-D one) or ``"outer"`` (HSDP's
+    replicate axis)."""
     mesh_group = mesh.get_group()
     if timeout is None or mesh.size() == 1:
         return mesh_group
-    ranks = tuple(dist.get_process_group_ranks(mesh_group))
-    return timeout_group(ranks, str(dist.get_backend(mesh_group)), timeout, axis)
+    return timeout_group(mesh_group, timeout, axis)
 
 
 def mesh_comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
@@ -81,33 +112,96 @@ def mesh_comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.Process
     ``timeout`` ``None``: the flattened mesh's own group."""
     if timeout is None:
         return mesh._flatten().get_group()
-    ranks = tuple(int(r) for r in mesh.mesh.flatten().tolist())
-    backend = str(dist.get_backend(mesh.get_group(0)))
-    return timeout_group(ranks, backend, timeout, "mesh")
+    return whole_mesh_group(mesh, timeout)
+
+
+def whole_mesh_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
+    """A group over every rank of ``mesh`` with ``timeout`` (``None``: torch's default, or the
+    default group's when the mesh spans the job), axis ``"mesh"``, cached; collective over the
+    mesh's ranks on its first call (see the note above for a sub-mesh with a bound device)."""
+    ranks = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
+    if len(ranks) == dist.get_world_size():
+        world = dist.group.WORLD
+        assert world is not None  # initialized: the mesh exists
+        return timeout_group(world, timeout, "mesh")
+    if _splits_communicators(mesh.get_group(0)):
+        return timeout_group(mesh._flatten().get_group(), timeout, "mesh")
+    config = str(dist.get_backend_config(mesh.get_group(0)))
+    return _cached(_key(ranks, timeout, config, "mesh"),
+                   lambda: _members_group(ranks, config, timeout, "mesh"))
 
 
 def timeout_group(
-    ranks: tuple[int, ...], backend: str, timeout: timedelta | None, axis: str
+    parent: dist.ProcessGroup, timeout: timedelta | None, axis: str
 ) -> dist.ProcessGroup:
-    """A group over ``ranks`` with ``timeout`` (``None``: torch's default), created once per
-    (ranks, timeout, backend, axis) and cached in ``_registry.comm_groups``. Collective over
-    ``ranks`` on its first call."""
-    seconds = -1.0 if timeout is None else timeout.total_seconds()
-    key = (ranks, seconds, backend, axis)
-    group = _registry.comm_groups.get(key)
-    if group is not None and group_alive(group):
-        return group
+    """A group over ``parent``'s ranks with ``timeout``: ``parent`` itself when it has that
+    timeout already (``None``: any), else one created from it (see the note above), once per
+    (ranks, timeout, backend config, axis), cached in ``_registry.comm_groups``. Collective over
+    ``parent``'s ranks on its first call, and only theirs."""
+    ranks = tuple(dist.get_process_group_ranks(parent))
+    config = str(dist.get_backend_config(parent))
+
+    def create() -> dist.ProcessGroup:
+        if timeout is None or group_timeout(parent) == timeout:
+            return parent
+        if _splits_communicators(parent):
+            group = dist.split_group(
+                parent, split_ranks=[list(range(len(ranks)))], timeout=timeout,
+                group_desc=_describe(axis, timeout),
+            )
+            assert isinstance(group, dist.ProcessGroup)  # every rank of parent is a member
+            return group
+        return _members_group(ranks, config, timeout, axis)
+
+    return _cached(_key(ranks, timeout, config, axis), create)
+
+
+def _splits_communicators(parent: dist.ProcessGroup) -> bool:
+    """Whether torch creates new groups by splitting communicators: the default group is bound
+    to a device and ``parent``'s backend for it can split (see the note above)."""
+    world = dist.group.WORLD
+    bound = getattr(world, "bound_device_id", None)
+    if bound is None:
+        return False
+    try:
+        return bool(backend_impl(parent, bound).supports_splitting)
+    except (AttributeError, RuntimeError, ValueError):
+        return False
+
+
+def _members_group(
+    ranks: tuple[int, ...], config: str, timeout: timedelta | None, axis: str
+) -> dist.ProcessGroup:
+    """``new_group`` over ``ranks`` with ``timeout``; only the members take part when it is not
+    the whole job (``use_local_synchronization``)."""
     covers_world = len(ranks) == dist.get_world_size()
     group = dist.new_group(
         list(ranks),
         timeout=timeout,
-        backend=None if backend == str(dist.get_backend()) else backend,
-        # A sub-mesh (e.g. mesh["dp"] of a 2-D mesh): only its members call new_group.
+        backend=None if config == str(dist.get_backend_config()) else config,
         use_local_synchronization=not covers_world,
-        group_desc=f"megatron_fsdp_v2 {axis} (timeout {seconds:g}s)",
+        group_desc=_describe(axis, timeout),
     )
     assert isinstance(group, dist.ProcessGroup)  # every caller is a member of the mesh
-    _registry.comm_groups[key] = group
+    return group
+
+
+_Key = tuple[tuple[int, ...], float, str, str]
+
+
+def _key(ranks: tuple[int, ...], timeout: timedelta | None, config: str, axis: str) -> _Key:
+    return (ranks, -1.0 if timeout is None else timeout.total_seconds(), config, axis)
+
+
+def _describe(axis: str, timeout: timedelta | None) -> str:
+    seconds = -1.0 if timeout is None else timeout.total_seconds()
+    return f"megatron_fsdp_v2 {axis} (timeout {seconds:g}s)"
+
+
+def _cached(key: _Key, create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
+    group = _registry.comm_groups.get(key)
+    if group is None or not group_alive(group):
+        group = _registry.comm_groups[key] = create()
     return group
 
 

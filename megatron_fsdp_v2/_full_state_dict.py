@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _registry
 from . import _state_dict as _sd
+from ._backends import collective_device
 from ._checkpoint_group import coordinator, rank_and_size
 from ._flat_param_group import FlatParamGroup
 from ._materialize import materialize
@@ -113,9 +114,8 @@ def broadcast_rows(
     dist.broadcast_object_list(header, src=src, group=group)
     slots = _sd.dist_param_slots(model)
     targets = model.state_dict(keep_vars=True)
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    # The device the group's collectives move natively (CUDA under NCCL, however it was named).
+    device = collective_device(group)
     out: dict[str, Any] = {}
     for key, meta, obj in header[0]:
         if meta is None:

@@ -29,8 +29,8 @@ __all__ = [
 _states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Module -> FSDPState
 # Both the compute parameter and the optimizer-facing (DTensor) parameter map to the record.
 _records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> ParamRecord
-# Library process groups with a collective timeout, keyed by (mesh ranks, seconds, backend,
-# mesh axis: "shard" or HSDP's "outer").
+# Library process groups with a collective timeout, keyed by (mesh ranks, seconds, backend
+# config, mesh axis: "shard", HSDP's "outer", or "mesh"); a value may be the mesh's own group.
 comm_groups: dict[tuple[tuple[int, ...], float, str, str], Any] = {}
 # Default 1-D meshes over the whole world, per device type.
 default_meshes: dict[str, Any] = {}

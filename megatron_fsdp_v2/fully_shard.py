@@ -372,7 +372,9 @@ def fully_shard(
     for ``no_shard``) viewing persistent flat buffers, and their gradients are DTensors too.
 
     Args:
-        mesh: 1-D ``DeviceMesh``; default: the whole world on ``cuda`` (NCCL) or ``cpu`` (gloo).
+        mesh: 1-D ``DeviceMesh``; default: the whole world on ``cuda`` when the default group
+            has a CUDA backend of its own (NCCL, however named: ``"nccl"``, ``"cuda:nccl"``,
+            ``"cpu:gloo,cuda:nccl"``, no backend on a GPU machine), else ``cpu`` (gloo).
             Or a 2-D mesh with dimension names for HSDP, e.g. ``init_device_mesh("cuda", (R, S),
             mesh_dim_names=("replicate", "shard"))`` (other names are taken by position): dim 0
             is the outer (replicate) axis, dim 1 the inner (shard) axis.
@@ -412,9 +414,10 @@ def fully_shard(
             to the whole tree.
         timeout: limit of each of the library's collectives (``timedelta`` or seconds; default
             5 minutes): if a rank fails and leaves the others waiting in a collective, they raise
-            after this long instead of hanging. They run on a process group over the mesh's
-            ranks created with this timeout (one per distinct value). ``None``: the mesh's own
-            group and its timeout.
+            after this long instead of hanging. They run on the mesh's group when it has this
+            timeout already, else on a group over the mesh's ranks created with it (one per
+            distinct value; split from the mesh's group when the default group is bound to a
+            device). ``None``: the mesh's own group and its timeout.
         sync_module_states: start every rank from the mesh's first rank's parameters and
             buffers (one broadcast per parameter group, and one per buffer; per mesh axis on a
             2-D mesh), as DDP does at construction; this applies to every strategy, ZeRO-3

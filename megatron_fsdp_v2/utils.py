@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from . import _registry, ops
+from ._backends import collective_device
 from ._comm_groups import library_comm_groups
 from ._flat_param_group import FlatParamGroup, ParamRecord
 from ._grads import finalize_unsynchronized
@@ -53,9 +54,7 @@ def _group_key(group: dist.ProcessGroup) -> tuple[tuple[int, ...], str]:
 
 def _group_device(group: dist.ProcessGroup) -> torch.device:
     """Where a scalar for ``group``'s all-reduce lives when this rank has no tensor to copy."""
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return collective_device(group)
 
 
 def _by_device_and_dtype(

@@ -1,4 +1,4 @@
-"""Run a function on N spawned ranks over gloo (or NCCL), with a hard timeout.
+"""Run a function on N spawned ranks over gloo (or any backend string), with a hard timeout.
 
 A failing rank's traceback is raised in the caller; ranks still blocked in a collective are
 killed after a short grace period, so a deadlock or a crashed peer fails in seconds instead of
@@ -25,7 +25,7 @@ class DistributedTestError(AssertionError):
 
 
 def _worker(
-    fn: Callable[..., Any], rank: int, world_size: int, init_file: str, backend: str,
+    fn: Callable[..., Any], rank: int, world_size: int, init_file: str, backend: str | None,
     pg_timeout_s: float, results: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
 ) -> None:
     import torch
@@ -55,15 +55,18 @@ def run_distributed(
     world_size: int,
     *args: Any,
     timeout_s: float = 120.0,
-    backend: str = "gloo",
+    backend: str | None = "gloo",
     grace_s: float = 10.0,
     **kwargs: Any,
 ) -> list[Any]:
     """Call ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned ranks.
 
-    ``fn`` must be importable (a module-level function). Returns the per-rank results in rank
-    order. Raises :class:`DistributedTestError` with the failing ranks' tracebacks, or when the
-    ranks are not done within ``timeout_s``.
+    ``fn`` must be importable (a module-level function); its module is imported in each rank
+    before the process group is initialized (so it can register a backend). ``backend`` is
+    passed to ``init_process_group`` as given: a name (``"gloo"``, ``"nccl"``), a device map
+    (``"cpu:gloo,cuda:nccl"``), or ``None`` for torch's choice by device. Returns the per-rank
+    results in rank order. Raises :class:`DistributedTestError` with the failing ranks'
+    tracebacks, or when the ranks are not done within ``timeout_s``.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

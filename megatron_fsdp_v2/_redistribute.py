@@ -157,6 +157,9 @@ def install() -> None:
 
     _original_optim_sd.append(dsd._get_optim_state_dict)
     dsd._get_optim_state_dict = _get_optim_state_dict
+    from . import _torch_full_state_dict  # full-state-dict loads: see [Note: torch's full-...]
+
+    _torch_full_state_dict.install()
 
 
 def _is_shard_like(placement: Placement) -> bool:

@@ -10,7 +10,8 @@ Each must return the norm single-process ``torch.nn.utils.clip_grad_norm_`` retu
 model and batch, leave the same clipped gradients (each rank's rows), and issue the same
 collectives on every rank. FSDP2 (``torch.distributed.fsdp.fully_shard``) runs in the same case
 as a control, except for the inf-norm, which FSDP2 cannot compute on a rank whose shard of a
-parameter is empty (torch raises there). Every rank feeds the whole batch, so averaged gradients equal the reference's.
+parameter is empty (torch raises there). Every rank feeds the whole batch, so averaged
+gradients equal the reference's.
 """
 
 from __future__ import annotations

@@ -50,6 +50,9 @@ wrap_generation = [0]
 # them, and the function that puts them back (see [Note: torch clip_grad_norm_ route] in
 # _fsdp2_compat.py).
 torch_clip_grad_norm: list[tuple[Any, Any]] = []
+# torch.autograd.grad before the first wrap guarded it, and the function that puts it back (see
+# [Note: autograd.grad with respect to parameters] in _autograd_guard.py).
+torch_autograd_grad: list[tuple[Any, Any]] = []
 # [Note: meta buffers] True only inside ``estimate`` (``_estimate.meta_buffers()``): the flat
 # buffers of groups built from meta parameters go on the meta device instead of the mesh's, so
 # wrapping allocates no storage and ``memory_bytes`` still reads numel * element_size.
@@ -102,3 +105,6 @@ def reset() -> None:
     for _, restore in torch_clip_grad_norm:
         restore()
     torch_clip_grad_norm.clear()
+    for _, restore in torch_autograd_grad:
+        restore()
+    torch_autograd_grad.clear()

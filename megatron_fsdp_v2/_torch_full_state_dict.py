@@ -118,7 +118,10 @@ def _distribute_tensors(local_state_dict: dict[str, Any], keys: list[str],
     rest = []
     for key in keys:
         entry = local_state_dict.get(key)
-        rows = _our_rows(entry[0]) if isinstance(entry, tuple) and len(entry) == 2 else None
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            rest.append(key)
+            continue
+        rows = _our_rows(entry[0])
         if rows is None:
             rest.append(key)
             continue

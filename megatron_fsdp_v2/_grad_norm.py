@@ -46,18 +46,18 @@ __all__ = [
 ]
 
 
-def check_norm_type(norm_type: float | str) -> float:
+def check_norm_type(norm_type: float | str, what: str = "clip_grad_norm_") -> float:
     """``norm_type`` as a float (``'inf'`` accepted, as torch does), or a ``ValueError`` /
     ``TypeError`` naming the supported ones (see [Note: p-norms of sharded gradients])."""
     try:
         p = float(norm_type)
     except (TypeError, ValueError):
         raise TypeError(
-            f"clip_grad_norm_: norm_type must be a number or 'inf', got {norm_type!r}"
+            f"{what}: norm_type must be a number or 'inf', got {norm_type!r}"
         ) from None
     if math.isnan(p) or p <= 0:
         raise ValueError(
-            f"clip_grad_norm_: norm_type={norm_type!r} is not supported: use a p-norm with "
+            f"{what}: norm_type={norm_type!r} is not supported: use a p-norm with "
             "p > 0 (1.0, 2.0, 3.0, ...) or inf. p=0 (a count of non-zero gradients) and "
             "negative p are not norms one can clip by"
         )

@@ -77,10 +77,10 @@ def _all_reduce_parts(
     return _grad_norm.finish(total, p)
 
 
-def _check_finite(total_norm: torch.Tensor, p: float) -> None:
+def _check_finite(total_norm: torch.Tensor, p: float, what: str) -> None:
     if not bool(torch.isfinite(total_norm)):
         raise RuntimeError(
-            f"clip_grad_norm_: the total norm of order {p} of the gradients is "
+            f"{what}: the total norm of order {p} of the gradients is "
             f"{float(total_norm)}, so they cannot be clipped; nothing was changed. Pass "
             "error_if_nonfinite=False to scale them by it anyway"
         )
@@ -165,7 +165,7 @@ def clip_grad_norm_(
     if total_norm is None:
         return torch.zeros(())
     if error_if_nonfinite:
-        _check_finite(total_norm, p)
+        _check_finite(total_norm, p, "clip_grad_norm_")
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     _grad_norm.scale_(replicated + [g for gs in sharded.values() for g in gs], clip_coef,
                       foreach)
@@ -219,7 +219,7 @@ def get_total_norm(
     Returns a 0-dim fp32 tensor, identical on every rank; ``norm_type`` and ``foreach`` as in
     :func:`clip_grad_norm_`. Follow with ``torch.nn.utils.clip_grads_with_norm_``."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-    p = _grad_norm.check_norm_type(norm_type)
+    p = _grad_norm.check_norm_type(norm_type, "get_total_norm")
     _grad_norm.check_foreach(foreach, {t.device for t in tensors})
     library = library_comm_groups() if dist.is_available() and dist.is_initialized() else []
     groups = {id(g): g for g in library}
@@ -238,5 +238,5 @@ def get_total_norm(
     if total_norm is None:
         return torch.zeros(())
     if error_if_nonfinite:
-        _check_finite(total_norm, p)
+        _check_finite(total_norm, p, "get_total_norm")
     return total_norm

@@ -50,6 +50,7 @@ mesh.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -65,6 +66,7 @@ __all__ = [
     "Failure",
     "all_gather",
     "broadcast_from_coordinator",
+    "check_same_path",
     "coordinator",
     "dcp_group",
     "describe",
@@ -204,6 +206,27 @@ def raise_if_any_rank(error: str | None, group: dist.ProcessGroup | None) -> Non
     error = next((e for e in all_gather(error, group) if e is not None), None)
     if error is not None:
         raise ValueError(error)
+
+
+def check_same_path(path: str | os.PathLike | None, group: dist.ProcessGroup | None,
+                    what: str) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless every rank names the same
+    checkpoint location (one ``all_gather_object``). A distributed checkpoint is one directory
+    that every rank writes its shard files into, beside the one ``.metadata`` the coordinator
+    writes; a rank-dependent path (``f"ckpt_rank{rank}"``) would let the coordinator commit a
+    checkpoint whose other shards are elsewhere, which no load can read."""
+    key = None if path is None else (
+        str(path) if "://" in str(path) else os.path.abspath(os.fspath(path)))
+    paths = all_gather(key, group)
+    if any(p != paths[0] for p in paths):
+        shown = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths[:4]))
+        more = f", ... ({len(paths)} ranks)" if len(paths) > 4 else ""
+        raise ValueError(
+            f"{what}: the ranks passed different checkpoint paths ({shown}{more}). A "
+            "distributed checkpoint is one directory holding every rank's shard files and one "
+            ".metadata: pass the same path on every rank (leave the rank out of it); each "
+            "rank's part is kept apart inside it. Nothing was read or written"
+        )
 
 
 def raise_first(failures: Iterable[Failure | None], cause: BaseException | None = None) -> None:

@@ -20,11 +20,11 @@ Each FSDP2 argument either maps onto this library with FSDP2's semantics or is r
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.utils as _nn_utils
 import torch.nn.utils.clip_grad as _clip_grad
@@ -127,15 +127,33 @@ def check_modules_argument(module: object) -> None:
 # all-reduce DTensor issues mismatches (gloo aborts, NCCL hangs or mixes data). So the first
 # fully_shard call replaces ``torch.nn.utils.clip_grad_norm_`` (both the ``torch.nn.utils``
 # and ``torch.nn.utils.clip_grad`` attributes) with a wrapper that sends a parameter list
-# holding any fully_shard parameter to ``megatron_fsdp_v2.clip_grad_norm_`` (whose collectives
-# depend on the parameters only, see [Note: clipping collectives]) and anything else to torch's
-# function unchanged. The decision is taken from the parameters, before any collective, so it
-# is the same on every rank given the same list. An empty list (say, filtered by ``p.grad is not
-# None`` on a rank whose shards are all empty) holds no fully_shard parameter and goes to torch's
-# function, which issues nothing while the peers all-reduce: pass ``model.parameters()``
-# unfiltered, or call ``megatron_fsdp_v2.clip_grad_norm_``, which handles that case. A name
-# bound before the first fully_shard call (``from torch.nn.utils import clip_grad_norm_``)
-# keeps torch's function.
+# holding any fully_shard parameter to ``megatron_fsdp_v2.clip_grad_norm_`` with every argument
+# as given (any p-norm, ``error_if_nonfinite``, ``foreach``; its collectives depend on the
+# parameters only, see [Note: clipping collectives]) and anything else to torch's function
+# unchanged. The decision is taken from the parameters, before any collective, so it is the
+# same on every rank given the same list. An empty list (say, filtered by ``p.grad is not
+# None`` on a rank whose shards are all empty) holds no fully_shard parameter and goes to
+# torch's function, which issues nothing while the peers all-reduce: pass
+# ``model.parameters()`` unfiltered, or call ``megatron_fsdp_v2.clip_grad_norm_``, which
+# handles that case.
+#
+# ``torch.nn.utils.get_total_norm`` (torchtitan's clipping: the norm of ``[p.grad for p in
+# params if p.grad is not None]``, then ``torch.nn.utils.clip_grads_with_norm_``, which is
+# local and works on our gradients as it is) is replaced likewise: a list holding a DTensor on a
+# fully_shard mesh, or an empty list while this process has library communication groups, goes
+# to ``megatron_fsdp_v2.utils.get_total_norm`` (see [Note: total norm of gradient lists]), which
+# all-reduces on every library group whatever the list holds, so a rank with fewer gradients
+# or none joins its peers; a list holding any other DTensor (FSDP2's, tensor parallelism's) or
+# only plain tensors goes to torch's. A name bound before the first fully_shard call (``from
+# torch.nn.utils import clip_grad_norm_``) keeps torch's function.
+
+def _torch_function(index: int, fallback: Any) -> Any:
+    """torch's function ``index`` (0: clip_grad_norm_, 1: get_total_norm) as it was before the
+    route; after ``_registry.reset()`` the restored attribute itself."""
+    if _registry.torch_clip_grad_norm:
+        return _registry.torch_clip_grad_norm[0][0][index]
+    return fallback
+
 
 def _routed_clip_grad_norm_(
     parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
@@ -143,42 +161,76 @@ def _routed_clip_grad_norm_(
 ) -> torch.Tensor:
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if not any(_registry.record_of(p) is not None for p in params):
-        original = _registry.torch_clip_grad_norm[0][0] if _registry.torch_clip_grad_norm else (
-            _clip_grad.clip_grad_norm_  # called after reset(): the restored function
-        )
+        original = _torch_function(0, _clip_grad.clip_grad_norm_)
         return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
-    if float(norm_type) not in (2.0, math.inf):
-        raise NotImplementedError(
-            f"torch.nn.utils.clip_grad_norm_ with norm_type={norm_type} on fully_shard "
-            "parameters: only the 2-norm and the inf-norm are supported (by "
-            "megatron_fsdp_v2.clip_grad_norm_, which this call is routed to)"
-        )
     from .utils import clip_grad_norm_  # utils depends on the package's lower layers only
 
-    return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
+    return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _is_library_gradient_list(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``get_total_norm`` of ``tensors`` is ours (see the note above): decided from the
+    DTensors' meshes and placements, and the process's library groups, before any collective."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from ._comm_groups import library_comm_groups
+    from ._redistribute import mesh_is_registered
+
+    dtensors = [t for t in tensors if isinstance(t, DTensor)]
+    if any(
+        not mesh_is_registered(t.device_mesh)
+        or not all(isinstance(pl, (Shard, Replicate)) for pl in t.placements)
+        for t in dtensors
+    ):
+        return False
+    if dtensors:
+        return True
+    return not tensors and dist.is_available() and dist.is_initialized() and bool(
+        library_comm_groups())
+
+
+def _routed_get_total_norm(
+    tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0,
+    error_if_nonfinite: bool = False, foreach: bool | None = None,
+) -> torch.Tensor:
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not _is_library_gradient_list(tensors):
+        original = _torch_function(1, _nn_utils.get_total_norm)
+        return original(tensors, norm_type, error_if_nonfinite, foreach)
+    from .utils import get_total_norm
+
+    return get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
 
 
 def route_torch_clip_grad_norm() -> None:
     """Install the route of [Note: torch clip_grad_norm_ route] (once; ``_registry.reset``
-    puts torch's function back)."""
+    puts torch's functions back)."""
     if _registry.torch_clip_grad_norm:
         return
     original = _clip_grad.clip_grad_norm_
+    original_total = getattr(_nn_utils, "get_total_norm", None)
     routed: Any = functools.wraps(original)(_routed_clip_grad_norm_)
     routed.__doc__ = (
         f"{original.__doc__ or ''}\n\n    megatron_fsdp_v2: a list holding fully_shard "
-        "parameters is handled by megatron_fsdp_v2.clip_grad_norm_ (2-norm and inf-norm).\n"
+        "parameters is handled by megatron_fsdp_v2.clip_grad_norm_ (same arguments).\n"
     )
-    replaced = [
-        module for module in (_clip_grad, _nn_utils)
+    replaced: list[tuple[Any, str, Any, Any]] = [
+        (module, "clip_grad_norm_", original, routed) for module in (_clip_grad, _nn_utils)
         if getattr(module, "clip_grad_norm_", None) is original
     ]
+    if original_total is not None:
+        routed_total: Any = functools.wraps(original_total)(_routed_get_total_norm)
+        routed_total.__doc__ = (
+            f"{original_total.__doc__ or ''}\n\n    megatron_fsdp_v2: gradients of "
+            "fully_shard parameters are handled by megatron_fsdp_v2.utils.get_total_norm.\n"
+        )
+        replaced.append((_nn_utils, "get_total_norm", original_total, routed_total))
 
     def restore() -> None:
-        for module in replaced:
-            if getattr(module, "clip_grad_norm_", None) is routed:
-                setattr(module, "clip_grad_norm_", original)  # noqa: B010 - a module attribute
+        for module, name, torch_fn, ours in replaced:
+            if getattr(module, name, None) is ours:
+                setattr(module, name, torch_fn)
 
-    for module in replaced:
-        setattr(module, "clip_grad_norm_", routed)  # noqa: B010 - a module attribute
-    _registry.torch_clip_grad_norm.append((original, restore))
+    for module, name, _, ours in replaced:
+        setattr(module, name, ours)
+    _registry.torch_clip_grad_norm.append(((original, original_total), restore))

@@ -76,7 +76,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from . import _registry
 
-__all__ = ["install", "register_mesh"]
+__all__ = ["install", "mesh_is_registered", "register_mesh"]
 
 # Modules that hold ``redistribute_local_tensor`` under that name (imported by name, or the
 # defining module itself). A module missing from a torch version is skipped.
@@ -107,6 +107,11 @@ def register_mesh(mesh: DeviceMesh, *, outer_optim: bool) -> None:
             entry[1] = entry[1] or outer_optim
             return
     _registry.uneven_meshes.append([mesh, outer_optim])
+
+
+def mesh_is_registered(mesh: DeviceMesh) -> bool:
+    """Whether ``fully_shard`` shards over ``mesh`` (its ``Shard`` DTensors may be uneven)."""
+    return _mesh_kind(mesh) is not None
 
 
 def _mesh_kind(mesh: DeviceMesh) -> bool | None:
@@ -152,6 +157,9 @@ def install() -> None:
 
     _original_optim_sd.append(dsd._get_optim_state_dict)
     dsd._get_optim_state_dict = _get_optim_state_dict
+    from . import _torch_full_state_dict  # full-state-dict loads: see [Note: torch's full-...]
+
+    _torch_full_state_dict.install()
 
 
 def _is_shard_like(placement: Placement) -> bool:

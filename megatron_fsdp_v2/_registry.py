@@ -1,7 +1,7 @@
 """Process-wide bookkeeping of the library, behind typed accessors: which module has which unit
 state, which parameter belongs to which record, the library's process groups and default meshes,
 the ``FSDP<Class>`` classes, the optimizer step hooks and the replaced
-``torch.nn.utils.clip_grad_norm_``. Nothing here is created at import
+``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm``. Nothing here is created at import
 time; :func:`reset` forgets everything (tests).
 
 Modules and parameters are keyed weakly by identity (``torch.utils.weak.WeakIdKeyDictionary``:
@@ -46,9 +46,13 @@ fsdp_classes: dict[type, type] = {}
 optimizer_hook_handles: list[Any] = []
 optimizer_cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 wrap_generation = [0]
-# torch.nn.utils.clip_grad_norm_ as it was before the first wrap replaced it, and the function
-# that puts it back (see [Note: torch clip_grad_norm_ route] in _fsdp2_compat.py).
+# torch.nn.utils.clip_grad_norm_ and get_total_norm as they were before the first wrap replaced
+# them, and the function that puts them back (see [Note: torch clip_grad_norm_ route] in
+# _fsdp2_compat.py).
 torch_clip_grad_norm: list[tuple[Any, Any]] = []
+# torch.autograd.grad before the first wrap guarded it, and the function that puts it back (see
+# [Note: autograd.grad with respect to parameters] in _autograd_guard.py).
+torch_autograd_grad: list[tuple[Any, Any]] = []
 # [Note: meta buffers] True only inside ``estimate`` (``_estimate.meta_buffers()``): the flat
 # buffers of groups built from meta parameters go on the meta device instead of the mesh's, so
 # wrapping allocates no storage and ``memory_bytes`` still reads numel * element_size.
@@ -101,3 +105,6 @@ def reset() -> None:
     for _, restore in torch_clip_grad_norm:
         restore()
     torch_clip_grad_norm.clear()
+    for _, restore in torch_autograd_grad:
+        restore()
+    torch_autograd_grad.clear()

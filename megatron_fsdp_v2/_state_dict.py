@@ -61,6 +61,7 @@ __all__ = [
     "ROWS_ATTR",
     "attach_chunk_metadata",
     "make_picklable",
+    "mark_rows",
     "check_outer_no_shard",
     "dist_param_slots",
     "expected_entries",
@@ -196,6 +197,12 @@ def _mark(tensor: torch.Tensor, **attrs: Any) -> None:
         setattr(tensor, name, value)
     if not isinstance(tensor.__dict__.get("__getstate__"), _PickleWithout):
         tensor.__getstate__ = _PickleWithout(tensor)  # type: ignore[attr-defined]
+
+
+def mark_rows(tensor: torch.Tensor, rows: tuple[int, int]) -> None:
+    """Mark the local tensor of a state-dict DTensor as holding global rows ``rows``: load
+    pre-hooks and DTensor ``copy_`` then take it as the model's own layout."""
+    _mark(tensor, **{ROWS_ATTR: rows})
 
 
 def skip_on_save(value: torch.Tensor) -> None:
@@ -482,6 +489,11 @@ def _incoming_rows(value: DTensor) -> tuple[int, int]:
     return offsets[0], offsets[0] + sizes[0]
 
 
+def _carries_rows(value: DTensor) -> bool:
+    """Whether ``value`` came from this library's state dicts (it names its rows)."""
+    return hasattr(value._local_tensor, ROWS_ATTR) or ROWS_ATTR in value.__dict__
+
+
 def _convert_for_load(key: str, param: nn.Parameter, value: Any) -> Any:
     """Turn a full tensor, or a DTensor laid out differently but convertible without
     communication, into a DTensor with ``param``'s exact layout."""
@@ -499,6 +511,12 @@ def _convert_for_load(key: str, param: nn.Parameter, value: Any) -> Any:
         return local_rows_dtensor(param, value._local_tensor.detach())
     lo, hi = group.local_row_range(index) if is_row_sharded(group) else (0, dparam.shape[0])
     if value.placements == dparam.placements and _incoming_rows(value) == (lo, hi):
+        return value
+    if value.placements == dparam.placements and not _carries_rows(value):
+        # DTensor's own layout (``distribute_tensor``: torch's set_model_state_dict with
+        # full_state_dict=True): the copy_ handler of _redistribute.py gathers it and keeps our
+        # rows, deciding on every rank alike (whether the rows match here is a local fact, see
+        # [Note: uneven redistribution]).
         return value
     raise ValueError(
         f"state-dict entry '{key}' is a DTensor sharded as {value.placements} with rows "

@@ -191,6 +191,7 @@ def collect_managed_params(
                     "distributing its parameters otherwise"
                 )
             check_param_class(fqn, param)
+            _check_dense_gradients(submodule, name, fqn)
             managed.append(ManagedParam(fqn, param))
     for m in managed:
         p = m.param
@@ -232,6 +233,19 @@ def collect_managed_params(
             )
         break  # one device (checked above): the first parameter speaks for all
     return managed
+
+
+def _check_dense_gradients(owner: nn.Module, name: str, fqn: str) -> None:
+    """An embedding with ``sparse=True`` gives its weight sparse gradients, which cannot be
+    staged into, reduced through or viewed from flat gradient buffers."""
+    if isinstance(owner, (nn.Embedding, nn.EmbeddingBag)) and owner.sparse and name == "weight":
+        raise ValueError(
+            f"parameter '{fqn}' belongs to an {type(owner).__name__} with sparse=True: its "
+            "sparse gradients cannot go into fully_shard's flat gradient buffers. Build it with "
+            "sparse=False (dense gradients, the same training result), or pass its weight in "
+            "ignored_params (then fully_shard neither shards nor reduces it: average its "
+            "gradient across ranks yourself)"
+        )
 
 
 def check_param_init_fn(param_init_fn: Any) -> None:

@@ -242,6 +242,9 @@ def save(
     # (see [Note: checkpoint collectives] in _checkpoint_group.py).
     group = _cg.dcp_group(model, process_group)
     root = local_dir(checkpoint_id, storage_writer)
+    # Before anything is built or written: every rank names the same checkpoint.
+    _cg.check_same_path(root if root is not None else checkpoint_id, group,
+                        "checkpoint.save")
     if root is not None:
         return atomic_save(lambda: _build_state(model, optimizers, extra), root, storage_writer,
                            group, checksums)
@@ -284,6 +287,7 @@ def load(
     _check_hsdp(model, "load")
     group = _cg.dcp_group(model, process_group)  # as in save
     root = local_dir(checkpoint_id, storage_reader)
+    _cg.check_same_path(root if root is not None else checkpoint_id, group, "checkpoint.load")
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError("load needs a checkpoint_id or a storage_reader")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from . import _fsdp2_compat, _materialize, _registry, _state_dict
+from . import _autograd_guard, _fsdp2_compat, _materialize, _registry, _state_dict
 from ._allocator import BucketAllocator
 from ._coalesce import validate_bucket_size
 from ._collective_impl import CollectiveCount, merge_counts, parse_collective_impl
@@ -653,6 +653,7 @@ def fully_shard(
     module.__class__ = _fsdp_class(type(module))
     note_wrap()  # optimizer step hooks (first wrap); optimizers cached before are checked again
     _fsdp2_compat.route_torch_clip_grad_norm()  # see [Note: torch clip_grad_norm_ route]
+    _autograd_guard.install()  # see [Note: autograd.grad with respect to parameters]
     return module  # type: ignore[return-value]
 
 

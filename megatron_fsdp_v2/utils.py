@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from . import _registry, ops
+from . import _grad_norm, _registry
 from ._backends import collective_device
 from ._comm_groups import library_comm_groups
 from ._flat_param_group import FlatParamGroup, ParamRecord
 from ._grads import finalize_unsynchronized
-from .api import SUPPORTED_DTYPES
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "get_total_norm"]
 
 
 # [Note: clipping collectives]
@@ -57,52 +55,53 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
     return collective_device(group)
 
 
-def _by_device_and_dtype(
-    tensors: list[torch.Tensor],
-) -> list[tuple[tuple[torch.device, torch.dtype], list[torch.Tensor]]]:
-    """Non-empty tensors grouped by (device, dtype), groups in a rank-independent order."""
-    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t.numel():
-            buckets.setdefault((t.device, t.dtype), []).append(t)
-    return sorted(buckets.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
+def _all_reduce_parts(
+    replicated: list[torch.Tensor], sharded: dict[int, list[torch.Tensor]],
+    groups: dict[int, dist.ProcessGroup], p: float, device: torch.device | None,
+    foreach: bool | None,
+) -> torch.Tensor | None:
+    """The p-norm of ``replicated`` (local) and ``sharded`` (per group key, one all-reduce on
+    each of ``groups``, in an order every rank agrees on). None when there is nothing to reduce
+    and no gradient (no device to put the result on)."""
+    ordered = sorted(groups.items(), key=lambda kv: _group_key(kv[1]))
+    if device is None:
+        if not ordered:
+            return None
+        device = _group_device(ordered[0][1])
+    total = _grad_norm.local_norm_part(replicated, p, device, foreach)
+    for key, group in ordered:
+        part = _grad_norm.local_norm_part(sharded.get(key, []), p, device, foreach)
+        dist.all_reduce(part, op=_grad_norm.reduce_op(p), group=group)
+        total = _grad_norm.combine(total, part, p)
+    return _grad_norm.finish(total, p)
 
 
-def _local_norm_part(tensors: list[torch.Tensor], norm_type: float,
-                     device: torch.device) -> torch.Tensor:
-    """This rank's share of the norm as a 0-dim fp32 tensor on ``device``: the sum of squares
-    (2-norm) or the largest magnitude (inf-norm), over tensors of any dtypes and devices."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for (_, dtype), group in _by_device_and_dtype(tensors):
-        if norm_type == 2.0:
-            if dtype in SUPPORTED_DTYPES:
-                # One fused kernel per dtype (it takes one dtype), accumulating in fp32 or wider.
-                part = ops.multi_tensor_sum_of_squares([t.contiguous() for t in group])
-            else:
-                part = torch.stack([t.float().square().sum() for t in group]).sum()
-            total = total + part.to(device=device, dtype=torch.float32)
-        else:
-            norms = torch._foreach_norm(group, math.inf)
-            part = torch.stack(norms).max().to(device=device, dtype=torch.float32)
-            total = torch.maximum(total, part)
-    return total
+def _check_finite(total_norm: torch.Tensor, p: float, what: str) -> None:
+    if not bool(torch.isfinite(total_norm)):
+        raise RuntimeError(
+            f"{what}: the total norm of order {p} of the gradients is "
+            f"{float(total_norm)}, so they cannot be clipped; nothing was changed. Pass "
+            "error_if_nonfinite=False to scale them by it anyway"
+        )
 
 
 @torch.no_grad()
 def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float, norm_type: float = 2.0,
-    *, error_if_nonfinite: bool = False,
+    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+    norm_type: float | str = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None,
 ) -> torch.Tensor:
-    """Clip gradients to a global norm, like ``torch.nn.utils.clip_grad_norm_``, with one
-    fused sum of squares per gradient dtype and one all-reduce per process group of sharded
-    gradients.
+    """Clip gradients to a global norm, like ``torch.nn.utils.clip_grad_norm_`` (same arguments),
+    with one all-reduce per process group of sharded gradients.
 
     Works on the DTensor parameters of :func:`fully_shard` modules (uneven and empty shards
     included), on replicated ones (``no_shard``) and on plain parameters, which are taken to be
-    replicated (identical gradients on every rank). Gradients may have several dtypes (e.g. fp32
-    main grads and a bf16 ignored parameter): the norm is accumulated in fp32 and each dtype is
-    scaled by the coefficient cast to that dtype. Returns the total norm as a 0-dim fp32
-    tensor, identical on every rank. Only the 2-norm and the inf-norm are supported.
+    replicated (identical gradients on every rank). ``norm_type``: any p-norm with ``p > 0``
+    (1.0, 2.0, 3.0, ...; the 2-norm takes one fused sum of squares per gradient dtype) or
+    ``inf``; ``p = 0`` and negative ``p`` raise ``ValueError`` (see [Note: p-norms of sharded
+    gradients] in ``_grad_norm.py``). ``foreach``: torch's meaning (which kernels; never which
+    collectives). Gradients may have several dtypes (e.g. fp32 main grads and a bf16 ignored
+    parameter): the norm is accumulated in fp32 and each dtype is scaled by the coefficient
+    cast to that dtype. Returns the total norm as a 0-dim fp32 tensor, identical on every rank.
 
     Every rank must issue the same collectives, so they are decided from the parameters and
     from wrap-time state, never from which gradients this rank holds:
@@ -125,15 +124,14 @@ def clip_grad_norm_(
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     params = list(parameters)
-    if norm_type not in (2.0, math.inf):
-        raise ValueError(f"clip_grad_norm_ supports norm_type 2.0 or inf, got {norm_type}")
-    norm_type = float(norm_type)
+    p = _grad_norm.check_norm_type(norm_type)
+    _grad_norm.check_foreach(foreach, {param.device for param in params})
     # A window no backward marked last is reduced now, so the norm sees every gradient. The
     # groups come from the parameters, in list order (the same on every rank for the lists the
     # note below allows).
     # One registry look-up per parameter (a weak-key dictionary: microseconds each, which adds
     # up on many small parameters).
-    records = [_registry.record_of(p) for p in params]
+    records = [_registry.record_of(param) for param in params]
     unsynchronized: dict[int, FlatParamGroup] = {}
     for record in records:
         if record is not None:
@@ -145,16 +143,16 @@ def clip_grad_norm_(
     replicated: list[torch.Tensor] = []
     library_param_seen = False
     device: torch.device | None = None
-    for p, record in zip(params, records):
-        grad = p.grad
+    for param, record in zip(params, records):
+        grad = param.grad
         if record is not None:
             library_param_seen = True
-        if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements):
-            group = _process_group(p, record)
+        if isinstance(param, DTensor) and any(isinstance(pl, Shard) for pl in param.placements):
+            group = _process_group(param, record)
             groups.setdefault(id(group), group)
             if grad is not None:
                 sharded.setdefault(id(group), []).append(grad.to_local())
-            device = device or p.to_local().device
+            device = device or param.to_local().device
         elif grad is not None:
             replicated.append(grad.to_local() if isinstance(grad, DTensor) else grad)
             device = device or grad.device
@@ -162,32 +160,82 @@ def clip_grad_norm_(
         library = library_comm_groups()
         if len(library) == 1:
             groups[id(library[0])] = library[0]
-    ordered = sorted(groups.items(), key=lambda kv: _group_key(kv[1]))
-    if device is None:
-        if not ordered:
-            return torch.zeros(())
-        device = _group_device(ordered[0][1])
-
-    total_norm = _local_norm_part(replicated, norm_type, device)
-    op = dist.ReduceOp.SUM if norm_type == 2.0 else dist.ReduceOp.MAX
-    for key, group in ordered:
-        partial = _local_norm_part(sharded.get(key, []), norm_type, device)
-        dist.all_reduce(partial, op=op, group=group)
-        if norm_type == 2.0:
-            total_norm = total_norm + partial
-        else:
-            total_norm = torch.maximum(total_norm, partial)
-    if norm_type == 2.0:
-        total_norm = total_norm.sqrt()
-    if error_if_nonfinite and not bool(torch.isfinite(total_norm)):
-        raise RuntimeError(
-            f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
-            f"{float(total_norm)}, so they cannot be clipped; nothing was changed. Pass "
-            "error_if_nonfinite=False to scale them by it anyway"
-        )
-
+    total_norm = _all_reduce_parts(replicated, sharded, groups, p, device, foreach)
+    if total_norm is None:
+        return torch.zeros(())
+    if error_if_nonfinite:
+        _check_finite(total_norm, p, "clip_grad_norm_")
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    local = replicated + [g for gs in sharded.values() for g in gs]
-    for (grad_device, dtype), grads in _by_device_and_dtype(local):
-        torch._foreach_mul_(grads, clip_coef.to(device=grad_device, dtype=dtype))
+    _grad_norm.scale_(replicated + [g for gs in sharded.values() for g in gs], clip_coef,
+                      foreach)
+    return total_norm
+
+
+# [Note: total norm of gradient lists]
+# ``get_total_norm`` takes gradients, not parameters (torch's ``get_total_norm``, which
+# torchtitan's clipping calls with ``[p.grad for p in params if p.grad is not None]``): a rank
+# whose shards are all empty passes ``[]``, and ranks hold gradients of different parameters. So
+# the collectives cannot follow the list: every call all-reduces once on each library
+# communication group of this process (``library_comm_groups()``, the same on every rank of a
+# mesh), in the agreed order, whatever the list holds; a gradient's part goes to the group over
+# the ranks its ``Shard`` placements span (a mesh group where no library group has those ranks,
+# e.g. ``timeout=None``, which an empty list cannot see: there every rank's list must hold a
+# gradient of it). ``Replicate()`` DTensors and plain tensors are taken to be identical on every
+# rank and add their local norm. Cost: one scalar all-reduce per library group.
+
+
+def _shard_ranks(t: DTensor) -> tuple[int, ...]:
+    """The global ranks across which ``t``'s ``Shard`` placements split it (this rank's slice
+    of the mesh along its sharded dimensions)."""
+    mesh = t.device_mesh
+    index: list[int | slice] = []
+    for dim, placement in enumerate(t.placements):
+        if isinstance(placement, Shard):
+            index.append(slice(None))
+        else:
+            index.append(mesh.get_local_rank(dim) if mesh.ndim > 1 else 0)
+    return tuple(sorted(int(r) for r in mesh.mesh[tuple(index)].flatten().tolist()))
+
+
+def _shard_group(t: DTensor, library: list[dist.ProcessGroup]) -> dist.ProcessGroup:
+    ranks = _shard_ranks(t)
+    for group in sorted(library, key=_group_key):
+        if tuple(sorted(dist.get_process_group_ranks(group))) == ranks:
+            return group
+    sharded = [dim for dim, pl in enumerate(t.placements) if isinstance(pl, Shard)]
+    mesh = t.device_mesh
+    return mesh.get_group(sharded[0]) if len(sharded) == 1 else mesh._flatten().get_group()
+
+
+@torch.no_grad()
+def get_total_norm(
+    tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float | str = 2.0,
+    error_if_nonfinite: bool = False, foreach: bool | None = None,
+) -> torch.Tensor:
+    """The p-norm of a list of gradients (``torch.nn.utils.get_total_norm``'s arguments), where
+    ``fully_shard`` gradients are ``Shard`` DTensors whose parts live on several ranks, and
+    some ranks may pass fewer gradients or none (see [Note: total norm of gradient lists]).
+    Returns a 0-dim fp32 tensor, identical on every rank; ``norm_type`` and ``foreach`` as in
+    :func:`clip_grad_norm_`. Follow with ``torch.nn.utils.clip_grads_with_norm_``."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    p = _grad_norm.check_norm_type(norm_type, "get_total_norm")
+    _grad_norm.check_foreach(foreach, {t.device for t in tensors})
+    library = library_comm_groups() if dist.is_available() and dist.is_initialized() else []
+    groups = {id(g): g for g in library}
+    sharded: dict[int, list[torch.Tensor]] = {}
+    replicated: list[torch.Tensor] = []
+    device: torch.device | None = None
+    for t in tensors:
+        if isinstance(t, DTensor) and any(isinstance(pl, Shard) for pl in t.placements):
+            group = _shard_group(t, library)
+            groups.setdefault(id(group), group)
+            sharded.setdefault(id(group), []).append(t.to_local())
+        else:
+            replicated.append(t.to_local() if isinstance(t, DTensor) else t)
+        device = device or t.device
+    total_norm = _all_reduce_parts(replicated, sharded, groups, p, device, foreach)
+    if total_norm is None:
+        return torch.zeros(())
+    if error_if_nonfinite:
+        _check_finite(total_norm, p, "get_total_norm")
     return total_norm

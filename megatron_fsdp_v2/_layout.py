@@ -92,7 +92,9 @@ def _shard_multiple(row_lcm: int, world_size: int) -> int:
 class ItemLayout:
     """One parameter inside a flat buffer."""
 
-    offset: int  # start in the (unsharded) flat buffer; a multiple of row_numel and ALIGN_NUMEL
+    # Start in the (unsharded) flat buffer: a multiple of ALIGN_NUMEL and, with world_size > 1,
+    # of row_numel.
+    offset: int
     numel: int
     shape: torch.Size
     row_numel: int

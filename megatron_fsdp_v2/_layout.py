@@ -12,21 +12,47 @@ A parameter group is stored as one flat 1-D buffer of ``world_size * shard_numel
 flat buffers directly and compute parameters are zero-copy views into the unsharded buffer.
 
 For ``Shard(0)`` to describe a rank's piece of a parameter truthfully, no shard boundary may cut a
-row (``shape[1:].numel()`` elements). We guarantee it by
+row (``shape[1:].numel()`` elements). Fused and vectorized kernels (Apex/TE LayerNorm, Triton
+kernels with ``multiple_of`` hints, 128-bit loads) and NCCL want every view and slot they get
+to start on a 16-byte boundary; a single odd-length 1-D parameter packed back to back would
+move every later view, shard and slot off it ("misaligned address", or a slow scalar path).
+We guarantee both by
 
-* placing every parameter at an offset that is a multiple of its own row size, and
-* making ``shard_numel`` a multiple of ``row_lcm``, the least common multiple of all row sizes.
+* placing every parameter at an offset that is a multiple of ``lcm(row size, ALIGN_NUMEL)``, and
+* making ``shard_numel`` a multiple of ``shard_multiple = lcm(row_lcm, ALIGN_NUMEL)``, where
+  ``row_lcm`` is the least common multiple of all row sizes.
 
 Then every boundary ``k * shard_numel`` is a multiple of each row size, and since each parameter
 starts on a multiple of its row size, each boundary it crosses falls between two of its rows.
+
+At world size 1 there is no boundary to keep whole rows at: offsets and ``shard_numel`` are
+multiples of ``ALIGN_NUMEL`` only (the buffer's end still is, because a coalesced bucket places
+the next group's buffer there).
+
+``ALIGN_NUMEL`` is counted in *elements*, not bytes, because one layout serves every buffer of a
+group and their dtypes differ (fp32 main weights and grads, bf16 model weights, bf16 or fp32
+reduce-scatter buckets; fp8 model weights later). 16 elements are 16 bytes for the smallest
+element (1 byte) and more for the others, so every item start, every rank's slot start and every
+buffer length is 16-byte aligned in every role, whatever dtypes the group uses, and adding a
+role never changes the layout (a role's own buffer base is a fresh allocation: aligned). Row
+sizes that are multiples of 16 (transformer widths) make ``lcm(row, 16) == row``: nothing
+changes for them; a 1-D parameter costs at most 15 elements of gap; an odd row size ``R`` makes
+the shard multiple ``16 * R`` (a longer tail, see design.md section 2). Every other view at an
+element offset of a flat buffer or bucket sits at a sum of these multiples and stays aligned:
+slots and columns of the coalesced reduction and refresh buckets (``_coalesce.py``,
+``_refresh_buckets.py``: multiples of ``shard_numel`` and of buffer lengths), and each trace-pool
+bucket starts at an ``ARENA_ALIGNMENT``-byte offset of its arena (``_trace_pool.py``).
+``tests/distributed/test_alignment.py`` checks the pointers of every role and slot.
+
 Parameters are placed in order of decreasing row size (1-D parameters, whose rows are single
-elements, last), so the alignment gaps are usually empty.
+elements, last), so the gaps between matrices are usually empty; each 1-D parameter whose length
+is not a multiple of ``ALIGN_NUMEL`` leaves a gap of fewer than ``ALIGN_NUMEL`` elements.
 
 The cost is padding: alignment gaps plus the tail that rounds the buffer up to
-``world_size * row_lcm``. When heterogeneous row sizes make ``row_lcm`` large enough that the
-padding exceeds ``max_padding_ratio``, :func:`split_for_padding` splits the group into several
-groups with compatible row sizes; each is an independent set of flat buffers with its own
-collectives. ("Bucket" is reserved for temporary buffers, ``_allocator.py``.)
+``world_size * shard_multiple``. When heterogeneous row sizes make ``row_lcm`` large enough that
+the padding exceeds ``max_padding_ratio``, :func:`split_for_padding` splits the group into
+several groups with compatible row sizes; each is an independent set of flat buffers with its
+own collectives. ("Bucket" is reserved for temporary buffers, ``_allocator.py``.)
 """
 
 from __future__ import annotations
@@ -37,7 +63,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ItemLayout", "BufferLayout", "build_layout", "split_for_padding", "row_numel"]
+__all__ = [
+    "ALIGN_NUMEL", "ItemLayout", "BufferLayout", "build_layout", "split_for_padding", "row_numel",
+]
+
+ALIGN_NUMEL = 16
+"""Elements every item start and shard boundary is a multiple of: 16 bytes for 1-byte dtypes
+(fp8), more for wider ones (see [Note: row-aligned flat buffers])."""
 
 
 def row_numel(shape: torch.Size | Sequence[int]) -> int:
@@ -51,11 +83,18 @@ def _align_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+def _shard_multiple(row_lcm: int, world_size: int) -> int:
+    # One rank has no boundary to keep whole rows at, but its buffer's end must stay aligned.
+    return math.lcm(row_lcm, ALIGN_NUMEL) if world_size > 1 else ALIGN_NUMEL
+
+
 @dataclass(frozen=True)
 class ItemLayout:
     """One parameter inside a flat buffer."""
 
-    offset: int  # start in the (unsharded) flat buffer, a multiple of row_numel
+    # Start in the (unsharded) flat buffer: a multiple of ALIGN_NUMEL and, with world_size > 1,
+    # of row_numel.
+    offset: int
     numel: int
     shape: torch.Size
     row_numel: int
@@ -71,8 +110,14 @@ class BufferLayout:
 
     items: tuple[ItemLayout, ...]
     world_size: int
-    shard_numel: int  # elements each rank owns; a multiple of row_lcm when world_size > 1
+    shard_numel: int  # elements each rank owns; a multiple of shard_multiple
     row_lcm: int
+
+    @property
+    def shard_multiple(self) -> int:
+        """What ``shard_numel`` is a multiple of: ``ALIGN_NUMEL`` and, when there are rank
+        boundaries (``world_size > 1``), every row size."""
+        return _shard_multiple(self.row_lcm, self.world_size)
 
     @property
     def total_numel(self) -> int:
@@ -132,14 +177,14 @@ def build_layout(shapes: Sequence[torch.Size], world_size: int) -> BufferLayout:
     offsets = [0] * len(shapes)
     cursor = 0
     for i in placement_order:
-        cursor = _align_up(cursor, rows[i])
-        offsets[i] = cursor
-        cursor += numels[i]
+        # One rank has no boundary that could cut a row: its items need only the alignment.
+        alignment = math.lcm(rows[i], ALIGN_NUMEL) if world_size > 1 else ALIGN_NUMEL
+        offsets[i] = _align_up(cursor, alignment)
+        if numels[i]:  # an empty tensor leaves no gap behind it
+            cursor = offsets[i] + numels[i]
     row_lcm = math.lcm(*rows) if rows else 1
-    if world_size == 1:
-        shard_numel = max(cursor, 1)
-    else:
-        shard_numel = _align_up(max(cursor, 1), world_size * row_lcm) // world_size
+    multiple = _shard_multiple(row_lcm, world_size)
+    shard_numel = _align_up(max(cursor, 1), world_size * multiple) // world_size
     items = tuple(
         ItemLayout(offsets[i], numels[i], torch.Size(shapes[i]), rows[i])
         for i in range(len(shapes))
@@ -154,8 +199,11 @@ def split_for_padding(
 
     One part when its padding ratio is at most ``max_padding_ratio``. Otherwise tensors are
     split by row size (1-D tensors join the largest part) and parts are merged greedily, as
-    long as a merge stays within the ratio. Tiny groups whose padding is dominated by the
-    ``world_size * row_lcm`` rounding stay as one part: splitting them only adds collectives.
+    long as a merge stays within the ratio. The split is kept only if it pads less in total
+    than one part: tiny groups whose padding is dominated by the ``world_size *
+    shard_multiple`` rounding stay as one part (splitting them only adds collectives), and so
+    does a group whose padding is the ``ALIGN_NUMEL`` alignment of its items, which every part
+    would pay again. The ratio counts all padding, alignment included, like ``memory_report``.
     """
     indices = list(range(len(shapes)))
     whole = build_layout(shapes, world_size)

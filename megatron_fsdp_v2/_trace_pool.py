@@ -70,6 +70,9 @@ from ._allocator import BucketAllocator
 __all__ = ["ARENA_ALIGNMENT", "BucketSpec", "TracePoolAllocator", "plan_offsets"]
 
 ARENA_ALIGNMENT = 256  # bytes: every bucket starts at a multiple (any dtype, CUDA-friendly)
+# What every bucket's start must be a multiple of, at least: kernels and NCCL read the buckets
+# (and their slots, see [Note: row-aligned flat buffers] in _layout.py) with 16-byte accesses.
+_MIN_BUCKET_ALIGNMENT = 16
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,12 @@ class TracePoolAllocator(BucketAllocator):
 
     def __init__(self, alignment: int = ARENA_ALIGNMENT, max_patterns: int = 16) -> None:
         super().__init__()  # _buckets: the storage-freeing buckets served outside the arena
+        if alignment <= 0 or alignment % _MIN_BUCKET_ALIGNMENT:
+            raise ValueError(
+                f"TracePoolAllocator alignment must be a positive multiple of "
+                f"{_MIN_BUCKET_ALIGNMENT} bytes (buckets are read with 16-byte accesses), got "
+                f"{alignment}"
+            )
         self.alignment = alignment
         self.max_patterns = max_patterns
         self.replans = 0  # plans made (the first one included)

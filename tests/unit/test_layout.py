@@ -2,7 +2,9 @@
 
 Pure shape math, no processes. Each property is checked on hypothesis-generated shape lists when
 hypothesis is installed, and always on a fixed set of seeded random shape lists, for world sizes
-1-8. See [Note: row-aligned flat buffers] in ``_layout.py`` for the contract.
+1-8 and every element size a group's buffers may have (1-byte fp8 to 8-byte fp64): every item
+start, shard boundary and rank's piece of an item is 16-byte aligned in each of them. See
+[Note: row-aligned flat buffers] in ``_layout.py`` for the contract.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from megatron_fsdp_v2._layout import BufferLayout, build_layout, row_numel, split_for_padding
+from megatron_fsdp_v2._layout import (
+    ALIGN_NUMEL,
+    BufferLayout,
+    build_layout,
+    row_numel,
+    split_for_padding,
+)
 
 try:
     from hypothesis import HealthCheck, given, settings
@@ -28,6 +36,16 @@ S = torch.Size
 RATIOS = (0.0, 0.001, 0.01, 0.1, 1.0)
 # Row sizes that make the LCM large (primes, 257 as in OddMLP) and transformer-like ones.
 ROW_CHOICES = (1, 2, 3, 4, 5, 7, 8, 12, 15, 16, 17, 37, 64, 96, 257, 768, 3072)
+# Bytes per element of every dtype a buffer role may use: fp8 model weights, bf16/fp16 model
+# weights and reduce-scatter buckets, fp32 main weights and grads, fp64.
+ELEMENT_SIZES = (1, 2, 4, 8)
+VECTOR_BYTES = 16  # what fused/vectorized kernels and NCCL want every pointer aligned to
+
+
+def item_alignment(row: int, world: int) -> int:
+    """Elements an item's offset is a multiple of: its row size and ALIGN_NUMEL (with rank
+    boundaries), ALIGN_NUMEL alone (one rank)."""
+    return math.lcm(row, ALIGN_NUMEL) if world > 1 else ALIGN_NUMEL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,14 +70,34 @@ def check_layout(shapes: Sequence[torch.Size], world: int) -> BufferLayout:
         assert item.numel == math.prod(shape), ctx
         assert item.row_numel == row_numel(shape), ctx
         assert item.end == item.offset + item.numel, ctx
-        # Each parameter starts on a multiple of its row size, inside the buffer.
-        assert item.offset % item.row_numel == 0, f"{ctx}: {item} offset not row-aligned"
+        # Each parameter starts on a multiple of its row size (where rank boundaries exist) and
+        # of ALIGN_NUMEL, inside the buffer.
+        assert item.offset % item_alignment(item.row_numel, world) == 0, (
+            f"{ctx}: {item} offset not aligned"
+        )
         assert 0 <= item.offset and item.end <= layout.total_numel, f"{ctx}: {item} outside"
 
+    # shard_numel is a multiple of ALIGN_NUMEL and, with rank boundaries, of row_lcm, so every
+    # rank boundary is a multiple of each row size.
+    assert layout.shard_multiple == (
+        math.lcm(layout.row_lcm, ALIGN_NUMEL) if world > 1 else ALIGN_NUMEL
+    ), ctx
+    assert layout.shard_numel % layout.shard_multiple == 0, ctx
     if world > 1:
-        # shard_numel is a multiple of row_lcm, so every rank boundary is a multiple of each
-        # row size. (World size 1 has no rank boundary; see test_world_size_one_is_unpadded.)
         assert layout.shard_numel % layout.row_lcm == 0, ctx
+
+    # 16-byte alignment in every dtype the group's buffers may use: item starts, rank slots
+    # (shard boundaries, also the buffer's end) and each rank's piece of each item.
+    for size in ELEMENT_SIZES:
+        for item in layout.items:
+            assert item.offset * size % VECTOR_BYTES == 0, f"{ctx}: {item} at {size} B/elem"
+        for k in range(world + 1):
+            assert k * layout.shard_numel * size % VECTOR_BYTES == 0, f"{ctx}: slot {k}"
+        for index in range(len(layout.items)):
+            for rank in range(world):
+                lo, hi = layout.local_item_range(index, *layout.shard_range(rank))
+                if lo < hi:
+                    assert lo * size % VECTOR_BYTES == 0, f"{ctx}: rank {rank} item {index}"
 
     # No rank boundary cuts a row of any parameter.
     for k in range(1, world):
@@ -103,10 +141,18 @@ def check_layout(shapes: Sequence[torch.Size], world: int) -> BufferLayout:
             covered += hi - lo
         assert covered == item.numel, f"{ctx}: ranks hold {covered} of {item.numel} elements"
 
-    # Padding is alignment gaps plus the tail that rounds up to world * row_lcm.
+    # Padding is minimal alignment gaps (each shorter than the alignment of the item after it,
+    # in placement order) plus the tail that rounds up to world * shard_multiple.
+    cursor = 0
+    for item in sorted(layout.items, key=lambda it: (it.offset, it.numel)):
+        if item.numel == 0:
+            continue
+        assert item.offset - cursor < item_alignment(item.row_numel, world), (
+            f"{ctx}: gap of {item.offset - cursor} before {item}"
+        )
+        cursor = item.end
     content_end = max((it.end for it in layout.items), default=0)
-    if world > 1:
-        assert layout.total_numel - max(content_end, 1) < world * layout.row_lcm, ctx
+    assert layout.total_numel - max(content_end, 1) < world * layout.shard_multiple, ctx
     return layout
 
 
@@ -137,7 +183,7 @@ def check_split(shapes: Sequence[torch.Size], world: int, max_ratio: float) -> l
     vectors = {i for i, s in enumerate(shapes) if len(s) <= 1}
     assert sum(1 for b in parts if vectors & set(b)) <= 1, f"{ctx}: 1-D tensors split {parts}"
     # ... and each part is within the ratio, except a part of one row size (never merged)
-    # whose only padding is the tail rounding up to world * row size.
+    # whose padding is its minimal alignment gaps and tail (check_layout checks both).
     for part, lay in zip(parts, layouts):
         if lay.padding_ratio <= max_ratio:
             continue
@@ -145,10 +191,6 @@ def check_split(shapes: Sequence[torch.Size], world: int, max_ratio: float) -> l
         assert len(rows) == 1, (
             f"{ctx}: part {part} (row sizes {sorted(rows)}) pads {lay.padding_ratio:.4f}"
         )
-        (row,) = rows
-        assert len(lay.uncovered_ranges()) <= 1, f"{ctx}: part {part} has alignment gaps"
-        tail = lay.total_numel - max(lay.content_numel, 1)
-        assert tail < world * row, f"{ctx}: part {part} pads past the tail"
     return parts
 
 
@@ -242,19 +284,34 @@ def test_gpt_block_padding_matches_design_doc(world: int, percent: float) -> Non
     assert len(layout.uncovered_ranges()) == 1
 
 
-def test_divisible_row_sizes_leave_no_alignment_gaps() -> None:
+def test_divisible_row_sizes_leave_no_gaps_between_matrices() -> None:
+    """Row sizes that divide each other and are multiples of ALIGN_NUMEL (transformer widths):
+    matrices are packed back to back; only a 1-D tensor whose length is not a multiple of
+    ALIGN_NUMEL leaves a gap, shorter than ALIGN_NUMEL, before the next vector."""
     rng = random.Random(0)
     for _ in range(200):
-        base = rng.choice((1, 2, 3, 5))
-        shapes = [S([rng.randint(0, 50), base * 2 ** rng.randint(0, 5)])
+        base = rng.choice((1, 2, 3, 5)) * ALIGN_NUMEL
+        shapes = [S([rng.randint(0, 50), base * 2 ** rng.randint(0, 3)])
                   for _ in range(rng.randint(1, 6))]
         shapes += [S([rng.randint(0, 50)]) for _ in range(rng.randint(0, 3))]
         rng.shuffle(shapes)
         for world in range(1, 9):
             layout = check_layout(shapes, world)
-            # At most the tail: every item is packed back to back.
-            gaps = layout.uncovered_ranges()
-            assert len(gaps) <= 1 and all(hi == layout.total_numel for _, hi in gaps), shapes
+            vector_starts = {it.offset for it in layout.items if len(it.shape) <= 1}
+            for lo, hi in layout.uncovered_ranges():
+                if hi == layout.total_numel:
+                    continue  # the tail
+                assert hi in vector_starts and hi - lo < ALIGN_NUMEL, (shapes, world, lo, hi)
+
+
+def test_odd_vector_first_keeps_everything_after_aligned() -> None:
+    """The issue's case: an odd-length bias (50257) and an 8-expert router bias before other
+    parameters. Packed back to back they would move every later start off 16 bytes."""
+    shapes = [S([50257]), S([8]), S([7]), S([5, 7]), S([96, 64]), S([64])]
+    for world in range(1, 9):
+        layout = check_layout(shapes, world)
+        assert all(item.offset % ALIGN_NUMEL == 0 for item in layout.items)
+        assert layout.shard_numel % ALIGN_NUMEL == 0
 
 
 def test_placement_is_by_decreasing_row_size() -> None:
@@ -262,17 +319,21 @@ def test_placement_is_by_decreasing_row_size() -> None:
     layout = check_layout(shapes, 2)
     order = sorted(range(len(shapes)), key=lambda i: layout.items[i].offset)
     assert order == [2, 1, 0, 3]
-    assert [it.offset for it in layout.items] == [44, 32, 0, 49]
-    assert layout.row_lcm == 16 and layout.shard_numel == 32  # 56 rounded up to 2 * 16
+    # (2, 16) at 0; (3, 4) at 32 (a multiple of lcm(4, 16)); the vectors at multiples of 16.
+    assert [it.offset for it in layout.items] == [48, 32, 0, 64]
+    assert layout.row_lcm == 16 and layout.shard_numel == 48  # 71 rounded up to 2 * 16
 
 
-def test_world_size_one_is_unpadded() -> None:
-    """One rank: no boundary to align, so the buffer is exactly the content (at least 1)."""
+def test_world_size_one_pads_only_to_the_alignment() -> None:
+    """One rank: no boundary that could cut a row, so items are packed at multiples of
+    ALIGN_NUMEL whatever their row size, and the buffer ends at the next multiple of it."""
     for seed in SEEDS:
         shapes = random_shapes(seed)
         layout = check_layout(shapes, 1)
         content_end = max((it.end for it in layout.items), default=0)
-        assert layout.shard_numel == max(content_end, 1)
+        assert layout.shard_numel == -(-max(content_end, 1) // ALIGN_NUMEL) * ALIGN_NUMEL
+        aligned = sum(-(-math.prod(s) // ALIGN_NUMEL) * ALIGN_NUMEL for s in shapes)
+        assert layout.total_numel == max(aligned, ALIGN_NUMEL), shapes
 
 
 def test_empty_and_degenerate_inputs() -> None:

@@ -53,7 +53,9 @@ class FSDPContext:
         # Units whose gradient collectives hold temporary buckets and may still be in flight,
         # oldest first. At most ``max_inflight_reductions`` units' reduction buckets are alive
         # at once. Reductions in place into persistent buffers are not listed: they cost no
-        # memory in flight and run on until the final callback (FSDPState.run_post_backward).
+        # memory in flight and run on until the final callback (FSDPState.run_post_backward),
+        # unless the window ends and HSDP's outer reduction waits for them (see [Note: outer
+        # reductions in backward]).
         self.reducing: deque[FSDPState] = deque()
         self.max_inflight_reductions = 1
         # Debug/test event log of (event, unit fqn); None disables logging.
@@ -89,10 +91,36 @@ class FSDPContext:
         return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
 
     def drain_reductions(self, keep: int) -> None:
-        """Finish the oldest in-flight reductions until at most ``keep`` units have some."""
+        """Finish the oldest in-flight reductions until at most ``keep`` units have some, and
+        launch the outer reduction of each finished unit whose window ends.
+
+        [Note: outer reductions in backward]
+        On a 2-D mesh a window ends with the plan's window steps (HSDP's outer all-reduce or
+        reduce-scatter of each group's inner-reduced shard, design.md §9). Each is launched
+        as soon as its unit's last inner reduction has finished, here, when the next unit's
+        post-backward drains it: it then overlaps the rest of backward, as FSDP2 issues its
+        HSDP all-reduce right after each reduce-scatter, instead of all of them waiting for
+        the final callback. For that, a unit whose window ends is listed in ``reducing`` even
+        when its inner reduction holds no temporary bucket (FSDPState.run_post_backward). The
+        drain order is backward order, the same on every rank, so every rank launches the
+        outer collectives in the same order. An outer reduction that holds a temporary bucket
+        (a workspace in the communication dtype) is listed again and finished by the next
+        drain, so at most one such workspace is alive, besides the unit's own reduction's; one
+        in place runs on until the final callback, which waits for all of them and installs.
+        Same collectives, same buffers, same arithmetic: only the launch moves earlier."""
+        finished: list[FSDPState] = []
         while len(self.reducing) > keep:
-            for group in self.reducing.popleft().groups:
+            state = self.reducing.popleft()
+            for group in state.groups:
                 group.grads.wait_for_reduction(coalesced=False)
+            finished.append(state)
+        for state in finished:
+            if not state.is_last_backward:
+                continue
+            for group in state.groups:
+                group.grads.reduce_across_replicas(async_op=True)
+            if any(g.grads.reduction_holds_temporary for g in state.groups):
+                self.reducing.append(state)
 
     @property
     def groups(self) -> Iterable[FlatParamGroup]:
@@ -113,6 +141,9 @@ class FSDPContext:
                     state.run_post_backward()
             if self.coalescer is not None:
                 self.coalescer.flush()  # the last, partly filled reduction bucket
+            # Finish what is listed, oldest first, launching outer reductions as windows end
+            # (see [Note: outer reductions in backward]); those listed again are waited below.
+            self.drain_reductions(0)
             self.reducing.clear()
             for state in self.states:
                 # Weights kept for the next forward stay (see [Note: keeping gathered weights]).
@@ -125,8 +156,10 @@ class FSDPContext:
                     group.grads.wait_for_reduction()
             ending = [state for state in self.states if state.is_last_backward]
             # The end of the window: collectives over the reduced shards (the plan's window
-            # steps, HSDP's outer all-reduce; nothing on a 1-D mesh), launched for every group
-            # first, in the same order on every rank, then waited on.
+            # steps, HSDP's outer all-reduce; nothing on a 1-D mesh) that drain_reductions did
+            # not launch already (overlap=False, a group that reduced earlier in the window but
+            # not in this backward), launched for every group first, in the same order on every
+            # rank, then waited on.
             for state in ending:
                 for group in state.groups:
                     group.grads.reduce_across_replicas(async_op=self.overlap)

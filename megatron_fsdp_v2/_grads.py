@@ -152,6 +152,8 @@ class GroupGrads:
         self.pending_install = False
         # [Note: HSDP window carry] main_grad_local's values at the window start, if any.
         self._carrying = False
+        # The window's steps (HSDP's outer reduction) were launched and not yet installed.
+        self._window_issued = False
         # [Note: gradients in place] The aliases of the buffer they were built over, and while
         # a backward writes through them, each armed parameter's alias version (else None).
         self._alias_base: torch.Tensor | None = None
@@ -192,6 +194,7 @@ class GroupGrads:
         self._installed = [None] * len(self._installed)
         self._any_installed = False
         self._zero_marks.clear()
+        self._window_issued = False
 
     def restart_accumulation_from_zeros(self) -> None:
         """``main_grad`` holds zeros: valid local partial sums, so the accumulate path goes back
@@ -480,13 +483,14 @@ class GroupGrads:
         (HSDP outer no_shard: all-reduce the optimizer-facing shard over the outer group; outer
         optim: reduce-scatter the ``window_grad`` bucket into it), then the window carry added
         back, both when :meth:`wait_for_reduction` runs. Only for a group that reduced in this
-        window, which is the same on every rank; nothing on a 1-D mesh."""
+        window, which is the same on every rank, and once per window (the final callback calls
+        it for groups whose reductions the unit's successor did not finish first); nothing on a
+        1-D mesh."""
         group = self.group
-        if not group.plan.window_steps:
-            return
-        if not self.pending_install or self.state is not GradState.REDUCED:
+        if not self.awaits_window_steps:
             return
         assert not self._pending, "inner reductions must be waited on first"
+        self._window_issued = True
         window_key = group.temporary_key("window_grad")
         window_grad = (
             group.allocator.get(window_key) if group.plan.window_grad_span is not None else None
@@ -498,6 +502,15 @@ class GroupGrads:
             group.issue, async_op,
         )
         self._pending.append(_reduce.Pending(None, self._restore_carry))
+
+    @property
+    def awaits_window_steps(self) -> bool:
+        """The plan's window steps (HSDP's outer reduction) are still to be launched for what
+        this window reduced."""
+        return (
+            bool(self.group.plan.window_steps) and self.pending_install
+            and self.state is GradState.REDUCED and not self._window_issued
+        )
 
     @property
     def awaits_last_reduction(self) -> bool:
@@ -571,6 +584,7 @@ class GroupGrads:
             any_installed |= view is not None
         self._received = [False] * len(self._received)
         self.pending_install = False
+        self._window_issued = False
         self._any_installed = any_installed
         self._zero_marks.clear()
         if not any_installed:  # nothing to show: all zeros, start the next window afresh
@@ -585,6 +599,7 @@ class GroupGrads:
             record.compute_param.grad = None
         self._received = [False] * len(self._received)
         self.pending_install = False
+        self._window_issued = False
         self._zero_marks.clear()
         self._drop_carry()
         self._free_window_grad()

@@ -554,7 +554,12 @@ class FSDPState:
             # no memory in flight: it runs on until the final callback, as DDP's bucket
             # all-reduces do, instead of stalling the next unit's backward (measured: ``optim``
             # on 4 gloo ranks waited 144 ms per step in backward before).
-            if ctx.overlap and any(g.grads.reduction_holds_temporary for g in self.groups):
+            # A window's end is listed too: its outer reduction is launched when the next
+            # drain has finished the inner one (see [Note: outer reductions in backward]).
+            if ctx.overlap and any(
+                g.grads.reduction_holds_temporary
+                or (self.is_last_backward and g.grads.awaits_window_steps) for g in self.groups
+            ):
                 ctx.reducing.append(self)
         self.backward_done = True
         self.training_state = TrainingState.IDLE

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard

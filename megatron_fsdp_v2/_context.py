@@ -9,8 +9,12 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+
 from ._allocator import BucketAllocator
 from ._coalesce import ReductionCoalescer
+from ._deadline import bounded_waits, collective_timeout_s, group_error
 from ._flat_param_group import FlatParamGroup
 from ._profiling import traced
 from ._refresh_buckets import RefreshCoalescer
@@ -189,6 +193,14 @@ class FSDPContext:
             or any(s.training_state is not TrainingState.IDLE for s in self.states)
         )
 
+    def _process_groups(self) -> list[tuple[dist.ProcessGroup, torch.device]]:
+        """Every process group the tree's collectives run on, with its device."""
+        seen: dict[int, tuple[dist.ProcessGroup, torch.device]] = {}
+        for group in self.groups:
+            for process_group in group.axis_groups.values():
+                seen.setdefault(id(process_group), (process_group, group.device))
+        return list(seen.values())
+
     def recover(self) -> None:
         """Return every unit to the state a new step starts from, after a forward or backward
         that raised (an exception or ``KeyboardInterrupt`` in user code or a hook). Requires that
@@ -208,7 +220,12 @@ class FSDPContext:
 
         Raises ``RuntimeError`` if waiting for an in-flight collective fails (e.g. the ranks
         failed at different points and their collectives no longer match): the process group
-        is then unusable and the job must restart; every later forward raises it again.
+        is then unusable and the job must restart; every later forward raises it again. On
+        gloo the wait raises after the group's timeout; on CUDA, where waits are event waits
+        that never fail, each is polled until it completes, a group reports an error, or the
+        largest collective timeout of the tree has passed since recovery began (see [Note:
+        recovery deadline] in ``_deadline.py``), and the groups are asked for an error once
+        all waits completed.
 
         Runs at once when an exception leaves the root's forward (an ``always_call`` forward
         hook), else lazily: at the root's next pre-forward, or before ``state_dict()`` /
@@ -222,27 +239,35 @@ class FSDPContext:
             s.training_state is TrainingState.PRE_BACKWARD for s in self.states
         )
         error: BaseException | None = None
-        if self.refresh_coalescer is not None:
-            try:  # refresh buckets in flight are matched across ranks: wait, then drop the plan
-                self.refresh_coalescer.settle()
-            except Exception as e:  # noqa: BLE001 - reported below, after the reset
-                error = e
-        for state in self.states:
-            for group in state.groups:
-                if error is None:
-                    try:
-                        group.wait_for_compute_weights()
-                        group.grads.wait_for_reduction()
-                    except Exception as e:  # noqa: BLE001 - reported below, after the reset
-                        error = e
-                if error is not None:
-                    # The group is broken: free no buffer a collective may still write into
-                    # (and wait for no further one: each could take the whole timeout).
-                    continue
-                group.free_gathered_weights()
-                group.grads.drop_compute_grads()
-                if discard_grads:
-                    group.grads.zero_grad(set_to_none=True)
+        groups = self._process_groups()
+        seconds = max((collective_timeout_s(g, d) for g, d in groups), default=0.0)
+        with bounded_waits(seconds, lambda: group_error(groups)):
+            if self.refresh_coalescer is not None:
+                try:  # refresh buckets in flight are matched across ranks: wait, then drop
+                    self.refresh_coalescer.settle()
+                except Exception as e:  # noqa: BLE001 - reported below, after the reset
+                    error = e
+            for state in self.states:
+                for group in state.groups:
+                    if error is None:
+                        try:
+                            group.wait_for_compute_weights()
+                            group.grads.wait_for_reduction()
+                        except Exception as e:  # noqa: BLE001 - reported below
+                            error = e
+                    if error is not None:
+                        # The group is broken: free no buffer a collective may still write
+                        # into (and wait for no further one: each could take the timeout).
+                        continue
+                    group.free_gathered_weights()
+                    group.grads.drop_compute_grads()
+                    if discard_grads:
+                        group.grads.zero_grad(set_to_none=True)
+        if error is None and any(d.type == "cuda" for _, d in groups):
+            # Event waits complete when NCCL's watchdog aborted the communicator too.
+            failed = group_error(groups)
+            if failed is not None:
+                error = RuntimeError(failed)
         self.reducing.clear()
         self.final_callback_queued = False
         self.callback_failed = False

@@ -274,6 +274,16 @@ class GroupGrads:
             self._aliases, self._alias_base = aliases, buffer
         return self._aliases
 
+    def forget_temporary_aliases(self) -> None:
+        """The memory temporary buckets live in was replaced or released (a trace-pool replan,
+        ``release_memory_pool()``): drop aliases cached over a temporary bucket, which would
+        keep the old arena alive until the next backward; they are rebuilt over the new one
+        then. Aliases of ``main_grad`` stay (it is persistent)."""
+        if self._armed is None and self._alias_base is not None and (
+            self._alias_base is not self._main_grad
+        ):
+            self._aliases, self._alias_base = [], None
+
     def prepare_backward(self) -> None:
         """Before this group's parameters receive gradients in a backward (the unit's
         pre-backward, an activation-checkpoint recompute): preset the compute parameters'

@@ -39,7 +39,7 @@ gloo's ring sums each chunk of the buffer starting from a different rank, so mov
 to another offset can change the last bit of its sum, exactly as DDP's bucketing does.
 
 Opt-in, because it changes the documented count (one collective per group per window) that the
-tests and the estimator assert, and costs the staging copies and the bucket's memory, which do
+tests and the estimator assert, and costs the staging copies and the buckets' memory, which do
 not pay off for large units. HSDP (a 2-D mesh) is refused; ``optim_grads`` and
 ``optim_grads_params`` reduce every micro-batch through their own per-group buckets and are
 unaffected.

@@ -13,7 +13,9 @@ For a unit ``U`` (a module passed to ``fully_shard``):
   the outputs so the first gradient flowing into them runs ``U``'s pre-backward.
 * pre-backward: queues the root's final callback (once per backward) and re-gathers ZeRO-3 weights.
 * post-backward: when every forward call of ``U`` in this pass has finished its backward,
-  reshard ZeRO-3 groups and reduce gradients (``GroupGrads.reduce``).
+  reshard ZeRO-3 groups, finish the previous unit's reductions (launching its HSDP outer
+  reduction when its window ends: [Note: outer reductions in backward] in ``_context.py``) and
+  reduce gradients (``GroupGrads.reduce``).
 * final callback (end of backward, queued on the autograd engine): runs the post-backward of
   units whose inputs did not require grad (typically the root, fed token ids), waits for every
   in-flight reduction and, on the last micro-batch, installs the optimizer-facing gradients.

@@ -108,9 +108,11 @@ class FSDPContext:
         when its inner reduction holds no temporary bucket (FSDPState.run_post_backward). The
         drain order is backward order, the same on every rank, so every rank launches the
         outer collectives in the same order. An outer reduction that holds a temporary bucket
-        (a workspace in the communication dtype) is listed again and finished by the next
-        drain, so at most one such workspace is alive, besides the unit's own reduction's; one
-        in place runs on until the final callback, which waits for all of them and installs.
+        (a workspace in the communication dtype, or outer optim's ``window_grad``, which it
+        frees) is listed again and finished by the next drain, so at most one unit's are alive
+        besides the reduction in flight (the estimator replays this: ``_estimate._Replay``); an
+        all-reduce in place runs on until the final callback, which waits for all of them and
+        installs.
         Same collectives, same buffers, same arithmetic: only the launch moves earlier."""
         finished: list[FSDPState] = []
         while len(self.reducing) > keep:

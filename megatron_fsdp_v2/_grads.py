@@ -511,7 +511,8 @@ class GroupGrads:
             group.axis_groups, group.allocator, group.temporary_key("outer_comm"), window_key,
             group.issue, async_op,
         )
-        self._pending.append(_reduce.Pending(None, self._restore_carry))
+        if self._carrying:
+            self._pending.append(_reduce.Pending(None, self._restore_carry))
 
     @property
     def awaits_window_steps(self) -> bool:

@@ -71,7 +71,8 @@ into), which keeps ``.grad=None`` for unused parameters exactly as before. Whate
 is after backward if it is not the alias (``create_graph=True`` makes ``AccumulateGrad`` replace
 it with ``grad + new``; user code may assign it) holds that parameter's whole value: it is
 staged over the parameter's region. After the reduction every compute ``.grad`` is ``None``
-again; the aliases are cached (the buffers keep one tensor object across storage freeing).
+again; the aliases are cached (the buffers keep one tensor object across storage freeing;
+a trace-pool arena that is replaced or released drops them: ``forget_temporary_aliases``).
 
 [Note: HSDP window carry]
 On a 2-D mesh with an outer ``no_shard`` axis the plan has ``window_steps``: at the end of each

@@ -80,6 +80,7 @@ def _wrap_zero_grad() -> _Restore:
     original = torch.optim.Optimizer.zero_grad
 
     @functools.wraps(original)
+    @torch._disable_dynamo  # as torch's own: host-side bookkeeping, nothing to compile
     def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
         original(self, set_to_none)
         if not set_to_none:

@@ -58,8 +58,9 @@ def install_optimizer_hooks() -> None:
         _registry.optimizer_hook_handles.extend([
             register_optimizer_step_pre_hook(_optimizer_pre_step),
             register_optimizer_step_post_hook(_optimizer_post_step),
-            _wrap_zero_grad(),
         ])
+    if not _registry.zero_grad_wrapper:
+        _registry.zero_grad_wrapper.append(_wrap_zero_grad())
 
 
 class _Restore:

@@ -8,16 +8,51 @@ gathered data after every re-allocation without being rebuilt. This is how a ZeR
 in forward is valid again once the pre-backward all-gather refills its bucket. On CUDA, buckets
 are allocated and freed on the caller stream and freed only after the collective using them was
 waited on, so the caching allocator never hands memory to another stream while a collective
-still reads it.
+still reads it (see [Note: buckets freed on another stream] for a caller stream that changed).
+
+[Note: buckets freed on another stream]
+The caller stream is not always the same between a bucket's allocation and its free: a
+backward run outside the stream its forward ran under executes the hooks inside backward on the
+forward's stream S (the autograd engine runs each node, and its hooks, on its forward stream),
+but the final callback on the stream ``backward()`` was called from, D. A bucket allocated on
+S and freed from D, after only D waited for its collective (and after D's copy-out read it),
+would go back to S's pool at once: S could reuse the memory while the collective or the
+copy-out still runs. So each bucket remembers the stream it was allocated on, and a free from
+another stream orders the reuse after everything that stream has queued so far (its wait for
+the collective included): ``record_stream`` for a caching-allocator block (the allocator then
+hands the block out again only after that stream's work up to the free is done), and, for a
+view of the trace pool's arena, which the caching allocator never sees, the allocation stream
+waits on the freeing one (the next bucket in those bytes is allocated on one of the two).
+CUDA only; never exercised on a GPU yet.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable
+from typing import Any
 
 import torch
 
-__all__ = ["BucketAllocator"]
+__all__ = ["BucketAllocator", "allocation_stream", "order_free_after_use"]
+
+
+def allocation_stream(bucket: torch.Tensor) -> Any:
+    """The stream ``bucket`` is allocated on now (the current stream of its CUDA device), None
+    off CUDA."""
+    return torch.cuda.current_stream(bucket.device) if bucket.is_cuda else None
+
+
+def order_free_after_use(bucket: torch.Tensor, allocated_on: Any, freeing_on: Any,
+                         in_arena: bool) -> None:
+    """Before ``bucket`` (allocated on stream ``allocated_on``) is freed while ``freeing_on``
+    is current: make reuse of its memory wait for ``freeing_on``'s queued work (see [Note:
+    buckets freed on another stream]). Nothing off CUDA or on the allocation stream."""
+    if allocated_on is None or freeing_on is None or freeing_on == allocated_on:
+        return
+    if in_arena:
+        allocated_on.wait_stream(freeing_on)
+    else:
+        bucket.record_stream(freeing_on)
 
 
 class BucketAllocator:
@@ -30,6 +65,9 @@ class BucketAllocator:
     def __init__(self) -> None:
         self._buckets: dict[Hashable, torch.Tensor] = {}
         self._live: set[Hashable] = set()
+        # The stream each live CUDA bucket was allocated on (see [Note: buckets freed on
+        # another stream]).
+        self._streams: dict[Hashable, Any] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
 
@@ -54,7 +92,15 @@ class BucketAllocator:
             self._live.add(key)
             self.live_bytes += numel * bucket.element_size()
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+            if bucket.is_cuda:
+                self._streams[key] = allocation_stream(bucket)
         return bucket
+
+    def _order_free(self, key: Hashable, bucket: torch.Tensor, in_arena: bool = False) -> None:
+        """See [Note: buckets freed on another stream]."""
+        allocated_on = self._streams.pop(key, None)
+        if allocated_on is not None:
+            order_free_after_use(bucket, allocated_on, allocation_stream(bucket), in_arena)
 
     def adopt(self, other: BucketAllocator) -> None:
         """Take over ``other``'s buckets (the same tensor objects, so existing views stay valid)."""
@@ -79,6 +125,7 @@ class BucketAllocator:
             return
         bucket = self._buckets[key]
         self.live_bytes -= bucket.numel() * bucket.element_size()
+        self._order_free(key, bucket)
         bucket.untyped_storage().resize_(0)
         self._live.discard(key)
 

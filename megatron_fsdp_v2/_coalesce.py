@@ -23,9 +23,14 @@ group, dtype or collective, and at the end of backward (the final callback) for 
   slot of the bucket is the concatenation of its slots of every group's ``main_grad`` (one
   ``reduce_scatter_tensor``; the copy-out writes only this rank's slots).
 
-At most one issued bucket is alive: issuing the next one first finishes the previous one, so
-the extra memory is one bucket (the size; shown in ``memory_report``'s temporary peak), on top
-of what the uncoalesced path uses.
+At most ``MAX_BUCKETS_IN_FLIGHT`` = 2 issued buckets are alive, each in its own staging bucket:
+bucket i+1 is staged and issued while bucket i's collective still runs, as DDP keeps its
+buckets in flight; issuing a third first finishes the oldest. Two, because the collectives of
+one process group run one after another (on gloo's worker thread for the group, on the
+reduction side stream on CUDA): with two issued, the next one is queued the moment the current
+one ends, so a third would only wait in the queue, holding another bucket of memory. The extra
+memory is at most two buckets (twice the size; shown in ``memory_report``'s temporary peak), on
+top of what the uncoalesced path uses.
 
 Results: a reduce-scatter's sum for an element does not depend on where its slot lies in the
 buffer, so ``optim`` is bitwise identical to the uncoalesced path on any number of ranks. An
@@ -34,7 +39,7 @@ gloo's ring sums each chunk of the buffer starting from a different rank, so mov
 to another offset can change the last bit of its sum, exactly as DDP's bucketing does.
 
 Opt-in, because it changes the documented count (one collective per group per window) that the
-tests and the estimator assert, and costs the staging copies and the bucket's memory, which do
+tests and the estimator assert, and costs the staging copies and the buckets' memory, which do
 not pay off for large units. HSDP (a 2-D mesh) is refused; ``optim_grads`` and
 ``optim_grads_params`` reduce every micro-batch through their own per-group buckets and are
 unaffected.
@@ -57,9 +62,14 @@ if TYPE_CHECKING:
     from ._allocator import BucketAllocator
     from ._flat_param_group import FlatParamGroup
 
-__all__ = ["ReductionCoalescer", "validate_bucket_size"]
+__all__ = ["MAX_BUCKETS_IN_FLIGHT", "ReductionCoalescer", "validate_bucket_size"]
 
-_BUCKET_KEY = ("tree", "reduce_bucket")
+MAX_BUCKETS_IN_FLIGHT = 2  # see [Note: reduction buckets] for why two
+
+
+def _bucket_key(slot: int) -> tuple[str, str, int]:
+    """The allocator key of the staging bucket in ``slot`` (one per bucket in flight)."""
+    return ("tree", "reduce_bucket", slot)
 
 
 def validate_bucket_size(value: object, name: str = "reduce_bucket_size_mb") -> float | None:
@@ -82,7 +92,8 @@ def validate_bucket_size(value: object, name: str = "reduce_bucket_size_mb") -> 
 class _Bucket:
     """Groups whose delayed reductions run as one collective."""
 
-    __slots__ = ("key", "scale", "members", "nbytes", "pending", "issued", "done", "dropped")
+    __slots__ = ("key", "scale", "members", "nbytes", "pending", "issued", "done", "dropped",
+                 "slot")
 
     def __init__(self, key: tuple[object, ...], scale: float) -> None:
         self.key = key
@@ -93,6 +104,7 @@ class _Bucket:
         self.issued = False
         self.done = False
         self.dropped = False  # abandoned before it was issued (recovery): nothing to do
+        self.slot = 0  # which staging bucket it uses while in flight
 
 
 class ReductionCoalescer:
@@ -102,7 +114,7 @@ class ReductionCoalescer:
         self.bucket_bytes = max(1, int(bucket_size_mb * (1 << 20)))
         self.allocator = allocator
         self._open: _Bucket | None = None
-        self._inflight: _Bucket | None = None  # the issued bucket not finished yet
+        self._inflight: list[_Bucket] = []  # issued buckets not finished yet, oldest first
         # What coalescing did, cumulative (tests and users read it): collectives issued for a
         # bucket of several groups, the groups they covered, and groups reduced on their own.
         self.coalesced_collectives = 0
@@ -139,8 +151,12 @@ class ReductionCoalescer:
         bucket, self._open = self._open, None
         if bucket is None or not bucket.members:
             return
-        # One issued bucket at a time: its staging memory is freed before the next one's.
-        self._finish_inflight()
+        # At most MAX_BUCKETS_IN_FLIGHT issued buckets: the oldest finishes (and frees its
+        # staging bucket) before another is staged.
+        while len(self._inflight) >= MAX_BUCKETS_IN_FLIGHT:
+            self.complete(self._inflight[0])
+        used = {b.slot for b in self._inflight}
+        bucket.slot = min(slot for slot in range(MAX_BUCKETS_IN_FLIGHT) if slot not in used)
         if len(bucket.members) == 1:
             group, main_grad = bucket.members[0]
             bucket.pending = _reduce.reduce_accumulated(
@@ -154,7 +170,7 @@ class ReductionCoalescer:
             self.coalesced_collectives += 1
             self.coalesced_groups += len(bucket.members)
         bucket.issued = True
-        self._inflight = bucket
+        self._inflight.append(bucket)
 
     def _issue_staged(self, bucket: _Bucket) -> _reduce.Pending:
         first = bucket.members[0][0]
@@ -164,7 +180,8 @@ class ReductionCoalescer:
         world = first.world_size
         numels = [main_grad.numel() for _, main_grad in bucket.members]
         total = sum(numels)
-        staging = self.allocator.allocate(_BUCKET_KEY, total, comm_dtype, device)
+        key = _bucket_key(bucket.slot)
+        staging = self.allocator.allocate(key, total, comm_dtype, device)
         inputs: list[torch.Tensor] = []
         offsets: list[int] = []
         outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (reduced part, destination)
@@ -218,7 +235,7 @@ class ReductionCoalescer:
 
         def finish() -> None:
             copy_out()
-            allocator.free(_BUCKET_KEY)
+            allocator.free(key)
 
         return _reduce.Pending(handle, finish)
 
@@ -230,15 +247,11 @@ class ReductionCoalescer:
             # Waited on before the end of backward: issue what is open (same on every rank).
             assert bucket is self._open
             self.flush()
-        if bucket is self._inflight:
-            self._inflight = None
+        if bucket in self._inflight:
+            self._inflight.remove(bucket)
         bucket.done = True
         assert bucket.pending is not None
         bucket.pending.finish()
-
-    def _finish_inflight(self) -> None:
-        if self._inflight is not None:
-            self.complete(self._inflight)
 
     def abandon(self) -> None:
         """Recovery after a failed backward: forget the open bucket without issuing it (its

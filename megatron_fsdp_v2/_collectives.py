@@ -39,6 +39,7 @@ from ._collective_impl import (
     REDUCE_SCATTER,
     GroupCollectives,
 )
+from ._deadline import wait_for_event
 from ._profiling import traced
 
 __all__ = [
@@ -238,6 +239,8 @@ class _EventHandle:
         self.device = device
 
     def wait(self) -> None:
+        # Recovery only: poll until done or its deadline (see [Note: recovery deadline]).
+        wait_for_event(self.event.query)
         torch.cuda.current_stream(self.device).wait_event(self.event)
 
 

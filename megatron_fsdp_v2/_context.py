@@ -9,8 +9,12 @@ from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+
 from ._allocator import BucketAllocator
 from ._coalesce import ReductionCoalescer
+from ._deadline import bounded_waits, collective_timeout_s, group_error
 from ._flat_param_group import FlatParamGroup
 from ._profiling import traced
 from ._refresh_buckets import RefreshCoalescer
@@ -53,7 +57,9 @@ class FSDPContext:
         # Units whose gradient collectives hold temporary buckets and may still be in flight,
         # oldest first. At most ``max_inflight_reductions`` units' reduction buckets are alive
         # at once. Reductions in place into persistent buffers are not listed: they cost no
-        # memory in flight and run on until the final callback (FSDPState.run_post_backward).
+        # memory in flight and run on until the final callback (FSDPState.run_post_backward),
+        # unless the window ends and HSDP's outer reduction waits for them (see [Note: outer
+        # reductions in backward]).
         self.reducing: deque[FSDPState] = deque()
         self.max_inflight_reductions = 1
         # Debug/test event log of (event, unit fqn); None disables logging.
@@ -89,10 +95,38 @@ class FSDPContext:
         return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
 
     def drain_reductions(self, keep: int) -> None:
-        """Finish the oldest in-flight reductions until at most ``keep`` units have some."""
+        """Finish the oldest in-flight reductions until at most ``keep`` units have some, and
+        launch the outer reduction of each finished unit whose window ends.
+
+        [Note: outer reductions in backward]
+        On a 2-D mesh a window ends with the plan's window steps (HSDP's outer all-reduce or
+        reduce-scatter of each group's inner-reduced shard, design.md §9). Each is launched
+        as soon as its unit's last inner reduction has finished, here, when the next unit's
+        post-backward drains it: it then overlaps the rest of backward, as FSDP2 issues its
+        HSDP all-reduce right after each reduce-scatter, instead of all of them waiting for
+        the final callback. For that, a unit whose window ends is listed in ``reducing`` even
+        when its inner reduction holds no temporary bucket (FSDPState.run_post_backward). The
+        drain order is backward order, the same on every rank, so every rank launches the
+        outer collectives in the same order. An outer reduction that holds a temporary bucket
+        (a workspace in the communication dtype, or outer optim's ``window_grad``, which it
+        frees) is listed again and finished by the next drain, so at most one unit's are alive
+        besides the reduction in flight (the estimator replays this: ``_estimate._Replay``); an
+        all-reduce in place runs on until the final callback, which waits for all of them and
+        installs.
+        Same collectives, same buffers, same arithmetic: only the launch moves earlier."""
+        finished: list[FSDPState] = []
         while len(self.reducing) > keep:
-            for group in self.reducing.popleft().groups:
+            state = self.reducing.popleft()
+            for group in state.groups:
                 group.grads.wait_for_reduction(coalesced=False)
+            finished.append(state)
+        for state in finished:
+            if not state.is_last_backward:
+                continue
+            for group in state.groups:
+                group.grads.reduce_across_replicas(async_op=True)
+            if any(g.grads.reduction_holds_temporary for g in state.groups):
+                self.reducing.append(state)
 
     @property
     def groups(self) -> Iterable[FlatParamGroup]:
@@ -113,6 +147,9 @@ class FSDPContext:
                     state.run_post_backward()
             if self.coalescer is not None:
                 self.coalescer.flush()  # the last, partly filled reduction bucket
+            # Finish what is listed, oldest first, launching outer reductions as windows end
+            # (see [Note: outer reductions in backward]); those listed again are waited below.
+            self.drain_reductions(0)
             self.reducing.clear()
             for state in self.states:
                 # Weights kept for the next forward stay (see [Note: keeping gathered weights]).
@@ -125,8 +162,10 @@ class FSDPContext:
                     group.grads.wait_for_reduction()
             ending = [state for state in self.states if state.is_last_backward]
             # The end of the window: collectives over the reduced shards (the plan's window
-            # steps, HSDP's outer all-reduce; nothing on a 1-D mesh), launched for every group
-            # first, in the same order on every rank, then waited on.
+            # steps, HSDP's outer all-reduce; nothing on a 1-D mesh) that drain_reductions did
+            # not launch already (overlap=False, a group that reduced earlier in the window but
+            # not in this backward), launched for every group first, in the same order on every
+            # rank, then waited on.
             for state in ending:
                 for group in state.groups:
                     group.grads.reduce_across_replicas(async_op=self.overlap)
@@ -156,6 +195,14 @@ class FSDPContext:
             or any(s.training_state is not TrainingState.IDLE for s in self.states)
         )
 
+    def _process_groups(self) -> list[tuple[dist.ProcessGroup, torch.device]]:
+        """Every process group the tree's collectives run on, with its device."""
+        seen: dict[int, tuple[dist.ProcessGroup, torch.device]] = {}
+        for group in self.groups:
+            for process_group in group.axis_groups.values():
+                seen.setdefault(id(process_group), (process_group, group.device))
+        return list(seen.values())
+
     def recover(self) -> None:
         """Return every unit to the state a new step starts from, after a forward or backward
         that raised (an exception or ``KeyboardInterrupt`` in user code or a hook). Requires that
@@ -175,7 +222,12 @@ class FSDPContext:
 
         Raises ``RuntimeError`` if waiting for an in-flight collective fails (e.g. the ranks
         failed at different points and their collectives no longer match): the process group
-        is then unusable and the job must restart; every later forward raises it again.
+        is then unusable and the job must restart; every later forward raises it again. On
+        gloo the wait raises after the group's timeout; on CUDA, where waits are event waits
+        that never fail, each is polled until it completes, a group reports an error, or the
+        largest collective timeout of the tree has passed since recovery began (see [Note:
+        recovery deadline] in ``_deadline.py``), and the groups are asked for an error once
+        all waits completed.
 
         Runs at once when an exception leaves the root's forward (an ``always_call`` forward
         hook), else lazily: at the root's next pre-forward, or before ``state_dict()`` /
@@ -189,27 +241,35 @@ class FSDPContext:
             s.training_state is TrainingState.PRE_BACKWARD for s in self.states
         )
         error: BaseException | None = None
-        if self.refresh_coalescer is not None:
-            try:  # refresh buckets in flight are matched across ranks: wait, then drop the plan
-                self.refresh_coalescer.settle()
-            except Exception as e:  # noqa: BLE001 - reported below, after the reset
-                error = e
-        for state in self.states:
-            for group in state.groups:
-                if error is None:
-                    try:
-                        group.wait_for_compute_weights()
-                        group.grads.wait_for_reduction()
-                    except Exception as e:  # noqa: BLE001 - reported below, after the reset
-                        error = e
-                if error is not None:
-                    # The group is broken: free no buffer a collective may still write into
-                    # (and wait for no further one: each could take the whole timeout).
-                    continue
-                group.free_gathered_weights()
-                group.grads.drop_compute_grads()
-                if discard_grads:
-                    group.grads.zero_grad(set_to_none=True)
+        groups = self._process_groups()
+        seconds = max((collective_timeout_s(g, d) for g, d in groups), default=0.0)
+        with bounded_waits(seconds, lambda: group_error(groups)):
+            if self.refresh_coalescer is not None:
+                try:  # refresh buckets in flight are matched across ranks: wait, then drop
+                    self.refresh_coalescer.settle()
+                except Exception as e:  # noqa: BLE001 - reported below, after the reset
+                    error = e
+            for state in self.states:
+                for group in state.groups:
+                    if error is None:
+                        try:
+                            group.wait_for_compute_weights()
+                            group.grads.wait_for_reduction()
+                        except Exception as e:  # noqa: BLE001 - reported below
+                            error = e
+                    if error is not None:
+                        # The group is broken: free no buffer a collective may still write
+                        # into (and wait for no further one: each could take the timeout).
+                        continue
+                    group.free_gathered_weights()
+                    group.grads.drop_compute_grads()
+                    if discard_grads:
+                        group.grads.zero_grad(set_to_none=True)
+        if error is None and any(d.type == "cuda" for _, d in groups):
+            # Event waits complete when NCCL's watchdog aborted the communicator too.
+            failed = group_error(groups)
+            if failed is not None:
+                error = RuntimeError(failed)
         self.reducing.clear()
         self.final_callback_queued = False
         self.callback_failed = False

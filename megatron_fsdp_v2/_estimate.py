@@ -310,7 +310,12 @@ def _replay_temporaries(model: nn.Module, micro_batches: int) -> int:
       (``max_inflight_reductions = 1``: its bucket is freed) and stages its own
       (``reduce_scatter_input`` each micro-batch, or on the last backward the accumulate path's
       ``grad_comm`` when the communication dtype differs); the root's post-backward runs at the
-      end of backward, after which everything is freed.
+      end of backward, after which everything is freed;
+    * HSDP, last backward: a unit's outer reductions are launched when the next post-backward
+      (or the final callback) has finished its inner ones, each in an ``outer_comm`` workspace
+      when the communication dtype differs, and finished by the drain after that, which frees
+      the workspace and outer optim's ``window_grad`` (see [Note: outer reductions in
+      backward] in ``_context.py``).
     """
     replay = _Replay([s for _, s in _states(model)])
     for micro in range(micro_batches):
@@ -334,7 +339,9 @@ class _Replay:
             self.children.setdefault(parent, []).append(i)
         self.root = self.children[None][0]
         self.alloc = BucketAllocator()
-        self.in_flight: list[tuple[int, int, str]] = []
+        # FSDPContext.reducing: (unit, its temporary keys, whether its outer reductions were
+        # launched already).
+        self.in_flight: list[tuple[int, list[tuple[int, int, str]], bool]] = []
         self.done: set[int] = set()
         self.last = True
 
@@ -376,11 +383,34 @@ class _Replay:
         return (g.requires_grad and g.plan.grads_in_place and not self.children.get(i)
                 and g.plan.grad_path is GradPath.REDUCE_EACH_MICRO_BATCH)
 
+    def drain(self) -> None:
+        """``FSDPContext.drain_reductions(0)``: the listed reductions finish, oldest first, then
+        the outer reductions of the units whose window ends are launched (listed again when
+        they hold a temporary)."""
+        finished, self.in_flight = self.in_flight, []
+        for _, keys, _ in finished:
+            for key in keys:
+                self.alloc.free(key)
+        for i, _, outer_launched in finished:
+            if not self.last or outer_launched:
+                continue
+            keys = []
+            for k, g in enumerate(self.states[i].groups):
+                if not g.plan.window_steps or not g.requires_grad:
+                    continue
+                if g.dtypes.comm != g.dtypes.grad:
+                    lo, hi = g.plan.window_grad_span or g.plan.main_weight_span
+                    self.alloc.allocate((i, k, "oc"), hi - lo, g.dtypes.comm, _META)
+                    keys.append((i, k, "oc"))
+                if g.plan.window_grad_span is not None:
+                    keys.append((i, k, "wg"))  # freed when the outer reduce-scatter finishes
+            if keys:
+                self.in_flight.append((i, keys, True))
+
     def post_backward(self, i: int) -> None:
         self.reshard(i)
-        for key in self.in_flight:  # drain_reductions(0): the older reduction finishes first
-            self.alloc.free(key)
-        self.in_flight = []
+        self.drain()  # the older reductions finish first
+        keys = []
         for k, g in enumerate(self.states[i].groups):
             if not g.requires_grad:
                 continue
@@ -393,11 +423,16 @@ class _Replay:
                 continue
             if not self._in_place_bucket(i, g):  # else allocated by the pre-backward
                 self.alloc.allocate(key, numel, g.dtypes.comm, _META)
-            self.in_flight.append(key)
+            keys.append(key)
             if key[2] == "rs" and g.plan.window_grad_span is not None:
                 # HSDP outer optim: the inner reductions add into a bucket alive all window.
                 lo, hi = g.plan.window_grad_span
                 self.alloc.allocate((i, k, "wg"), hi - lo, g.dtypes.grad, _META)
+        # Listed to be drained: a temporary held, or a window's end (its outer reduction waits).
+        ends_window = self.last and any(
+            g.plan.window_steps and g.requires_grad for g in self.states[i].groups)
+        if keys or ends_window:
+            self.in_flight.append((i, keys, False))
         self.done.add(i)
 
     def iteration_step(self, last: bool) -> None:
@@ -406,32 +441,15 @@ class _Replay:
         self.forward(self.root)
         self.backward(self.root)
         self.post_backward(self.root)
-        for key in self.in_flight:
-            self.alloc.free(key)
+        self.drain()  # the final callback's: the root's outer reductions launch
+        for _, keys, _ in self.in_flight:  # then everything is waited on and freed
+            for key in keys:
+                self.alloc.free(key)
         self.in_flight = []
         for j in range(len(self.states)):
             self.reshard(j)
-        if last:
-            self.window_end()
-
-    def window_end(self) -> None:
-        """The final callback's window steps (HSDP): every group's launched first, each in a
-        communication-dtype workspace (``outer_comm``) when that differs from the gradients',
-        then waited on, which frees the workspaces and the ``window_grad`` buckets. (A window
-        that starts on reduced gradients, i.e. without ``zero_grad``, would also hold a
-        ``window_carry``: not replayed.)"""
-        keys = []
-        for i, state in enumerate(self.states):
-            for k, g in enumerate(state.groups):
-                if not g.plan.window_steps or not g.requires_grad:
-                    continue
-                keys.append((i, k, "wg"))
-                if g.dtypes.comm != g.dtypes.grad:
-                    lo, hi = g.plan.window_grad_span or g.plan.main_weight_span
-                    self.alloc.allocate((i, k, "oc"), hi - lo, g.dtypes.comm, _META)
-                    keys.append((i, k, "oc"))
-        for key in keys:
-            self.alloc.free(key)
+        # (A window that starts on reduced gradients, i.e. without zero_grad, would also hold
+        # a ``window_carry``: not replayed.)
 
 
 _META = torch.device("meta")

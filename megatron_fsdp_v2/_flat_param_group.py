@@ -348,7 +348,9 @@ class FlatParamGroup:
     def drop_gathered_views(self) -> None:
         """A group that gathers, not gathered now: its compute parameters let go of the
         temporary bucket (back to the placeholder of :meth:`bind`), so a trace-pool arena that
-        was replaced or released is freed; the next gather binds them again."""
+        was replaced or released is freed; the next gather binds them again. Likewise the
+        gradient aliases cached over a temporary bucket (any group)."""
+        self.grads.forget_temporary_aliases()
         if not self.plan.gathers_weights or self._gathered or not self._views_bound:
             return
         self.bind()

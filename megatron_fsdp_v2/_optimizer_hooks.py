@@ -6,7 +6,10 @@ which would be updated as stale copies that never see a gradient), reduce gradie
 no backward marked last, and mark the groups the optimizer holds for the refresh of their
 compute weights (see [Note: replicated-buffer refresh]), and let an elementwise optimizer step on
 the local tensors (see [Note: local optimizer step]); after it, swap the DTensors back and mark
-the groups again.
+the groups again. ``torch.optim.Optimizer.zero_grad`` is wrapped alongside: after
+``zero_grad(set_to_none=False)`` it tells each group which installed gradients the optimizer
+zeroed, so no value is read back to learn it (see [Note: gradients known without a host read]
+in ``_zeroed_grads.py``).
 
 The first time they see an optimizer that holds managed parameters they also give it
 ``state_dict`` / ``load_state_dict`` post-hooks (``_state_dict.optimizer_*``), so that
@@ -20,6 +23,7 @@ state from a plain ``load_state_dict`` and never stepped).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +59,37 @@ def install_optimizer_hooks() -> None:
             register_optimizer_step_pre_hook(_optimizer_pre_step),
             register_optimizer_step_post_hook(_optimizer_post_step),
         ])
+    if not _registry.zero_grad_wrapper:
+        _registry.zero_grad_wrapper.append(_wrap_zero_grad())
+
+
+class _Restore:
+    """A handle whose ``remove()`` puts torch's ``Optimizer.zero_grad`` back (``_registry.reset``),
+    unless someone replaced the wrapper since."""
+
+    def __init__(self, original: Any, wrapper: Any) -> None:
+        self._original, self._wrapper = original, wrapper
+
+    def remove(self) -> None:
+        if torch.optim.Optimizer.zero_grad is self._wrapper:
+            torch.optim.Optimizer.zero_grad = self._original  # type: ignore[method-assign]
+
+
+def _wrap_zero_grad() -> _Restore:
+    """Wrap ``torch.optim.Optimizer.zero_grad`` so that ``zero_grad(set_to_none=False)`` marks the
+    installed gradients it zeroed (see [Note: gradients known without a host read])."""
+    original = torch.optim.Optimizer.zero_grad
+
+    @functools.wraps(original)
+    @torch._disable_dynamo  # as torch's own: host-side bookkeeping, nothing to compile
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        original(self, set_to_none)
+        if not set_to_none:
+            for group, indices in _optimizer_groups(self).members:
+                group.grads.note_zeroed_in_place(indices)
+
+    torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    return _Restore(original, zero_grad)
 
 
 @dataclass
@@ -63,6 +98,8 @@ class _OptimizerGroups:
     generation: int
     groups: list[FlatParamGroup] = field(default_factory=list)
     stale_params: list[str] = field(default_factory=list)
+    # Per group, the indices of the parameters this optimizer holds.
+    members: list[tuple[FlatParamGroup, list[int]]] = field(default_factory=list)
 
 
 def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
@@ -75,7 +112,7 @@ def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
     ):
         return cached
     info = _OptimizerGroups(param_count, _registry.wrap_generation[0])
-    seen: set[int] = set()
+    indices: dict[int, list[int]] = {}
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             record = _registry.record_of(p)
@@ -85,9 +122,12 @@ def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
                 info.stale_params.append(
                     f"'{record.fqn}' of {record.group.owner}, shape {tuple(record.item.shape)}"
                 )
-            elif id(record.group) not in seen:
-                seen.add(id(record.group))
+                continue
+            if id(record.group) not in indices:
+                indices[id(record.group)] = []
                 info.groups.append(record.group)
+                info.members.append((record.group, indices[id(record.group)]))
+            indices[id(record.group)].append(record.index)
     _registry.optimizer_cache[optimizer] = info
     if info.groups:
         install_state_dict_hooks(optimizer)

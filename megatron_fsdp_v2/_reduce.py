@@ -188,7 +188,8 @@ def reduce_window(
 
         handle = issue(f"{step.axis} {step.op.value}", launch, async_op=async_op, reduce=True,
                        process_group=group)
-        pending.append(Pending(handle, finish))
+        # An all-reduce in place into local_grad leaves nothing to finish: no temporary held.
+        pending.append(Pending(handle, finish if copies_out or frees_window else None))
     return pending
 
 

@@ -44,6 +44,9 @@ fsdp_classes: dict[type, type] = {}
 # The handles of the optimizer step hooks, once installed, the per-optimizer cache of the groups
 # it updates, and the number of wraps so far (a cached entry older than the last wrap is stale).
 optimizer_hook_handles: list[Any] = []
+# The handle that puts torch.optim.Optimizer.zero_grad back (see [Note: gradients known without a
+# host read] in _zeroed_grads.py), once wrapped.
+zero_grad_wrapper: list[Any] = []
 optimizer_cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 wrap_generation = [0]
 # torch.nn.utils.clip_grad_norm_ and get_total_norm as they were before the first wrap replaced
@@ -100,6 +103,9 @@ def reset() -> None:
     for handle in optimizer_hook_handles:
         handle.remove()
     optimizer_hook_handles.clear()
+    for handle in zero_grad_wrapper:
+        handle.remove()
+    zero_grad_wrapper.clear()
     optimizer_cache.clear()
     wrap_generation[0] = 0
     for _, restore in torch_clip_grad_norm:

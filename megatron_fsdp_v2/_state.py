@@ -13,7 +13,9 @@ For a unit ``U`` (a module passed to ``fully_shard``):
   the outputs so the first gradient flowing into them runs ``U``'s pre-backward.
 * pre-backward: queues the root's final callback (once per backward) and re-gathers ZeRO-3 weights.
 * post-backward: when every forward call of ``U`` in this pass has finished its backward,
-  reshard ZeRO-3 groups and reduce gradients (``GroupGrads.reduce``).
+  reshard ZeRO-3 groups, finish the previous unit's reductions (launching its HSDP outer
+  reduction when its window ends: [Note: outer reductions in backward] in ``_context.py``) and
+  reduce gradients (``GroupGrads.reduce``).
 * final callback (end of backward, queued on the autograd engine): runs the post-backward of
   units whose inputs did not require grad (typically the root, fed token ids), waits for every
   in-flight reduction and, on the last micro-batch, installs the optimizer-facing gradients.
@@ -554,7 +556,12 @@ class FSDPState:
             # no memory in flight: it runs on until the final callback, as DDP's bucket
             # all-reduces do, instead of stalling the next unit's backward (measured: ``optim``
             # on 4 gloo ranks waited 144 ms per step in backward before).
-            if ctx.overlap and any(g.grads.reduction_holds_temporary for g in self.groups):
+            # A window's end is listed too: its outer reduction is launched when the next
+            # drain has finished the inner one (see [Note: outer reductions in backward]).
+            if ctx.overlap and any(
+                g.grads.reduction_holds_temporary
+                or (self.is_last_backward and g.grads.awaits_window_steps) for g in self.groups
+            ):
                 ctx.reducing.append(self)
         self.backward_done = True
         self.training_state = TrainingState.IDLE

@@ -55,7 +55,9 @@ Whoever keeps a view of a bucket past a ``free``/``allocate`` cycle (as autograd
 gathered weights) must ``pin`` it, or it may find other data there in a changed iteration. On
 CUDA the arena relies on the invariant the storage-freeing buckets rely on: a bucket is freed
 on the caller stream after its collective was waited on, and side streams wait on the caller
-stream before each launch, so the next key in the same bytes is ordered after the last use.
+stream before each launch, so the next key in the same bytes is ordered after the last use. A
+bucket freed on another stream than it was allocated on makes the allocation stream wait on
+the freeing one (see [Note: buckets freed on another stream] in ``_allocator.py``).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._allocator import BucketAllocator
+from ._allocator import BucketAllocator, allocation_stream
 
 __all__ = ["ARENA_ALIGNMENT", "BucketSpec", "TracePoolAllocator", "plan_offsets"]
 
@@ -226,6 +228,8 @@ class TracePoolAllocator(BucketAllocator):
         self._live.add(key)
         self.live_bytes += spec.nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if bucket.is_cuda:
+            self._streams[key] = allocation_stream(bucket)
         return bucket
 
     def free(self, key: Hashable) -> None:
@@ -234,7 +238,9 @@ class TracePoolAllocator(BucketAllocator):
         self._record(("free", key))
         bucket = self._current[key]
         self.live_bytes -= bucket.numel() * bucket.element_size()
-        if not self._in_arena.get(key, False):
+        in_arena = self._in_arena.get(key, False)
+        self._order_free(key, bucket, in_arena)  # see [Note: buckets freed on another stream]
+        if not in_arena:
             bucket.untyped_storage().resize_(0)
         self._live.discard(key)
 

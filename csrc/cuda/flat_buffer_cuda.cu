@@ -2,7 +2,8 @@
 // over the segment lists that the front end (csrc/ops.cpp) builds and registers.
 //
 // One kernel does every copy: scaled_cast_kernel<S, D> walks a segment table
-// (multi_tensor.cuh) with a grid-stride loop over tiles. A full tile whose
+// (multi_tensor.cuh; one instantiation per table capacity, so a launch copies
+// only a table sized to its segments) with a grid-stride loop over tiles. A full tile whose
 // pointers are aligned moves kUnroll 16-byte vectors per thread (all loads issued
 // before the stores); partial or misaligned tiles fall back to a strided scalar
 // loop. A pack_ of a whole list is one launch (per kMaxSegments segments).
@@ -75,9 +76,9 @@ __device__ __forceinline__ D scaled_cast(S x, D old, acc_t scale, bool accumulat
   return static_cast<D>(v);
 }
 
-template <typename S, typename D>
+template <typename S, typename D, typename Table>
 __global__ void __launch_bounds__(kBlock)
-    scaled_cast_kernel(const __grid_constant__ SegmentTable table, opmath_t<S, D> scale,
+    scaled_cast_kernel(const __grid_constant__ Table table, opmath_t<S, D> scale,
                        bool accumulate) {
   using acc_t = opmath_t<S, D>;
   constexpr int kVec = vec_width<S, D>();
@@ -137,9 +138,9 @@ __device__ __forceinline__ acc_t block_sum(acc_t v) {
 
 // One partial sum of squares per block; sum_partials_kernel adds them up, so the
 // result does not depend on scheduling (no atomics).
-template <typename T>
+template <typename T, typename Table>
 __global__ void __launch_bounds__(kBlock)
-    sum_of_squares_kernel(const __grid_constant__ SegmentTable table, float* partials) {
+    sum_of_squares_kernel(const __grid_constant__ Table table, float* partials) {
   using acc_t = opmath_t<T, T>;
   constexpr int kVec = vec_width<T, T>();
   constexpr int64_t kTile = tile_elems<T, T>();
@@ -208,9 +209,10 @@ void copy_cuda(at::Device device, const std::vector<Segment>& segments, at::Scal
       using dst_t = scalar_t;
       using acc_t = opmath_t<src_t, dst_t>;
       for_each_table(
-          segments, tile_elems<src_t, dst_t>(), [&](const SegmentTable& table, int64_t tiles) {
+          segments, tile_elems<src_t, dst_t>(), [&](const auto& table, int64_t tiles) {
+            using Table = std::decay_t<decltype(table)>;
             const int blocks = static_cast<int>(std::min(tiles, grid_limit));
-            scaled_cast_kernel<src_t, dst_t><<<blocks, kBlock, 0, stream>>>(
+            scaled_cast_kernel<src_t, dst_t, Table><<<blocks, kBlock, 0, stream>>>(
                 table, static_cast<acc_t>(scale), accumulate);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           });
@@ -231,9 +233,10 @@ at::Tensor sum_of_squares_cuda(at::Device device, const std::vector<Segment>& se
   int64_t used = 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "mfsdp_sum_of_squares", [&] {
     for_each_table(segments, tile_elems<scalar_t, scalar_t>(),
-                   [&](const SegmentTable& table, int64_t tiles) {
+                   [&](const auto& table, int64_t tiles) {
+                     using Table = std::decay_t<decltype(table)>;
                      const int blocks = static_cast<int>(std::min(tiles, grid_limit));
-                     sum_of_squares_kernel<scalar_t>
+                     sum_of_squares_kernel<scalar_t, Table>
                          <<<blocks, kBlock, 0, stream>>>(table, partials.data_ptr<float>() + used);
                      C10_CUDA_KERNEL_LAUNCH_CHECK();
                      used += blocks;

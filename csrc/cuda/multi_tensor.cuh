@@ -7,6 +7,11 @@
 // segments; older toolkits keep to the classic 4 KB. A longer list is split into
 // consecutive launches of kMaxSegments (a bucket of a few hundred parameters is one).
 //
+// Every launch copies its whole parameter block, so the table's capacity is sized
+// to the segments used: a launch of at most kSmallSegments segments passes a
+// ~0.3 KB table, at most kMediumSegments a ~2 KB one, and only longer lists the
+// full ~24.6 KB table (one kernel instantiation per capacity).
+//
 // Work is cut into tiles that never straddle segments: segment s owns tiles
 // [tile_begin[s], tile_begin[s + 1]) and tile t of it starts kTile * (t -
 // tile_begin[s]) elements into the segment. Tile starts are therefore aligned
@@ -30,17 +35,25 @@ constexpr int kMaxSegments = 768;  // ~24.6 KB of kernel parameters
 constexpr int kMaxSegments = 96;   // ~3 KB, under the 4 KB limit
 #endif
 
+constexpr int kSmallSegments = 8;    // ~0.3 KB: a single tensor or a small unit
+constexpr int kMediumSegments = 64;  // ~2 KB: a transformer block's parameters
+
+template <int Capacity>
 struct SegmentTable {
-  int64_t tile_begin[kMaxSegments + 1];  // prefix sums of tiles; tile_begin[num_segments] = total
-  const void* src[kMaxSegments];
-  void* dst[kMaxSegments];
-  int64_t numel[kMaxSegments];
+  static constexpr int kCapacity = Capacity;
+  int64_t tile_begin[Capacity + 1];  // prefix sums of tiles; tile_begin[num_segments] = total
+  const void* src[Capacity];
+  void* dst[Capacity];
+  int64_t numel[Capacity];
   int num_segments;
 };
 
+static_assert(sizeof(SegmentTable<kSmallSegments>) <= 512, "a small launch copies little");
+
 // Index of the segment owning `tile`: the last s with tile_begin[s] <= tile
 // (segments are non-empty, so the owner is unique).
-__device__ __forceinline__ int find_segment(const SegmentTable& table, int64_t tile) {
+template <typename Table>
+__device__ __forceinline__ int find_segment(const Table& table, int64_t tile) {
   int lo = 0;
   int hi = table.num_segments - 1;
   while (lo < hi) {
@@ -54,26 +67,43 @@ __device__ __forceinline__ int find_segment(const SegmentTable& table, int64_t t
   return lo;
 }
 
-// Calls launch(table, num_tiles) for each group of at most kMaxSegments segments.
-// `tile_elems` is the kernel's elements per tile. Empty segments must be dropped.
+// Fills a table of `Capacity` with segments [first, first + count) and calls
+// launch(table, num_tiles).
+template <int Capacity, typename Launch>
+void launch_table(const std::vector<Segment>& segments, size_t first, size_t count,
+                  int64_t tile_elems, const Launch& launch) {
+  SegmentTable<Capacity> table;
+  table.num_segments = static_cast<int>(count);
+  int64_t tiles = 0;
+  for (size_t i = 0; i < count; ++i) {
+    const Segment& seg = segments[first + i];
+    table.tile_begin[i] = tiles;
+    table.src[i] = seg.src;
+    table.dst[i] = seg.dst;
+    table.numel[i] = seg.numel;
+    tiles += (seg.numel + tile_elems - 1) / tile_elems;
+  }
+  table.tile_begin[count] = tiles;
+  launch(table, tiles);
+}
+
+// Calls launch(table, num_tiles) for each group of at most kMaxSegments segments, with
+// the smallest table that holds the group: `launch` is a generic lambda over the table
+// type. `tile_elems` is the kernel's elements per tile. Empty segments must be dropped.
 template <typename Launch>
 void for_each_table(const std::vector<Segment>& segments, int64_t tile_elems,
                     const Launch& launch) {
+  static_assert(kSmallSegments < kMediumSegments && kMediumSegments < kMaxSegments,
+                "table capacities must grow");
   for (size_t first = 0; first < segments.size(); first += kMaxSegments) {
     const size_t count = std::min<size_t>(kMaxSegments, segments.size() - first);
-    SegmentTable table;
-    table.num_segments = static_cast<int>(count);
-    int64_t tiles = 0;
-    for (size_t i = 0; i < count; ++i) {
-      const Segment& seg = segments[first + i];
-      table.tile_begin[i] = tiles;
-      table.src[i] = seg.src;
-      table.dst[i] = seg.dst;
-      table.numel[i] = seg.numel;
-      tiles += (seg.numel + tile_elems - 1) / tile_elems;
+    if (count <= kSmallSegments) {
+      launch_table<kSmallSegments>(segments, first, count, tile_elems, launch);
+    } else if (count <= kMediumSegments) {
+      launch_table<kMediumSegments>(segments, first, count, tile_elems, launch);
+    } else {
+      launch_table<kMaxSegments>(segments, first, count, tile_elems, launch);
     }
-    table.tile_begin[count] = tiles;
-    launch(table, tiles);
   }
 }
 

@@ -18,6 +18,7 @@ backwarded after the pool moved its buckets (or after a release).
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, _collectives, fully_shard, memory_report
@@ -311,3 +313,29 @@ def test_trace_pool_errors(ranks: RankPools) -> None:
         assert "middle of a step" in seen[2]
         assert "built before the trace pool" in seen[3]
         assert "built before the trace pool" in seen[4]
+
+
+def _arena_freed(rank: int, world: int, strategy: str) -> bool:
+    """Whether the arena's storage is free after ``release_memory_pool()``, before the next
+    forward: compute views and the gradient aliases cached over a bucket in it must let go
+    (``optim_grads``: autograd writes gradients into the ``reduce_scatter_input`` bucket through
+    cached aliases)."""
+    model = _wrap(world, True, strategy, "fp32", None, False)
+    for step in range(3):  # record, plan, run on the plan
+        x, y = _batch(rank, step, 0)
+        F.mse_loss(model(x), y).backward()
+        model.zero_grad()  # type: ignore[operator]
+    allocator = state_of(model).ctx.allocator  # type: ignore[union-attr]
+    (arena,) = allocator._arenas.values()
+    old = StorageWeakRef(arena.untyped_storage())
+    del arena
+    model.release_memory_pool()  # type: ignore[attr-defined]
+    gc.collect()
+    return old.expired()
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_release_frees_the_arena_before_the_next_forward(ranks: RankPools,
+                                                         strategy: str) -> None:
+    assert ranks.run(_arena_freed, 2, strategy, timeout_s=TIMEOUT_S - 20) == [True, True]

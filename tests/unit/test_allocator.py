@@ -12,7 +12,7 @@ from collections.abc import Hashable, Iterable
 
 import torch
 
-from megatron_fsdp_v2._allocator import BucketAllocator
+from megatron_fsdp_v2._allocator import BucketAllocator, order_free_after_use
 
 CPU = torch.device("cpu")
 
@@ -191,3 +191,46 @@ def test_random_sequences_keep_accounting_exact() -> None:
             assert alloc.live_bytes == live_storage_bytes(alloc, keys)
             peak = max(peak, alloc.live_bytes)
             assert alloc.peak_bytes == peak
+
+
+class _FakeStream:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.waited_on: list[_FakeStream] = []
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.waited_on.append(other)
+
+
+class _FakeBucket:
+    def __init__(self) -> None:
+        self.recorded: list[_FakeStream] = []
+
+    def record_stream(self, stream: _FakeStream) -> None:
+        self.recorded.append(stream)
+
+
+def test_free_on_another_stream_orders_reuse_after_it() -> None:
+    """[Note: buckets freed on another stream] (CUDA only, so with fake streams here): a bucket
+    allocated on the forward's stream and freed from the stream backward() was called from has
+    its reuse ordered after the freeing stream's queued work; nothing on the same stream."""
+    forward, caller = _FakeStream("forward"), _FakeStream("caller")
+    bucket = _FakeBucket()
+    order_free_after_use(bucket, forward, forward, in_arena=False)  # type: ignore[arg-type]
+    order_free_after_use(bucket, None, caller, in_arena=False)  # type: ignore[arg-type]
+    assert bucket.recorded == [] and forward.waited_on == []
+    # A caching-allocator block: handed out again only after the caller stream's work.
+    order_free_after_use(bucket, forward, caller, in_arena=False)  # type: ignore[arg-type]
+    assert bucket.recorded == [caller] and forward.waited_on == []
+    # A view of the trace pool's arena: the allocation stream waits on the freeing one.
+    arena_view = _FakeBucket()
+    order_free_after_use(arena_view, forward, caller, in_arena=True)  # type: ignore[arg-type]
+    assert arena_view.recorded == [] and forward.waited_on == [caller]
+
+
+def test_cpu_buckets_remember_no_stream() -> None:
+    allocator = BucketAllocator()
+    allocator.allocate("k", 4, torch.float32, torch.device("cpu"))
+    assert allocator._streams == {}
+    allocator.free("k")
+    assert not allocator.is_allocated("k")

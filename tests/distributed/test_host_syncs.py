@@ -1,0 +1,241 @@
+"""Host syncs in a steady-state training step (issue 23, item 5): no library code reads a
+tensor's value on the host (``.item()``, ``bool()``, ``float()``, ``int()``, ``.tolist()``,
+``torch.equal``...) during forward, backward and the optimizer step, for every strategy, with
+``zero_grad()`` and ``zero_grad(set_to_none=False)``. On CUDA each such read blocks the CPU until
+the GPU catches up (the CPU can no longer run ahead); on CPU it is the same call, which is what
+this test counts: a dispatch mode sees every op that turns a tensor value into a Python scalar,
+a patch sees ``tolist``/``numpy``, and only calls with a frame inside ``megatron_fsdp_v2/`` count.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import megatron_fsdp_v2
+from megatron_fsdp_v2 import fully_shard
+
+from _pool import RankPools
+
+STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
+TIMEOUT_S = 240.0
+LIBRARY = os.path.dirname(os.path.abspath(megatron_fsdp_v2.__file__)) + os.sep
+aten = torch.ops.aten
+# Ops whose result is a Python value computed from tensor data (metadata queries are not).
+_VALUE_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
+              aten.allclose.default}
+
+
+def _library_frame() -> str | None:
+    """The innermost frame of the calling stack inside the library (None: none)."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if frame.filename.startswith(LIBRARY):
+            return f"{os.path.relpath(frame.filename, LIBRARY)}:{frame.lineno} {frame.name}"
+    return None
+
+
+class _CountValueReads(TorchDispatchMode):
+    def __init__(self, seen: list[str]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in _VALUE_OPS:
+            where = _library_frame()
+            if where is not None:
+                self.seen.append(f"{func} at {where}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def counting_value_reads() -> Iterator[list[str]]:
+    """Every host read of a tensor value from library code inside the block."""
+    seen: list[str] = []
+    patched = {}
+    for name in ("tolist", "numpy"):
+        original = getattr(torch.Tensor, name)
+        patched[name] = original
+
+        def spy(self: torch.Tensor, *a: Any, __original: Any = original, __name: str = name,
+                **k: Any) -> Any:
+            where = _library_frame()
+            if where is not None:
+                seen.append(f"Tensor.{__name} at {where}")
+            return __original(self, *a, **k)
+
+        setattr(torch.Tensor, name, spy)
+    try:
+        with _CountValueReads(seen):
+            yield seen
+    finally:
+        for name, original in patched.items():
+            setattr(torch.Tensor, name, original)
+
+
+class Net(nn.Module):
+    """inp -> block (a unit) -> head; the root owns inp and head (and ``unused``, a parameter no
+    rank uses, when asked for)."""
+
+    def __init__(self, unused: bool) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+        self.unused = nn.Linear(8, 8) if unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(self.inp(x))))
+
+
+STEPS = 4
+SETUP_STEPS = 2  # lazy init, the first install, the first zero_grad of what was installed
+MICRO = 2
+PER_RANK = 4
+
+
+def _batches(world: int) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
+    """batches[step][micro][rank], the same on every rank."""
+    g = torch.Generator().manual_seed(7)
+    return [[[(torch.randn(PER_RANK, 5, generator=g), torch.randn(PER_RANK, 3, generator=g))
+              for _ in range(world)] for _ in range(MICRO)] for _ in range(STEPS)]
+
+
+def _reductions(model: nn.Module) -> int:
+    """Gradient reduction collectives issued since the last call (and resets the count)."""
+    stats = model.collective_stats(reset=True)  # type: ignore[operator]
+    return sum(c.calls for (logical, _), c in stats.items() if logical != "all_gather")
+
+
+def _train(rank: int, world: int, strategy: str, variant: str, unused: bool
+           ) -> tuple[list[list[str]], list[int], list[str]]:
+    """Trains ``fully_shard`` next to single-process torch on the global batch. ``variant``
+    says how gradients are cleared after each step:
+
+    * ``none``: ``opt.zero_grad()``; ``zeros``: ``opt.zero_grad(set_to_none=False)``;
+    * ``two_optimizers``: two optimizers over halves of the parameters, both
+      ``zero_grad(set_to_none=False)``;
+    * ``manual``: ``p.grad.zero_()`` in a loop (not seen by the library: read back instead);
+    * ``to_local_write`` / ``dtensor_write``: ``zero_grad(set_to_none=False)``, then 0.5 added
+      to ``inp.weight``'s gradient through ``to_local()`` / a DTensor op, as torch adds it.
+
+    Returns, per steady-state step, the host reads of library code and the reduction
+    collectives issued, and the mismatches against torch."""
+    torch.manual_seed(0)
+    model = Net(unused)
+    ref = copy.deepcopy(model)
+    fully_shard(model.block, sharding_strategy=strategy)
+    fully_shard(model, sharding_strategy=strategy)
+
+    def optimizers(m: nn.Module) -> list[torch.optim.Optimizer]:
+        params = list(m.parameters())
+        if variant == "two_optimizers":
+            return [torch.optim.AdamW(params[::2], lr=1e-2, weight_decay=0.1),
+                    torch.optim.AdamW(params[1::2], lr=1e-2, weight_decay=0.1)]
+        return [torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)]
+
+    opts, ref_opts = optimizers(model), optimizers(ref)
+    reads: list[list[str]] = []
+    reductions: list[int] = []
+    mismatches: list[str] = []
+    for step, batches in enumerate(_batches(world)):
+        _reductions(model)
+        with counting_value_reads() as seen:
+            for m, parts in enumerate(batches):
+                model.set_is_last_backward(m == MICRO - 1)
+                x, y = parts[rank]
+                (F.mse_loss(model(x), y) / MICRO).backward()
+            for opt in opts:
+                opt.step()
+            _clear(model, opts, variant)
+        if step >= SETUP_STEPS:
+            reads.append(list(seen))
+            reductions.append(_reductions(model))
+        for parts in batches:
+            gx, gy = (torch.cat([p[i] for p in parts]) for i in (0, 1))
+            (F.mse_loss(ref(gx), gy) / MICRO).backward()
+        for opt in ref_opts:
+            opt.step()
+        _clear(ref, ref_opts, variant)
+        for name, param in model.named_parameters():
+            full = param.full_tensor()
+            if not torch.allclose(full, dict(ref.named_parameters())[name], rtol=1e-5,
+                                  atol=1e-6):
+                mismatches.append(f"step {step}: {name}")
+    return reads, reductions, mismatches
+
+
+def _clear(model: nn.Module, opts: list[torch.optim.Optimizer], variant: str) -> None:
+    if variant == "manual":
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        return
+    for opt in opts:
+        opt.zero_grad(set_to_none=variant == "none")
+    grad = model.inp.weight.grad  # type: ignore[union-attr]
+    if variant == "to_local_write":
+        (grad.to_local() if isinstance(grad, DTensor) else grad).add_(0.5)
+    elif variant == "dtensor_write":
+        grad.add_(0.5)
+
+
+CASES = [(s, v, u) for s in STRATEGIES for v in ("none", "zeros") for u in (False, True)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,variant,unused", CASES,
+                         ids=[f"{s}-{v}-{'unused' if u else 'all_used'}" for s, v, u in CASES])
+def test_no_host_reads_in_steady_state(ranks: RankPools, strategy: str, variant: str,
+                                       unused: bool) -> None:
+    """Zero host reads per steady-state step; with a parameter no rank uses, only the one read
+    per group and window that decides its ``.grad=None`` (see [Note: gradients known without a
+    host read]): the root's group holds it, so one read per step, not one per parameter."""
+    results = ranks.run(_train, 2, strategy, variant, unused, timeout_s=TIMEOUT_S)
+    for rank, (reads, _, mismatches) in enumerate(results):
+        assert not mismatches, f"rank {rank}: differs from torch: {mismatches}"
+        for step, seen in enumerate(reads):
+            where = f"rank {rank}, steady step {step}"
+            if not unused:
+                assert not seen, f"{where}: {len(seen)} host reads, first: {seen[:4]}"
+            else:
+                assert len(seen) <= 1 and all("reduced_nonzero" in r for r in seen), (
+                    f"{where}: expected at most the unused parameters' one read: {seen}")
+
+
+ACCUMULATING = ["no_shard", "optim"]  # where zeroed gradients restart the one-collective path
+# (variant, whether values are read, reductions per steady step: the block's and the root's
+# group, one each on the one-collective path, MICRO for a group that reduces each micro-batch)
+DETECTION = [
+    ("zeros", False, 2),          # seen by the optimizer wrapper: one collective per group
+    ("two_optimizers", False, 2),  # both halves marked: still known
+    ("manual", True, 2),          # not seen: read back, then one collective per group
+    ("to_local_write", True, 3),  # written after zeroing: read, not zero, so the root reduces
+    ("dtensor_write", True, 3),   # each micro-batch (the block stays known zero)
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ACCUMULATING)
+@pytest.mark.parametrize("variant,reads,reductions", DETECTION,
+                         ids=[v for v, _, _ in DETECTION])
+def test_zeroing_detected_exactly(ranks: RankPools, strategy: str, variant: str, reads: bool,
+                                  reductions: int) -> None:
+    """Which zeroing is known without a read, and that what is not known is read (or takes the
+    reduce-each path), with torch's results either way."""
+    results = ranks.run(_train, 2, strategy, variant, False, timeout_s=TIMEOUT_S)
+    for rank, (seen, issued, mismatches) in enumerate(results):
+        assert not mismatches, f"rank {rank}: differs from torch: {mismatches}"
+        assert all(bool(s) == reads for s in seen), f"rank {rank}: reads {seen}"
+        assert all("all_zeros" in r for s in seen for r in s), f"rank {rank}: reads {seen}"
+        assert issued == [reductions] * len(issued), f"rank {rank}: reductions {issued}"

@@ -1,0 +1,103 @@
+"""The recovery deadline of CUDA event waits (see [Note: recovery deadline] in
+``megatron_fsdp_v2/_deadline.py``), with fake events and a fake clock: events never raise, so
+``FSDPContext.recover`` polls them under ``bounded_waits`` and fails with a clear error when a
+collective never completes or its group reports an error. The real groups' timeout and error
+queries run on two gloo ranks."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_fsdp_v2._collectives import _EventHandle
+from megatron_fsdp_v2._deadline import (
+    CollectiveTimeoutError,
+    bounded_waits,
+    collective_timeout_s,
+    group_error,
+    wait_for_event,
+)
+from megatron_fsdp_v2.testing import run_distributed
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds > 0
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+class FakeEvent:
+    """``query()`` is true from the ``done_after``-th call on (never, if None)."""
+
+    def __init__(self, done_after: int | None) -> None:
+        self.done_after = done_after
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done_after is not None and self.queries > self.done_after
+
+
+def test_outside_recovery_nothing_is_polled() -> None:
+    event = FakeEvent(None)
+    wait_for_event(event.query)
+    assert event.queries == 0
+
+
+def test_an_event_that_completes_returns() -> None:
+    clock, event = FakeClock(), FakeEvent(3)
+    with bounded_waits(10.0, clock=clock):
+        wait_for_event(event.query, sleep=clock.sleep)
+    assert event.queries == 4 and len(clock.sleeps) == 3
+
+
+def test_an_event_that_never_completes_raises_at_the_deadline() -> None:
+    clock, event = FakeClock(), FakeEvent(None)
+    with bounded_waits(7.5, clock=clock), pytest.raises(
+            CollectiveTimeoutError, match=r"within 7.5 s \(the collective timeout\)"):
+        wait_for_event(event.query, sleep=clock.sleep)
+    assert clock.now == pytest.approx(107.5)  # no later than the deadline
+    assert max(clock.sleeps) <= 0.05  # short pauses: a late completion is seen at once
+
+
+def test_a_group_error_raises_before_the_deadline() -> None:
+    clock, event = FakeClock(), FakeEvent(None)
+    errors = iter([None, None, "process group 3 reports TIMEOUT"])
+    with bounded_waits(60.0, lambda: next(errors), clock=clock), pytest.raises(
+            CollectiveTimeoutError, match="process group 3 reports TIMEOUT"):
+        wait_for_event(event.query, sleep=clock.sleep)
+    assert event.queries == 3 and clock.now < 101.0
+
+
+def test_event_handle_polls_under_recovery() -> None:
+    """The library's CUDA handle: under ``bounded_waits`` a collective that never completes
+    raises instead of leaving the caller stream waiting forever (the error comes before any
+    CUDA call, so this runs on CPU)."""
+    handle = _EventHandle(FakeEvent(None), torch.device("cuda", 0))  # type: ignore[arg-type]
+    with bounded_waits(0.01), pytest.raises(CollectiveTimeoutError):
+        handle.wait()
+
+
+def _real_groups(rank: int, world: int) -> tuple[float, str | None, float]:
+    group = dist.new_group([0, 1], timeout=timedelta(seconds=42))
+    cpu = torch.device("cpu")
+    return (collective_timeout_s(group, cpu), group_error([(group, cpu)]),
+            collective_timeout_s(dist.group.WORLD, cpu))  # type: ignore[arg-type]
+
+
+def test_real_group_timeout_and_health() -> None:
+    for timeout, error, world_timeout in run_distributed(_real_groups, 2, timeout_s=120):
+        assert timeout == 42.0
+        assert error is None
+        assert world_timeout > 0

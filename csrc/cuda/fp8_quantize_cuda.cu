@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "mfsdp/fp8_quantize.h"
+#include "multi_tensor.cuh"
 
 namespace mfsdp {
 namespace {
@@ -78,21 +79,8 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
-// The segment owning `tile`: the last s with tile_begin[s] <= tile. An empty segment
-// shares its tile_begin with the next one, so it is never the last such s.
-__device__ __forceinline__ int find_segment(const QuantizeTable& table, int64_t tile) {
-  int lo = 0;
-  int hi = table.num_segments - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (table.tile_begin[mid] <= tile) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
+// find_segment (multi_tensor.cuh) finds the segment owning a tile. An empty segment shares its
+// tile_begin with the next one, so it is never the last s with tile_begin[s] <= tile.
 
 __device__ __forceinline__ unsigned abs_bits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
 

@@ -94,6 +94,20 @@ class OddMLP(nn.Module):
         return self.out(torch.tanh(self.frozen(h)))
 
 
+class ThinMLP(nn.Module):
+    """Rows 7, 7, 2, 2, 1, 1: at world 3 uneven shards and one-row parameters (empty shards on
+    some ranks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 2)
+        self.c = nn.Linear(2, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))

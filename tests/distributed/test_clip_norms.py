@@ -32,7 +32,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import clip_grad_norm_, fully_shard
 
-from _models import all_ranks_ok, shard_rows
+from _models import ThinMLP, all_ranks_ok, shard_rows
 from _pool import RankPools
 
 TIMEOUT_S = 240
@@ -41,19 +41,6 @@ NORM_TYPES = (1.0, 2.0, 3.0, math.inf)
 FOREACH = (None, True, False)
 FORMS = ("ours", "torch_route", "titan")
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-
-class Mlp(nn.Module):
-    """Rows 7, 7, 2, 2 and 1: uneven shards at world 3, the last bias on one rank."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(5, 7)
-        self.b = nn.Linear(7, 2)
-        self.c = nn.Linear(2, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
 def _tiny() -> nn.Module:
@@ -129,7 +116,7 @@ def _fsdp2_errors(fsdp2: nn.Module, ref: nn.Module, batch: Any, p: float,
 
 def _norms_worker(rank: int, world: int, strategy: str, model_kind: str) -> list[str]:
     torch.manual_seed(0)
-    base = Mlp() if model_kind == "mlp" else _tiny()
+    base = ThinMLP() if model_kind == "mlp" else _tiny()
     model, ref, fsdp2 = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     fully_shard(model, sharding_strategy=strategy, timeout=30)
     torch_fully_shard(fsdp2, mesh=init_device_mesh("cpu", (world,)))
@@ -183,7 +170,7 @@ def test_every_norm_type_and_foreach_matches_torch(ranks: RankPools, strategy: s
 
 def _bad_norm_worker(rank: int, world: int, strategy: str) -> list[str]:
     torch.manual_seed(0)
-    model = Mlp()
+    model = ThinMLP()
     fully_shard(model, sharding_strategy=strategy, timeout=30)
     _backward(model, _batch("mlp"))
     before = [q.grad.to_local().clone() if q.grad is not None else None

@@ -29,25 +29,12 @@ from torch.distributed.tensor import distribute_tensor
 
 from megatron_fsdp_v2 import fully_shard
 
-from _models import agree, assert_close_to_reference
+from _models import ThinMLP, agree, assert_close_to_reference
 from _pool import RankPools
 
 TIMEOUT_S = 240
 pytestmark = pytest.mark.timeout(900)
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-
-
-class Net(nn.Module):
-    """Rows 7, 7, 2, 2, 1, 1: at world 3 uneven shards and one-row parameters (empty shards)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(5, 7)
-        self.b = nn.Linear(7, 2)
-        self.c = nn.Linear(2, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> torch.Tensor:
@@ -68,10 +55,10 @@ def _full_params_equal(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
 
 def _seed_worker(rank: int, world: int, strategy: str, broadcast: bool) -> None:
     torch.manual_seed(0)
-    seed = Net()  # the seed checkpoint's model
+    seed = ThinMLP()  # the seed checkpoint's model
     full = {k: v.detach().clone() for k, v in seed.state_dict().items()}
     torch.manual_seed(1)  # other initial weights, so a load that did nothing shows
-    model = Net()
+    model = ThinMLP()
     fully_shard(model.a, sharding_strategy=strategy, timeout=30)
     fully_shard(model, sharding_strategy=strategy, timeout=30)
     opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)

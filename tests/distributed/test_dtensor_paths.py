@@ -53,15 +53,18 @@ TIMEOUT_S = 240
 
 
 class Uneven(nn.Module):
-    """Weights of 5, 12, 7, 3 and 1 rows (biases of the same lengths), one unit each: uneven
-    shards, empty ones at 2 and 3 ranks, and weights of 12 and 7 rows that every rank holds
-    rows of at 3 ranks (7 rows: on 4 sub-shards too)."""
+    """Weights of 40, 24, 48, 16 and 1 rows (biases of the same lengths), one unit each: uneven
+    shards of every weight but the last at 2 and 3 ranks (and on 4 sub-shards), biases and the
+    last weight held by one rank (empty shards elsewhere), and at 3 ranks a rank holding only
+    padding of the last unit. Widths are multiples of 16 or 8 because shard boundaries fall on
+    multiples of lcm(row, 16) elements ([Note: row-aligned flat buffers]): narrower rows would put
+    every small unit on rank 0 alone."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            [nn.Linear(4, 5), nn.Linear(5, 12), nn.Linear(12, 7), nn.Linear(7, 3),
-             nn.Linear(3, 1)]
+            [nn.Linear(16, 40), nn.Linear(40, 24), nn.Linear(24, 48), nn.Linear(48, 16),
+             nn.Linear(16, 1)]
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,8 +78,8 @@ class Uneven(nn.Module):
 def _batches(world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     return [
-        (torch.randn(world * PER_RANK, 4, generator=g), torch.randn(world * PER_RANK, 1,
-                                                                    generator=g))
+        (torch.randn(world * PER_RANK, 16, generator=g), torch.randn(world * PER_RANK, 1,
+                                                                     generator=g))
         for _ in range(STEPS)
     ]
 

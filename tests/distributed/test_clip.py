@@ -37,8 +37,10 @@ class TwoDtypeMLP(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a = nn.Linear(6, 10)
-        self.b = nn.Linear(10, 3).to(torch.bfloat16)
+        # b's rows are 16 wide, so at world 2 both ranks hold rows of it (shard boundaries
+        # fall on multiples of lcm(row, 16) elements): every rank sees both dtypes.
+        self.a = nn.Linear(6, 16)
+        self.b = nn.Linear(16, 3).to(torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(torch.tanh(self.a(x)).to(torch.bfloat16)).float()

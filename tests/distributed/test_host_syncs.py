@@ -89,7 +89,9 @@ class Net(nn.Module):
 
     def __init__(self, unused: bool) -> None:
         super().__init__()
-        self.inp = nn.Linear(5, 8)
+        # 16 inputs: at world 2 both ranks hold rows of inp.weight (the write variants write
+        # into it on every rank; see [Note: gradients known without a host read]).
+        self.inp = nn.Linear(16, 8)
         self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
         self.head = nn.Linear(8, 3)
         self.unused = nn.Linear(8, 8) if unused else None
@@ -107,7 +109,7 @@ PER_RANK = 4
 def _batches(world: int) -> list[list[list[tuple[torch.Tensor, torch.Tensor]]]]:
     """batches[step][micro][rank], the same on every rank."""
     g = torch.Generator().manual_seed(7)
-    return [[[(torch.randn(PER_RANK, 5, generator=g), torch.randn(PER_RANK, 3, generator=g))
+    return [[[(torch.randn(PER_RANK, 16, generator=g), torch.randn(PER_RANK, 3, generator=g))
               for _ in range(world)] for _ in range(MICRO)] for _ in range(STEPS)]
 
 

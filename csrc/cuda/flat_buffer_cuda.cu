@@ -186,23 +186,12 @@ __global__ void __launch_bounds__(kBlock)
   if (threadIdx.x == 0) *out = acc;
 }
 
-// Enough resident blocks to fill the current device; the grid-stride loop does the rest.
-int64_t max_blocks() {
-  static std::atomic<int> sm_count[C10_COMPILE_TIME_MAX_GPUS] = {};  // 0: not queried yet
-  const c10::DeviceIndex device = c10::cuda::current_device();
-  int count = sm_count[device].load(std::memory_order_relaxed);
-  if (count == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    sm_count[device].store(count, std::memory_order_relaxed);
-  }
-  return int64_t{count} * (2048 / kBlock);
-}
 
 void copy_cuda(at::Device device, const std::vector<Segment>& segments, at::ScalarType src_dtype,
                at::ScalarType dst_dtype, double scale, bool accumulate) {
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t grid_limit = max_blocks();
+  const int64_t grid_limit = max_resident_blocks(kBlock);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, src_dtype, "mfsdp_cast_src", [&] {
     using src_t = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dst_dtype, "mfsdp_cast_dst", [&] {
@@ -224,7 +213,7 @@ at::Tensor sum_of_squares_cuda(at::Device device, const std::vector<Segment>& se
                                at::ScalarType dtype) {
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t grid_limit = max_blocks();
+  const int64_t grid_limit = max_resident_blocks(kBlock);
   const int64_t groups = std::max<int64_t>(
       1, (static_cast<int64_t>(segments.size()) + kMaxSegments - 1) / kMaxSegments);
   const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat).device(device);

@@ -171,17 +171,6 @@ __global__ void __launch_bounds__(kBlock)
   if (current >= 0) flush_amax(table.amax[current], amax);
 }
 
-// Enough resident blocks to fill the current device; the grid-stride loop does the rest.
-int64_t max_blocks() {
-  static std::atomic<int> sm_count[C10_COMPILE_TIME_MAX_GPUS] = {};  // 0: not queried yet
-  const c10::DeviceIndex device = c10::cuda::current_device();
-  int count = sm_count[device].load(std::memory_order_relaxed);
-  if (count == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-    sm_count[device].store(count, std::memory_order_relaxed);
-  }
-  return int64_t{count} * (2048 / kBlock);
-}
 
 // The segments cut into tables of at most kMaxQuantizeSegments, with tile prefix sums
 // for `tile_elems` elements per tile; returns (table, total tiles) pairs.
@@ -220,7 +209,7 @@ void launch_quantize(const std::vector<QuantizeSegment>& segments, float max_fin
     zero_amax_kernel<<<1, kBlock, 0, stream>>>(table);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  const int64_t grid_limit = max_blocks();
+  const int64_t grid_limit = max_resident_blocks(kBlock);
   for (const auto& [table, tiles] : tables) {
     if (tiles == 0) continue;  // only empty inputs: their slots stay 0
     const int blocks = static_cast<int>(std::min(tiles, grid_limit));

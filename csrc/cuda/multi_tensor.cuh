@@ -19,9 +19,12 @@
 // vector loads and stores.
 #pragma once
 
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -65,6 +68,20 @@ __device__ __forceinline__ int find_segment(const Table& table, int64_t tile) {
     }
   }
   return lo;
+}
+
+// Enough resident blocks of `block_threads` threads to fill the current device; a kernel's
+// grid-stride loop does the rest. The SM count is queried once per device (shared by every
+// kernel file: an inline function has one static per program).
+inline int64_t max_resident_blocks(int block_threads) {
+  static std::atomic<int> sm_count[C10_COMPILE_TIME_MAX_GPUS] = {};  // 0: not queried yet
+  const c10::DeviceIndex device = c10::cuda::current_device();
+  int count = sm_count[device].load(std::memory_order_relaxed);
+  if (count == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+    sm_count[device].store(count, std::memory_order_relaxed);
+  }
+  return int64_t{count} * (2048 / block_threads);
 }
 
 // Fills a table of `Capacity` with segments [first, first + count) and calls

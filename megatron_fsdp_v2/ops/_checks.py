@@ -90,11 +90,17 @@ def check_list_and_flat(tensors: Sequence[Tensor], list_arg: str, offsets: Seque
         else:
             _check_same_dtype(tensors, i, list_arg, op)
         _check_contiguous(t, op, arg)
-        numel = t.numel()
-        if not (0 <= offset <= flat_numel and numel <= flat_numel - offset):
-            _fail(op, f"offsets[{i}] out of range: {arg} at offset {offset} with numel {numel} "
-                      f"needs elements [{offset}, {offset + numel}) but `{flat_arg}` has numel "
-                      f"{flat_numel}")
+        _check_in_flat(t, offset, i, arg, flat_numel, flat_arg, op)
+
+
+def _check_in_flat(t: Tensor, offset: int, i: int, arg: str, flat_numel: int, flat_arg: str,
+                   op: str) -> None:
+    """``t`` placed at ``offset`` lies inside the flat buffer of ``flat_numel`` elements."""
+    numel = t.numel()
+    if not (0 <= offset <= flat_numel and numel <= flat_numel - offset):
+        _fail(op, f"offsets[{i}] out of range: {arg} at offset {offset} with numel {numel} "
+                  f"needs elements [{offset}, {offset + numel}) but `{flat_arg}` has numel "
+                  f"{flat_numel}")
 
 
 def check_tensor_list(tensors: Sequence[Tensor], list_arg: str, op: str) -> None:
@@ -169,10 +175,6 @@ def check_fp8_quantize(inputs: Sequence[Tensor], scales: Sequence[Tensor],
         else:
             _check_same_dtype(inputs, i, "inputs", op)
         _check_contiguous(t, op, arg)
-        numel = t.numel()
-        if not (0 <= offset <= flat_numel and numel <= flat_numel - offset):
-            _fail(op, f"offsets[{i}] out of range: {arg} at offset {offset} with numel {numel} "
-                      f"needs elements [{offset}, {offset + numel}) but `flat` has numel "
-                      f"{flat_numel}")
+        _check_in_flat(t, offset, i, arg, flat_numel, "flat", op)
         _check_fp32_slot(scales[i], f"scales[{i}]", flat, op)
         _check_fp32_slot(amaxes[i], f"amaxes[{i}]", flat, op)

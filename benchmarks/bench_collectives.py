@@ -12,7 +12,7 @@ spawned ranks time, on one flat fp32 buffer of that size:
 
 Each figure is the median over ``--reps`` repetitions (after one warm-up) of the slowest rank's
 time. The table prints the times, the ratios native / substitute (> 1: the substitute is
-faster) and the decision ``megatron_fsdp_v2._collective_impl.RULES`` makes at that point.
+faster) and the decision ``megatron_fsdp_v2._comm._collective_impl.RULES`` makes at that point.
 
     python benchmarks/bench_collectives.py                      # gloo, worlds 2 and 4 (~1 min)
     python benchmarks/bench_collectives.py --world 2 3 4 --reps 9 --sizes 16K 1M 16M 128M
@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from megatron_fsdp_v2._collective_impl import (  # noqa: E402
+from megatron_fsdp_v2._comm._collective_impl import (  # noqa: E402
     ALL_GATHER,
     REDUCE_SCATTER,
     choose,

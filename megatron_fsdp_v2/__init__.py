@@ -5,10 +5,16 @@ Wrap modules with :func:`fully_shard`, pick a ZeRO strategy (``no_shard``, ``opt
 """
 
 from . import checkpoint
-from ._collective_impl import CollectiveCount
-from ._estimate import Estimate, estimate
+from ._comm._collective_impl import CollectiveCount
+from ._frontend._fully_shard import (
+    FSDPModule,
+    MemoryReport,
+    UnshardHandle,
+    fully_shard,
+    memory_report,
+)
 from .api import MixedPrecisionPolicy, ShardingStrategy
-from .fully_shard import FSDPModule, MemoryReport, UnshardHandle, fully_shard, memory_report
+from .estimator import Estimate, estimate
 from .ops import build_info
 from .utils import clip_grad_norm_
 

@@ -19,8 +19,8 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
-    from ._flat_param_group import FlatParamGroup, ParamRecord
-    from ._state import FSDPState
+    from ._runtime._flat_param_group import FlatParamGroup, ParamRecord
+    from ._runtime._state import FSDPState
 
 __all__ = [
     "record_of", "register_records", "reset", "set_state", "state_of", "group_of",

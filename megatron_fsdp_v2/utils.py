@@ -8,11 +8,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from . import _grad_norm, _registry
-from ._backends import collective_device
-from ._comm_groups import library_comm_groups
-from ._flat_param_group import FlatParamGroup, ParamRecord
-from ._grads import finalize_unsynchronized
+from . import _registry
+from ._comm._backends import collective_device
+from ._comm._comm_groups import library_comm_groups
+from ._dtensor import _grad_norm
+from ._runtime._flat_param_group import FlatParamGroup, ParamRecord
+from ._runtime._grads import finalize_unsynchronized
 
 __all__ = ["clip_grad_norm_", "get_total_norm"]
 

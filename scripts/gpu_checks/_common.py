@@ -315,7 +315,7 @@ class SideStreamSleep:
     that launched none there proves nothing."""
 
     def __init__(self, cycles: int) -> None:
-        from megatron_fsdp_v2 import _collectives
+        from megatron_fsdp_v2._comm import _collectives
 
         self.cycles = cycles
         self.count = 0

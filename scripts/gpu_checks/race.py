@@ -79,7 +79,7 @@ def main() -> None:
 def _drop_async_collectives() -> None:
     """Self-test: the overlapped run loses its collectives (at world 1 an out-of-place
     reduce-scatter's copy into ``main_grad``), so the comparison must see different bits."""
-    from megatron_fsdp_v2 import _collectives
+    from megatron_fsdp_v2._comm import _collectives
 
     original = _collectives.CommStreams.run
 

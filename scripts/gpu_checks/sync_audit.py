@@ -151,7 +151,7 @@ def _audit(strategy: str, config: c.Config, device: torch.device, set_to_none: b
 
 def _inject_sync() -> None:
     """Self-test: a host sync inside the library's step (what the audit exists to catch)."""
-    from megatron_fsdp_v2 import _flat_param_group
+    from megatron_fsdp_v2._runtime import _flat_param_group
 
     original = _flat_param_group.FlatParamGroup.issue
 

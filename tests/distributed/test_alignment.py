@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
-from megatron_fsdp_v2 import _collectives as comm
+from megatron_fsdp_v2._comm import _collectives as comm
 from megatron_fsdp_v2._registry import state_of
 
 from _models import agree, assert_close_to_reference, reference_copy

@@ -23,9 +23,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
-from megatron_fsdp_v2 import _collective_impl as impl
-from megatron_fsdp_v2 import _comm_groups, _registry, fully_shard
-from megatron_fsdp_v2._backends import collective_device_type
+from megatron_fsdp_v2 import _registry, fully_shard
+from megatron_fsdp_v2._comm import _collective_impl as impl
+from megatron_fsdp_v2._comm import _comm_groups
+from megatron_fsdp_v2._comm._backends import collective_device_type
 from megatron_fsdp_v2.checkpoint import load_full_state_dict
 from megatron_fsdp_v2.testing import run_distributed
 

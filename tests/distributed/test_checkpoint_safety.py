@@ -29,8 +29,8 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
-from megatron_fsdp_v2._checkpoint_group import model_group
 from megatron_fsdp_v2._registry import state_of
+from megatron_fsdp_v2.checkpoint._group import model_group
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import OddMLP, TinyGPT, all_ranks_ok, mlp_loss

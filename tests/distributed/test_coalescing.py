@@ -28,8 +28,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
-from megatron_fsdp_v2._coalesce import MAX_BUCKETS_IN_FLIGHT, ReductionCoalescer
 from megatron_fsdp_v2._registry import state_of
+from megatron_fsdp_v2._runtime._coalesce import MAX_BUCKETS_IN_FLIGHT, ReductionCoalescer
 
 UNITS = 5
 STEPS = 3

@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import CollectiveCount, MixedPrecisionPolicy, clip_grad_norm_, fully_shard
-from megatron_fsdp_v2 import _collective_impl as impl
+from megatron_fsdp_v2._comm import _collective_impl as impl
 from megatron_fsdp_v2._registry import state_of
 
 from _models import OddMLP, TinyGPT, lm_loss, make_batches, mlp_loss

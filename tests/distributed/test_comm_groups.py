@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from megatron_fsdp_v2 import _comm_groups, fully_shard
-from megatron_fsdp_v2._backends import group_timeout
+from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2._comm import _comm_groups
+from megatron_fsdp_v2._comm._backends import group_timeout
 from megatron_fsdp_v2._registry import state_of
 
 from _models import TinyGPT, agree, assert_close_to_reference, lm_loss, make_batches

@@ -18,7 +18,8 @@ from torch.distributed.tensor import Replicate, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from megatron_fsdp_v2 import MixedPrecisionPolicy, ShardingStrategy, _comm_groups, fully_shard
+from megatron_fsdp_v2 import MixedPrecisionPolicy, ShardingStrategy, fully_shard
+from megatron_fsdp_v2._comm import _comm_groups
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import run_distributed
 

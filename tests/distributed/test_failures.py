@@ -16,7 +16,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from megatron_fsdp_v2 import _comm_groups, fully_shard
+from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2._comm import _comm_groups
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import DistributedTestError, run_distributed
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-import megatron_fsdp_v2._grads as grads_module
+import megatron_fsdp_v2._runtime._grads as grads_module
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2._registry import record_of, state_of
 

@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
-from megatron_fsdp_v2._checkpoint_group import dcp_group, model_group
 from megatron_fsdp_v2._registry import record_of
+from megatron_fsdp_v2.checkpoint._group import dcp_group, model_group
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import OddMLP, TinyGPT, agree, lm_loss, mlp_loss, step_mean_loss
@@ -336,8 +336,8 @@ def test_outer_strategies_checkpoint_check() -> None:
 
     import pytest
 
-    from megatron_fsdp_v2._plan import Collective, CollectiveStep, Extent
-    from megatron_fsdp_v2._state_dict import check_outer_no_shard
+    from megatron_fsdp_v2._buffers._plan import Collective, CollectiveStep, Extent
+    from megatron_fsdp_v2._dtensor._state_dict import check_outer_no_shard
 
     def fake(ndim: int, steps: tuple, outer: str | None = None,
              placement: Extent = Extent.SHARD) -> SimpleNamespace:

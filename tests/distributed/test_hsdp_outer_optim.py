@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-import megatron_fsdp_v2._collectives as collectives
+import megatron_fsdp_v2._comm._collectives as collectives
 from megatron_fsdp_v2 import (
     FSDPModule,
     MixedPrecisionPolicy,

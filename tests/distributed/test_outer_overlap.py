@@ -17,8 +17,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
-from megatron_fsdp_v2._flat_param_group import FlatParamGroup
 from megatron_fsdp_v2._registry import state_of
+from megatron_fsdp_v2._runtime._flat_param_group import FlatParamGroup
 
 from _models import TinyGPT, lm_loss, make_batches
 from _pool import RankPools

@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from megatron_fsdp_v2 import MixedPrecisionPolicy, _collectives, fully_shard, memory_report
+from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard, memory_report
+from megatron_fsdp_v2._comm import _collectives
 from megatron_fsdp_v2._registry import state_of
 
 from _pool import RankPools

@@ -1,4 +1,4 @@
-"""The storage-freeing bucket allocator (``megatron_fsdp_v2._allocator.BucketAllocator``).
+"""The storage-freeing bucket allocator (``megatron_fsdp_v2._buffers._allocator.BucketAllocator``).
 
 Contract ([Note: storage-freeing buckets]): one tensor object per key for its whole life; ``free``
 shrinks its storage to zero bytes and ``allocate`` grows it back, so views taken once stay
@@ -12,7 +12,7 @@ from collections.abc import Hashable, Iterable
 
 import torch
 
-from megatron_fsdp_v2._allocator import BucketAllocator, order_free_after_use
+from megatron_fsdp_v2._buffers._allocator import BucketAllocator, order_free_after_use
 
 CPU = torch.device("cpu")
 

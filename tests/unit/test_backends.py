@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from megatron_fsdp_v2 import _backends
+from megatron_fsdp_v2._comm import _backends
 
 # init_process_group(backend) -> what dist.get_backend_config() returns (torch 2.14.1), and
 # whether the group then has a CUDA backend of its own.

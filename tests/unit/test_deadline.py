@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_fsdp_v2._collectives import _EventHandle
-from megatron_fsdp_v2._deadline import (
+from megatron_fsdp_v2._comm._collectives import _EventHandle
+from megatron_fsdp_v2._comm._deadline import (
     CollectiveTimeoutError,
     bounded_waits,
     collective_timeout_s,

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, _registry, estimate
-from megatron_fsdp_v2._estimate import main
-from megatron_fsdp_v2._presets import GPTBlock, GPTDecoder, LlamaBlock, LlamaDecoder
+from megatron_fsdp_v2.estimator._estimate import main
+from megatron_fsdp_v2.estimator._presets import GPTBlock, GPTDecoder, LlamaBlock, LlamaDecoder
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Invariants of the row-aligned flat-buffer layout (``megatron_fsdp_v2._layout``).
+"""Invariants of the row-aligned flat-buffer layout (``megatron_fsdp_v2._buffers._layout``).
 
 Pure shape math, no processes. Each property is checked on hypothesis-generated shape lists when
 hypothesis is installed, and always on a fixed set of seeded random shape lists, for world sizes
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from megatron_fsdp_v2._layout import (
+from megatron_fsdp_v2._buffers._layout import (
     ALIGN_NUMEL,
     BufferLayout,
     build_layout,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_fsdp_v2._layout import build_layout
-from megatron_fsdp_v2._plan import Collective, Extent, GradPath, Refresh, make_plan
+from megatron_fsdp_v2._buffers._layout import build_layout
+from megatron_fsdp_v2._buffers._plan import Collective, Extent, GradPath, Refresh, make_plan
 from megatron_fsdp_v2.api import MixedPrecisionPolicy, ShardingStrategy
 
 FULL, SHARD, SUB = Extent.FULL, Extent.SHARD, Extent.SUB_SHARD

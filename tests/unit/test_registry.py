@@ -21,7 +21,8 @@ def test_import_installs_no_optimizer_hooks() -> None:
 def test_reset_forgets_hooks_and_caches() -> None:
     import torch.optim.optimizer as o
 
-    from megatron_fsdp_v2 import _optimizer_hooks, _registry
+    from megatron_fsdp_v2 import _registry
+    from megatron_fsdp_v2._runtime import _optimizer_hooks
 
     before = len(o._global_optimizer_pre_hooks)
     _optimizer_hooks.note_wrap()  # what the first fully_shard call does

@@ -1,5 +1,6 @@
-"""The trace-planned pool (``megatron_fsdp_v2._trace_pool``), without processes: the planner's
-offsets, and the allocator's record / plan / serve / replan cycle ([Note: trace-planned pool]).
+"""The trace-planned pool (``megatron_fsdp_v2._buffers._trace_pool``), without processes: the
+planner's offsets, and the allocator's record / plan / serve / replan cycle
+([Note: trace-planned pool]).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from collections.abc import Hashable
 import pytest
 import torch
 
-from megatron_fsdp_v2._trace_pool import ARENA_ALIGNMENT, TracePoolAllocator, plan_offsets
+from megatron_fsdp_v2._buffers._trace_pool import ARENA_ALIGNMENT, TracePoolAllocator, plan_offsets
 
 CPU = torch.device("cpu")
 F32 = torch.float32

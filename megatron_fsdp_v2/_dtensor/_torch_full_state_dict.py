@@ -1,0 +1,130 @@
+"""torch's full-state-dict loads into fully_shard models: ``set_model_state_dict`` /
+``set_optimizer_state_dict`` with ``StateDictOptions(full_state_dict=True)``, with or without
+``broadcast_from_rank0`` (torchtitan's seed checkpoint). Installed with the other torch
+interceptions (``_redistribute.install``); entries on other meshes take torch's path untouched.
+
+[Note: torch's full-state-dict loads]
+torch cuts each full tensor to the target DTensor's layout itself, before any module or
+optimizer hook runs, with DTensor's offset math (``torch.chunk`` rows), which is not our layout
+(see [Note: uneven shards in state dicts]):
+
+* without broadcast, ``_state_dict_utils._distribute_state_dict`` turns every full tensor into
+  ``distribute_tensor(full, mesh, placements)`` (a scatter from rank 0 per tensor): a DTensor
+  of ``torch.chunk`` rows. The optimizer adopts those by assignment, so its states would hold
+  the wrong rows (a shape error at the next step, or silently wrong where sizes agree); and a
+  rank without state for a parameter (an empty shard of an optimizer that stepped) skips the
+  scatter its peers issue.
+* with broadcast, every rank receives each full tensor and ``_distribute_tensors`` copies its
+  ``torch.chunk`` rows into the target's local tensor: a size mismatch, or wrong rows
+  silently where the sizes agree by chance.
+
+Both functions are wrapped: for an entry whose target is ours (a managed ``Shard`` parameter,
+or a state-dict DTensor carrying our rows marker, which every optimizer state alias of a
+row-sharded parameter does), the entry becomes a copy of our rows of the full tensor, as a
+DTensor marked with them (the full tensor is freed, as torch intends), which the units' load
+pre-hook, DTensor ``copy_`` and the optimizer take as they are; every other entry goes to
+torch's function, in torch's order. No collective is added, and the ones for our entries are
+dropped: each rank keeps its rows of its own copy (the same file on every rank, or rank 0's
+broadcast), where ``distribute_tensor`` would take rank 0's. A wrong shape still reaches the
+units' load pre-hook, which rejects it on every rank before any parameter is written. A hook
+could not do this: nothing of ours runs before torch's cut, and after it the optimizer cannot
+tell a ``distribute_tensor`` state from one ``torch.load`` gave back without our marker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from .. import _registry
+from . import _state_dict as _sd
+
+__all__ = ["install"]
+
+_originals: dict[str, Callable[..., None]] = {}
+
+
+def install() -> None:
+    """Wrap torch's two cutting functions (see the note), where torch has them; once."""
+    if _originals:
+        return
+    try:
+        from torch.distributed import _state_dict_utils as utils
+        from torch.distributed.checkpoint import state_dict as dsd
+    except ImportError:
+        return
+    for name, wrapper in (("_distribute_state_dict", _distribute_state_dict),
+                          ("_distribute_tensors", _distribute_tensors)):
+        original = getattr(utils, name, None)
+        if original is None:
+            continue
+        _originals[name] = original
+        for module in (utils, dsd):
+            if getattr(module, name, None) is original:
+                setattr(module, name, wrapper)
+
+
+def _our_rows(target: Any) -> tuple[int, int] | None:
+    """The global rows ``target`` holds if it is one of our row-sharded DTensors, else None."""
+    from ._redistribute import mesh_is_registered
+
+    if not isinstance(target, DTensor) or not mesh_is_registered(target.device_mesh):
+        return None
+    if not any(isinstance(p, Shard) for p in target.placements):
+        return None  # Replicate(): torch.chunk and ours agree (the whole tensor)
+    rows = getattr(target._local_tensor, _sd.ROWS_ATTR, None)
+    if rows is not None:
+        return tuple(rows)
+    record = _registry.record_of(target)
+    if record is not None and target is record.dist_param:
+        return record.local_rows
+    return None
+
+
+def _own_rows(target: DTensor, full: torch.Tensor, rows: tuple[int, int],
+              device: torch.device) -> DTensor:
+    """A copy of rows ``rows`` of ``full`` on ``device``, as a DTensor shaped like ``full`` with
+    ``target``'s placements, marked with its rows."""
+    lo, hi = rows
+    local = full.detach()[lo:hi].to(device=device, copy=True)
+    out = DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
+                             shape=full.shape, stride=full.stride())
+    _sd.mark_rows(out._local_tensor, (lo, hi))
+    return out
+
+
+def _distribute_state_dict(full_state_dict: dict[str, Any], local_state_dict: dict[str, Any],
+                           device: torch.device, pg: Any = None) -> None:
+    """torch's ``_distribute_state_dict`` (every rank holds the full dict), our entries cut at
+    our rows without a collective."""
+    ours: dict[str, DTensor] = {}
+    for key, value in full_state_dict.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            rows = _our_rows(local_state_dict.get(key))
+            if rows is not None:
+                ours[key] = _own_rows(local_state_dict[key], value, rows, device)
+    rest = {k: v for k, v in full_state_dict.items() if k not in ours}
+    _originals["_distribute_state_dict"](rest, local_state_dict, device, pg)
+    local_state_dict.update(ours)
+
+
+def _distribute_tensors(local_state_dict: dict[str, Any], keys: list[str],
+                        device: torch.device, pg: Any = None) -> None:
+    """torch's ``_distribute_tensors`` (after a broadcast: each entry is ``(target, full)``),
+    our entries cut at our rows."""
+    rest = []
+    for key in keys:
+        entry = local_state_dict.get(key)
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            rest.append(key)
+            continue
+        rows = _our_rows(entry[0])
+        if rows is None:
+            rest.append(key)
+            continue
+        local_state_dict[key] = _own_rows(entry[0], entry[1], rows, device)
+    if rest:
+        _originals["_distribute_tensors"](local_state_dict, rest, device, pg)

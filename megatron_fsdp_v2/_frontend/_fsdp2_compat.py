@@ -1,0 +1,236 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) arguments that ``fully_shard`` accepts or
+refuses with the alternative, and the route that lets ``torch.nn.utils.clip_grad_norm_`` work
+on its parameters. Conversion and validation: no collective, and no user module is changed.
+
+[Note: FSDP2 arguments]
+Each FSDP2 argument either maps onto this library with FSDP2's semantics or is refused with
+``NotImplementedError`` naming what to use, before any collective:
+
+* ``mp_policy=torch.distributed.fsdp.MixedPrecisionPolicy(...)``: converted by
+  ``MixedPrecisionPolicy.from_fsdp2`` (same compute, reduction and output dtypes).
+* ``reshard_after_forward``: ``True``/``None`` is ZeRO-3's schedule (2N all-gathers per window
+  of N micro-batches); ``False`` keeps a ZeRO-3 unit's gathered weights from its forward to its
+  backward (N all-gathers); only ``optim_grads_params`` shards model weights, so ``True`` with
+  another strategy is a contradiction (``ValueError``) and ``False`` there changes nothing. An
+  ``int`` (reshard to a smaller group) is not supported.
+* ``offload_policy``: only the default ``OffloadPolicy()`` (no offload).
+* a list of modules as one unit: not supported; wrap a common parent instead.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.utils as _nn_utils
+import torch.nn.utils.clip_grad as _clip_grad
+
+from .. import _registry
+from ..api import MixedPrecisionPolicy, ShardingStrategy
+
+__all__ = [
+    "check_modules_argument",
+    "check_offload_policy",
+    "convert_mp_policy",
+    "parse_reshard_after_forward",
+    "route_torch_clip_grad_norm",
+]
+
+
+def _is_torch_class(obj: object, name: str) -> bool:
+    cls = type(obj)
+    return cls.__name__ == name and cls.__module__.startswith("torch.distributed.fsdp")
+
+
+def convert_mp_policy(mp_policy: object) -> MixedPrecisionPolicy:
+    """Ours as given, FSDP2's converted, anything else a ``TypeError`` naming both."""
+    if mp_policy is None:
+        return MixedPrecisionPolicy()
+    if isinstance(mp_policy, MixedPrecisionPolicy):
+        return mp_policy
+    if _is_torch_class(mp_policy, "MixedPrecisionPolicy"):
+        return MixedPrecisionPolicy.from_fsdp2(mp_policy)
+    cls = type(mp_policy)
+    name = cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+    hint = ""
+    if _is_torch_class(mp_policy, "MixedPrecision"):  # FSDP1's policy
+        hint = (" (for FSDP1's MixedPrecision: param_dtype and reduce_dtype carry over; buffers "
+                "keep their dtype)")
+    raise TypeError(
+        f"mp_policy must be a MixedPrecisionPolicy, got {name}: use "
+        "megatron_fsdp_v2.MixedPrecisionPolicy or FSDP2's "
+        f"torch.distributed.fsdp.MixedPrecisionPolicy{hint}"
+    )
+
+
+def check_offload_policy(offload_policy: object) -> None:
+    """Only "no offload" is supported."""
+    if offload_policy is None:
+        return
+    if _is_torch_class(offload_policy, "OffloadPolicy"):  # FSDP2's default: no offload
+        return
+    if _is_torch_class(offload_policy, "CPUOffloadPolicy"):
+        raise NotImplementedError(
+            "offload_policy=CPUOffloadPolicy(): CPU offload of parameters, gradients and "
+            "optimizer state is not supported by megatron_fsdp_v2.fully_shard. Leave "
+            "offload_policy unset; to save device memory, use sharding_strategy="
+            "'optim_grads_params' (everything sharded) and activation checkpointing"
+        )
+    raise TypeError(
+        "offload_policy must be None or torch.distributed.fsdp.OffloadPolicy() (no offload), "
+        f"got {type(offload_policy).__name__}"
+    )
+
+
+def parse_reshard_after_forward(value: object, strategy: ShardingStrategy) -> bool:
+    """Whether a unit frees its gathered weights after forward (see [Note: FSDP2 arguments])."""
+    if value is None:
+        return True
+    if not isinstance(value, bool):
+        if isinstance(value, int):
+            raise NotImplementedError(
+                f"reshard_after_forward={value}: resharding to a smaller group after forward "
+                "is not supported. Use True (free after forward, gather again in backward) or "
+                "False (keep the gathered weights until backward); for a smaller all-gather "
+                "group, shard over fewer ranks with a 2-D (replicate, shard) mesh (HSDP)"
+            )
+        raise TypeError(f"reshard_after_forward must be a bool or None, got {value!r}")
+    if value and not strategy.shards_model_weights:
+        raise ValueError(
+            f"reshard_after_forward=True shards model weights between uses, which only "
+            f"sharding_strategy='optim_grads_params' does; {strategy.value!r} keeps them "
+            "replicated. Drop reshard_after_forward, or use sharding_strategy="
+            "'optim_grads_params'"
+        )
+    return value
+
+
+def check_modules_argument(module: object) -> None:
+    """FSDP2's ``fully_shard([m1, m2])`` (several modules as one unit) is not supported."""
+    if isinstance(module, (list, tuple)) and all(isinstance(m, nn.Module) for m in module):
+        raise NotImplementedError(
+            f"fully_shard of a {type(module).__name__} of {len(module)} modules (one unit over "
+            "several modules) is not supported. Wrap a module that contains them all (their "
+            "common parent, or an nn.ModuleList holding them that is part of the model), or "
+            "wrap each of them separately"
+        )
+
+
+# [Note: torch clip_grad_norm_ route]
+# ``torch.nn.utils.clip_grad_norm_`` on fully_shard parameters cannot work by itself: it drops
+# parameters whose ``.grad`` is None, and a rank whose shard of a parameter is empty (or who did
+# not use it) has None there, so ranks stack different numbers of partial norms and the
+# all-reduce DTensor issues mismatches (gloo aborts, NCCL hangs or mixes data). So the first
+# fully_shard call replaces ``torch.nn.utils.clip_grad_norm_`` (both the ``torch.nn.utils``
+# and ``torch.nn.utils.clip_grad`` attributes) with a wrapper that sends a parameter list
+# holding any fully_shard parameter to ``megatron_fsdp_v2.clip_grad_norm_`` with every argument
+# as given (any p-norm, ``error_if_nonfinite``, ``foreach``; its collectives depend on the
+# parameters only, see [Note: clipping collectives]) and anything else to torch's function
+# unchanged. The decision is taken from the parameters, before any collective, so it is the
+# same on every rank given the same list. An empty list (say, filtered by ``p.grad is not
+# None`` on a rank whose shards are all empty) holds no fully_shard parameter and goes to
+# torch's function, which issues nothing while the peers all-reduce: pass
+# ``model.parameters()`` unfiltered, or call ``megatron_fsdp_v2.clip_grad_norm_``, which
+# handles that case.
+#
+# ``torch.nn.utils.get_total_norm`` (torchtitan's clipping: the norm of ``[p.grad for p in
+# params if p.grad is not None]``, then ``torch.nn.utils.clip_grads_with_norm_``, which is
+# local and works on our gradients as it is) is replaced likewise: a list holding a DTensor on a
+# fully_shard mesh, or an empty list while this process has library communication groups, goes
+# to ``megatron_fsdp_v2.utils.get_total_norm`` (see [Note: total norm of gradient lists]), which
+# all-reduces on every library group whatever the list holds, so a rank with fewer gradients
+# or none joins its peers; a list holding any other DTensor (FSDP2's, tensor parallelism's) or
+# only plain tensors goes to torch's. A name bound before the first fully_shard call (``from
+# torch.nn.utils import clip_grad_norm_``) keeps torch's function.
+
+def _torch_function(index: int, fallback: Any) -> Any:
+    """torch's function ``index`` (0: clip_grad_norm_, 1: get_total_norm) as it was before the
+    route; after ``_registry.reset()`` the restored attribute itself."""
+    if _registry.torch_clip_grad_norm:
+        return _registry.torch_clip_grad_norm[0][0][index]
+    return fallback
+
+
+def _routed_clip_grad_norm_(
+    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
+    norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None,
+) -> torch.Tensor:
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if not any(_registry.record_of(p) is not None for p in params):
+        original = _torch_function(0, _clip_grad.clip_grad_norm_)
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+    from ..utils import clip_grad_norm_  # utils depends on the package's lower layers only
+
+    return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _is_library_gradient_list(tensors: list[torch.Tensor]) -> bool:
+    """Whether ``get_total_norm`` of ``tensors`` is ours (see the note above): decided from the
+    DTensors' meshes and placements, and the process's library groups, before any collective."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from .._comm._comm_groups import library_comm_groups
+    from .._dtensor._redistribute import mesh_is_registered
+
+    dtensors = [t for t in tensors if isinstance(t, DTensor)]
+    if any(
+        not mesh_is_registered(t.device_mesh)
+        or not all(isinstance(pl, (Shard, Replicate)) for pl in t.placements)
+        for t in dtensors
+    ):
+        return False
+    if dtensors:
+        return True
+    return not tensors and dist.is_available() and dist.is_initialized() and bool(
+        library_comm_groups())
+
+
+def _routed_get_total_norm(
+    tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0,
+    error_if_nonfinite: bool = False, foreach: bool | None = None,
+) -> torch.Tensor:
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if not _is_library_gradient_list(tensors):
+        original = _torch_function(1, _nn_utils.get_total_norm)
+        return original(tensors, norm_type, error_if_nonfinite, foreach)
+    from ..utils import get_total_norm
+
+    return get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+
+
+def route_torch_clip_grad_norm() -> None:
+    """Install the route of [Note: torch clip_grad_norm_ route] (once; ``_registry.reset``
+    puts torch's functions back)."""
+    if _registry.torch_clip_grad_norm:
+        return
+    original = _clip_grad.clip_grad_norm_
+    original_total = getattr(_nn_utils, "get_total_norm", None)
+    routed: Any = functools.wraps(original)(_routed_clip_grad_norm_)
+    routed.__doc__ = (
+        f"{original.__doc__ or ''}\n\n    megatron_fsdp_v2: a list holding fully_shard "
+        "parameters is handled by megatron_fsdp_v2.clip_grad_norm_ (same arguments).\n"
+    )
+    replaced: list[tuple[Any, str, Any, Any]] = [
+        (module, "clip_grad_norm_", original, routed) for module in (_clip_grad, _nn_utils)
+        if getattr(module, "clip_grad_norm_", None) is original
+    ]
+    if original_total is not None:
+        routed_total: Any = functools.wraps(original_total)(_routed_get_total_norm)
+        routed_total.__doc__ = (
+            f"{original_total.__doc__ or ''}\n\n    megatron_fsdp_v2: gradients of "
+            "fully_shard parameters are handled by megatron_fsdp_v2.utils.get_total_norm.\n"
+        )
+        replaced.append((_nn_utils, "get_total_norm", original_total, routed_total))
+
+    def restore() -> None:
+        for module, name, torch_fn, ours in replaced:
+            if getattr(module, name, None) is ours:
+                setattr(module, name, torch_fn)
+
+    for module, name, _, ours in replaced:
+        setattr(module, name, ours)
+    _registry.torch_clip_grad_norm.append(((original, original_total), restore))

@@ -1,0 +1,438 @@
+"""Models built on the meta device: parameters materialized into the flat buffers, this rank's
+rows only, and the ``.to()``/``.to_empty()`` conversions of wrapped modules.
+
+[Note: meta materialization]
+``fully_shard`` accepts a unit whose parameters are on the ``meta`` device. It allocates the
+group's persistent buffers (this rank's extents, see the plan) on the mesh's device, zeroed, and
+marks the unit *pending*; no value exists yet and no broadcast runs (``sync_module_states`` has
+nothing to send: every rank must initialize with the same seed, as in torchtitan's flow).
+
+Materialization runs once, at the first of: the root's first forward (its lazy init), any
+``state_dict()``/``load_state_dict()`` of a unit, or a full-state-dict call. It walks
+``root.modules()`` in order -- the order of ordinary construction, not the children-first order
+of wrapping -- and, for each module that has a parameter of a pending unit in one of its own
+slots (``module._parameters``, not its children's) or a meta buffer:
+
+1. puts fresh, uninitialized full-size tensors on the buffers' device in those slots (meta
+   buffers are replaced for good);
+2. calls ``param_init_fn(module)`` if the unit was wrapped with one, else
+   ``module.reset_parameters()`` (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``,
+   ``nn.BatchNorm*`` (running stats too), ...). Both must initialize the module's *own*
+   parameters and buffers, like ``reset_parameters`` does;
+3. copies each parameter's rows that this rank's buffers hold (``write_full_param``) and puts
+   the DTensor parameters back, dropping the full-size tensors.
+
+A module whose ``reset_parameters`` covers a subtree (a parent that re-initializes its
+children) is called after that subtree instead, and initializers that cannot be reproduced are
+refused: see [Note: initializers that cover a subtree] in ``_init_order.py``, which plans the
+calls. So the random stream is consumed module by module in construction order, and with the
+same seed the values equal, bitwise, those of the model built on the device, as long as
+construction initializes each module's parameters by its ``reset_parameters`` (true of torch's
+layers; a custom module whose ``__init__`` draws for its parameters inline, without an
+initializer method, would differ). A parameter tied between modules takes its value from the
+first module in order that holds it; later holders still run their init on a scratch copy that
+is dropped, which is what construction followed by tying (``head.weight = tok.weight``)
+consumes. Peak memory: this rank's buffers plus one module's full parameters (or the largest
+covered subtree's).
+
+Before anything is written, the pass checks that every such module has ``reset_parameters``
+(or that ``param_init_fn`` is given), else a ``RuntimeError`` names the first parameter or buffer
+that would be left without a value (nothing changed, nothing consumed from the random stream).
+This is not checked at wrap time on purpose: torchtitan's flow wraps a meta model whose root
+holds a buffer (``freqs_cis``) no ``reset_parameters`` covers, then calls ``to_empty`` and its
+own init, and never materializes. Anything still on ``meta`` in the pending units after the pass
+(e.g. a meta parameter passed in ``ignored_params``) raises a ``RuntimeError`` naming it.
+
+[Note: conversions after wrapping]
+``nn.Module._apply`` (behind ``.to()``, ``.float()``, ``.cuda()``, ``.to_empty()``...) would
+replace the DTensor parameters that view the flat buffers. ``FSDPModule._apply`` first applies
+the conversion to every managed parameter and classifies the result (``classify``): the same
+object (a no-op ``.to``) changes nothing; a new tensor of the same kind, placements, shape,
+dtype and device (``to_empty(device=<the buffers' device>)``, or any value-only map) is copied
+into this rank's main weights, which are then marked updated (compute weights are refreshed
+before the next forward), and clears a pending meta init: ``to_empty`` means the user
+initializes (torchtitan: ``init_weights()`` writing in place through the DTensor parameters, or
+``checkpoint.load_full_state_dict(..., broadcast_from_rank0=True)``). Anything else (another
+dtype or device) raises ``NotImplementedError`` before anything changed. Non-managed tensors
+(buffers, ignored parameters) go through ``nn.Module._apply`` as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .. import _registry
+from .._runtime._flat_param_group import FlatParamGroup
+from .._runtime._slots import owned_modules
+from ._init_order import InitCall, plan_init_calls, refuse_unreproducible_inits
+
+__all__ = [
+    "ParamInitFn", "adopt_meta_unit", "classify", "is_pending", "materialize",
+    "materialize_hook", "mark_initialized_by_user",
+]
+
+ParamInitFn = Callable[[nn.Module], None]
+
+
+@dataclass(eq=False)
+class _PendingUnit:
+    groups: list[FlatParamGroup]
+    device: torch.device
+    param_init_fn: ParamInitFn | None
+
+
+# Wrapped modules whose meta parameters or buffers have no values yet.
+_pending: weakref.WeakKeyDictionary[nn.Module, _PendingUnit] = weakref.WeakKeyDictionary()
+
+
+def has_meta_state(module: nn.Module) -> bool:
+    """Whether the unit ``module`` would own a meta parameter or buffer."""
+    return any(
+        t is not None and t.device.type == "meta"
+        for _, m in owned_modules(module)
+        for t in (*m._parameters.values(), *m._buffers.values())
+    )
+
+
+def adopt_meta_unit(
+    module: nn.Module, groups: list[FlatParamGroup], device: torch.device,
+    param_init_fn: ParamInitFn | None,
+) -> None:
+    """Wrap time, after every group of ``module`` was built: put the groups' compute
+    placeholders in the slots of the meta parameters they replace (tied slots included) and
+    record the unit as pending. A unit with neither meta parameters nor meta buffers is left
+    alone."""
+    meta_groups = [g for g in groups if g.pending_init]
+    if not meta_groups and not has_meta_state(module):
+        return
+    replacement = {}
+    for group in meta_groups:
+        for record, original in zip(group.records, group.original_params):
+            replacement[id(original)] = record.compute_param
+        group.original_params = []  # drop the meta parameters
+    for _, submodule in owned_modules(module):
+        for name, param in submodule._parameters.items():
+            if param is not None and id(param) in replacement:
+                submodule._parameters[name] = replacement[id(param)]
+    _pending[module] = _PendingUnit(groups, device, param_init_fn)
+
+
+def is_pending(module: nn.Module) -> bool:
+    return module in _pending
+
+
+def mark_initialized_by_user(module: nn.Module) -> None:
+    """``to_empty`` after wrapping: the user initializes ``module``'s unit (no materialization)."""
+    unit = _pending.pop(module, None)
+    if unit is not None:
+        for group in unit.groups:
+            group.finish_materialization()
+
+
+def materialize_hook(module: nn.Module, *args: Any) -> None:
+    """State-dict and load-state-dict pre-hook of every unit."""
+    materialize(module)
+
+
+def materialize(root: nn.Module) -> None:
+    """Give every pending unit in ``root``'s tree its values (see [Note: meta materialization]
+    and [Note: initializers that cover a subtree]). Local: no collective. Cheap when nothing is
+    pending."""
+    if not _pending:
+        return
+    units = {id(m): (m, _pending[m]) for m in root.modules() if m in _pending}
+    if not units:
+        return
+    owner: dict[int, _PendingUnit] = {}
+    for module, unit in units.values():
+        for _, submodule in owned_modules(module):
+            owner[id(submodule)] = unit
+    pending_groups = {id(g) for _, unit in units.values() for g in unit.groups if g.pending_init}
+    slots_of: dict[int, list[tuple[str, str]]] = {}
+    for module in root.modules():
+        if id(module) in owner:
+            slots = _pending_slots(module, pending_groups)
+            if slots:
+                slots_of[id(module)] = slots
+
+    def has_pending(module: nn.Module) -> bool:
+        return id(module) in slots_of
+
+    def may_cover(module: nn.Module) -> bool:
+        unit = owner.get(id(module))
+        return unit is not None and unit.param_init_fn is None
+
+    # Everything that can refuse runs before anything is drawn or written.
+    refuse_unreproducible_inits(root, has_pending, may_cover)
+    calls = plan_init_calls(root, has_pending, may_cover)
+    covered = _covered_modules(calls)
+    for call in calls:
+        if has_pending(call.module) and id(call.module) not in covered:
+            _check_initializer(call.name, call.module, owner[id(call.module)],
+                               slots_of[id(call.module)][0])
+    written: set[int] = set()  # records that got their value in this pass
+    installed: list[_Installed] = []  # full-size values not yet written (see _Installed)
+    try:
+        for call in calls:
+            unit = owner[id(call.module)]
+            _install_module(call.name, call.module, unit, pending_groups, installed)
+            if call.covering:
+                _share_tied(installed)
+            _run_initializer(call.module, unit)
+            if call.commit:
+                _commit(installed, written)
+                installed.clear()
+    finally:
+        for entry in reversed(installed):  # an initializer raised: put the placeholders back
+            entry.restore()
+    for module, unit in units.values():
+        for group in unit.groups:
+            group.finish_materialization()
+        del _pending[module]
+        _check_nothing_left(module)
+
+
+def _covered_modules(calls: list[InitCall]) -> set[int]:
+    """Modules below a covering module: their parameters may be set by its ``reset_parameters``
+    alone (checked after it ran, see ``_commit``)."""
+    covered: set[int] = set()
+    for call in calls:
+        if call.covering:
+            covered.update(id(m) for m in call.module.modules() if m is not call.module)
+    return covered
+
+
+def _pending_slots(module: nn.Module, pending_groups: set[int]) -> list[tuple[str, str]]:
+    """(kind, slot) of ``module``'s own parameters of pending groups and meta buffers."""
+    slots = [
+        ("parameter", slot) for slot, p in module._parameters.items()
+        if p is not None and (record := _registry.record_of(p)) is not None
+        and id(record.group) in pending_groups
+    ]
+    return slots + [
+        ("buffer", slot) for slot, b in module._buffers.items()
+        if b is not None and b.device.type == "meta"
+    ]
+
+
+def _check_initializer(
+    name: str, module: nn.Module, unit: _PendingUnit, first: tuple[str, str]
+) -> None:
+    if unit.param_init_fn is not None or callable(getattr(module, "reset_parameters", None)):
+        return
+    kind, slot = first
+    raise RuntimeError(
+        f"{kind} '{_join(name, slot)}' was built on the meta device and its module "
+        f"({type(module).__name__}) has no reset_parameters() to initialize it; nothing was "
+        "materialized. Pass param_init_fn=fn to fully_shard (fn(module) initializes that "
+        "module's own parameters and buffers in place; called in module order), or call "
+        "model.to_empty(device=...) after fully_shard and initialize the model yourself (in "
+        "place through its parameters, or with checkpoint.load_full_state_dict)"
+    )
+
+
+@dataclass(eq=False)
+class _Installed:
+    """A full-size tensor put in a parameter slot for an initializer to write, until its value
+    is written to the flat buffers (``_commit``) and ``placeholder`` (the unit's compute
+    parameter) goes back in the slot. ``version``: the tensor's version counter when
+    installed, to tell whether an initializer wrote it. A buffer materialized in a module
+    without an initializer is tracked too (``record`` and ``placeholder`` None: it stays)."""
+
+    name: str
+    module: nn.Module
+    slot: str
+    record: Any
+    placeholder: nn.Parameter | None
+    value: torch.Tensor
+    version: int
+    has_initializer: bool
+
+    def current(self) -> torch.Tensor | None:
+        slots = self.module._parameters if self.record is not None else self.module._buffers
+        return slots[self.slot]
+
+    def restore(self) -> None:
+        if self.placeholder is not None:
+            self.module._parameters[self.slot] = self.placeholder
+
+
+def _install_module(
+    name: str, module: nn.Module, unit: _PendingUnit, pending_groups: set[int],
+    installed: list[_Installed],
+) -> None:
+    """Replace ``module``'s meta buffers for good and put fresh full-size tensors in the slots of
+    its pending parameters (slots that already hold one are left as they are)."""
+    has_initializer = unit.param_init_fn is not None or callable(
+        getattr(module, "reset_parameters", None)
+    )
+    for slot, buffer in list(module._buffers.items()):
+        if buffer is not None and buffer.device.type == "meta":
+            value = torch.empty_like(buffer, device=unit.device)
+            module._buffers[slot] = value
+            if not has_initializer:  # a covering module above must set it: checked
+                installed.append(_Installed(_join(name, slot), module, slot, None, None, value,
+                                            value._version, has_initializer))
+    for slot, param in module._parameters.items():
+        record = _registry.record_of(param) if param is not None else None
+        if record is None or id(record.group) not in pending_groups:
+            continue
+        group = record.group
+        value = nn.Parameter(
+            torch.empty(record.item.shape, dtype=group.param_dtype, device=group.device),
+            requires_grad=record.dist_param.requires_grad,
+        )
+        assert param is not None
+        installed.append(_Installed(_join(name, slot), module, slot, record, param, value,
+                                    value._version, has_initializer))
+        module._parameters[slot] = value
+
+
+def _share_tied(installed: list[_Installed]) -> None:
+    """Before a covering ``reset_parameters``: a parameter tied between modules of its subtree
+    is one tensor there, as after construction's tying, holding the first holder's value."""
+    first: dict[int, _Installed] = {}
+    for entry in installed:
+        if entry.record is None:
+            continue
+        holder = first.setdefault(id(entry.record), entry)
+        if holder is not entry and entry.current() is entry.value:
+            entry.module._parameters[entry.slot] = holder.value  # type: ignore[assignment]
+
+
+def _run_initializer(module: nn.Module, unit: _PendingUnit) -> None:
+    with torch.no_grad():
+        if unit.param_init_fn is not None:
+            unit.param_init_fn(module)
+        elif callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()  # type: ignore[operator]
+        # else: a module below a covering one, initialized by that one's reset_parameters
+
+
+def _commit(installed: list[_Installed], written: set[int]) -> None:
+    """Write each installed parameter's value to the flat buffers (the first holder of a tied
+    parameter wins, as construction followed by tying) and put the placeholders back."""
+    try:
+        for entry in installed:
+            value = entry.current()
+            record = entry.record
+            unwritten = value is entry.value and value._version == entry.version
+            if record is None:  # a buffer of a module without an initializer
+                if unwritten:
+                    raise RuntimeError(
+                        f"materializing buffer '{entry.name}': its module "
+                        f"({type(entry.module).__name__}) has no reset_parameters() and the "
+                        "reset_parameters() of the module above it that covers its subtree "
+                        "did not write it. Initialize it there, give "
+                        f"{type(entry.module).__name__} a reset_parameters(), or pass "
+                        "param_init_fn"
+                    )
+                continue
+            if value is None or value.shape != record.item.shape or value.device.type == "meta":
+                raise RuntimeError(
+                    f"materializing '{entry.name}': the initializer of "
+                    f"{type(entry.module).__name__} left it as {_describe(value)}, expected a "
+                    f"tensor of shape {tuple(record.item.shape)} on {record.group.device}; "
+                    "initialize the parameter in place (nn.init.*, .copy_) instead of "
+                    "replacing it"
+                )
+            if unwritten and not entry.has_initializer:
+                raise RuntimeError(
+                    f"materializing '{entry.name}': its module ({type(entry.module).__name__}) "
+                    "has no reset_parameters() and the reset_parameters() of the module above "
+                    "it that covers its subtree did not write it; nothing of that subtree was "
+                    "materialized. Initialize it in that reset_parameters(), give "
+                    f"{type(entry.module).__name__} a reset_parameters(), or pass param_init_fn"
+                )
+            if id(record) not in written:
+                written.add(id(record))
+                record.group.write_full_param(record.index, value)
+    finally:
+        for entry in reversed(installed):
+            entry.restore()
+
+
+def _check_nothing_left(module: nn.Module) -> None:
+    for prefix, submodule in owned_modules(module):
+        for kind, tensors in (("parameter", submodule._parameters), ("buffer", submodule._buffers)):
+            for slot, t in tensors.items():
+                if t is not None and t.device.type == "meta":
+                    raise RuntimeError(
+                        f"{kind} '{_join(prefix, slot)}' of the fully_shard unit "
+                        f"{type(module).__name__} is still on the meta device after "
+                        "materialization (e.g. it is in ignored_params, or the module's "
+                        "initializer did not set it); move it to the device yourself (e.g. "
+                        "model.to_empty(device=...) after fully_shard) and initialize it"
+                    )
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)} on {value.device}"
+    return repr(value)
+
+
+# ---------------------------------------------------------------------- conversions (_apply)
+
+_applying = [0]  # depth of FSDPModule._apply calls in progress
+
+
+def applying() -> bool:
+    """Inside a unit's ``_apply``, which already handled every unit below it."""
+    return _applying[0] > 0
+
+
+@contextlib.contextmanager
+def applying_conversion() -> Iterator[None]:
+    _applying[0] += 1
+    try:
+        yield
+    finally:
+        _applying[0] -= 1
+
+
+def classify(fn: Callable[[torch.Tensor], Any], param: nn.Parameter) -> str | None:
+    """What ``fn`` (an ``nn.Module._apply`` conversion) does to the managed DTensor parameter
+    ``param``: ``"same"`` (returns it), ``"copy"`` (a new value of the same kind, placements,
+    shape, dtype and device: its values can be copied into the buffers), or ``None`` (anything
+    else: not supported). See [Note: conversions after wrapping]."""
+    try:
+        out = fn(param)
+    except Exception:  # noqa: BLE001 - any failure means it cannot be applied in place
+        return None
+    if out is param:
+        return "same"
+    local = param._local_tensor  # type: ignore[attr-defined]
+    if (
+        isinstance(out, DTensor)
+        and isinstance(param, DTensor)
+        and out.placements == param.placements
+        and out.device_mesh == param.device_mesh
+        and out.shape == param.shape
+        and out.dtype == param.dtype
+        and out._local_tensor.device == local.device
+        and out._local_tensor.shape == local.shape
+    ):
+        return "copy"
+    return None
+
+
+@torch.no_grad()
+def copy_converted(fn: Callable[[torch.Tensor], Any], group: FlatParamGroup, index: int) -> None:
+    """Apply ``fn`` (classified ``"copy"``) to parameter ``index`` of ``group`` again and write
+    the result into this rank's main weights; the caller marks the group updated."""
+    param = group.records[index].dist_param
+    out = fn(param)
+    param._local_tensor.copy_(out._local_tensor)  # type: ignore[attr-defined]

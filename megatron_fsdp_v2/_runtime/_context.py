@@ -1,0 +1,287 @@
+"""What a root unit shares with every unit of its tree (``FSDPContext``): the recorded forward
+order, in-flight reductions, the final callback of backward, and recovery after a forward or
+backward that raised. See [Note: hook schedule] in ``_state.py``."""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from .._buffers._allocator import BucketAllocator
+from .._buffers._trace_pool import TracePoolAllocator
+from .._comm._deadline import bounded_waits, collective_timeout_s, group_error
+from .._profiling import traced
+from ._coalesce import ReductionCoalescer
+from ._flat_param_group import FlatParamGroup
+from ._refresh_buckets import RefreshCoalescer
+
+if TYPE_CHECKING:
+    from ._state import FSDPState
+
+__all__ = ["FSDPContext", "TrainingState"]
+
+
+class TrainingState(enum.Enum):
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+
+
+class FSDPContext:
+    """What the root shares with every unit of its tree."""
+
+    def __init__(self, root: FSDPState, states: list[FSDPState]) -> None:
+        self.root = root
+        self.states = states  # pre-order of the module tree: root first
+        # One allocator for the tree (its units agree on enable_trace_pool: FSDPState._lazy_init).
+        self.allocator: BucketAllocator = (
+            TracePoolAllocator() if root.enable_trace_pool else BucketAllocator()
+        )
+        self.final_callback_queued = False
+        self.callback_failed = False  # the final callback raised: see recover()
+        self.unrecoverable: str | None = None  # why recover() failed; raised again on use
+        self.overlap = root.overlap
+        # [Note: prefetch order] Units in the order their forward ran in the first forward
+        # pass (not registration order). Forward prefetches the next unit's gather, backward
+        # the previous one's; a unit that is skipped or runs out of order just waits for (or
+        # issues) its own gather, and stray prefetches are resharded at the root's post-forward
+        # and the final callback.
+        self.forward_order: list[FSDPState] = []
+        self._order_index: dict[int, int] = {}
+        self.recording_order = True
+        # Units whose gradient collectives hold temporary buckets and may still be in flight,
+        # oldest first. At most ``max_inflight_reductions`` units' reduction buckets are alive
+        # at once. Reductions in place into persistent buffers are not listed: they cost no
+        # memory in flight and run on until the final callback (FSDPState.run_post_backward),
+        # unless the window ends and HSDP's outer reduction waits for them (see [Note: outer
+        # reductions in backward]).
+        self.reducing: deque[FSDPState] = deque()
+        self.max_inflight_reductions = 1
+        # Debug/test event log of (event, unit fqn); None disables logging.
+        self.events: list[tuple[str, str]] | None = None
+        # The tree's reduction buckets (the root's reduce_bucket_size_mb; see [Note: reduction
+        # buckets] in _coalesce.py), None: one delayed collective per group.
+        self.coalescer: ReductionCoalescer | None = None
+        if root.reduce_bucket_size_mb is not None:
+            self.coalescer = ReductionCoalescer(root.reduce_bucket_size_mb, self.allocator)
+        # The tree's refresh buckets (the root's refresh_bucket_size_mb; see [Note: refresh
+        # buckets] in _refresh_buckets.py), None: one refresh all-gather per group.
+        self.refresh_coalescer: RefreshCoalescer | None = None
+        if root.refresh_bucket_size_mb is not None:
+            self.refresh_coalescer = RefreshCoalescer(
+                root.refresh_bucket_size_mb, self.allocator, root.overlap
+            )
+
+    def log(self, event: str, state: FSDPState) -> None:
+        if self.events is not None:
+            self.events.append((event, state.fqn))
+
+    def record_forward(self, state: FSDPState) -> None:
+        if self.recording_order and id(state) not in self._order_index:
+            self._order_index[id(state)] = len(self.forward_order)
+            self.forward_order.append(state)
+
+    def neighbor(self, state: FSDPState, step: int) -> FSDPState | None:
+        """The unit ``step`` positions after ``state`` in the recorded forward order."""
+        index = self._order_index.get(id(state))
+        if index is None or self.recording_order:
+            return None
+        index += step
+        return self.forward_order[index] if 0 <= index < len(self.forward_order) else None
+
+    def drain_reductions(self, keep: int) -> None:
+        """Finish the oldest in-flight reductions until at most ``keep`` units have some, and
+        launch the outer reduction of each finished unit whose window ends.
+
+        [Note: outer reductions in backward]
+        On a 2-D mesh a window ends with the plan's window steps (HSDP's outer all-reduce or
+        reduce-scatter of each group's inner-reduced shard, design.md §9). Each is launched
+        as soon as its unit's last inner reduction has finished, here, when the next unit's
+        post-backward drains it: it then overlaps the rest of backward, as FSDP2 issues its
+        HSDP all-reduce right after each reduce-scatter, instead of all of them waiting for
+        the final callback. For that, a unit whose window ends is listed in ``reducing`` even
+        when its inner reduction holds no temporary bucket (FSDPState.run_post_backward). The
+        drain order is backward order, the same on every rank, so every rank launches the
+        outer collectives in the same order. An outer reduction that holds a temporary bucket
+        (a workspace in the communication dtype, or outer optim's ``window_grad``, which it
+        frees) is listed again and finished by the next drain, so at most one unit's are alive
+        besides the reduction in flight (the estimator replays this: ``_estimate._Replay``); an
+        all-reduce in place runs on until the final callback, which waits for all of them and
+        installs.
+        Same collectives, same buffers, same arithmetic: only the launch moves earlier."""
+        finished: list[FSDPState] = []
+        while len(self.reducing) > keep:
+            state = self.reducing.popleft()
+            for group in state.groups:
+                group.grads.wait_for_reduction(coalesced=False)
+            finished.append(state)
+        for state in finished:
+            if not state.is_last_backward:
+                continue
+            for group in state.groups:
+                group.grads.reduce_across_replicas(async_op=True)
+            if any(g.grads.reduction_holds_temporary for g in state.groups):
+                self.reducing.append(state)
+
+    @property
+    def groups(self) -> Iterable[FlatParamGroup]:
+        for state in self.states:
+            yield from state.groups
+
+    @traced("mfsdp::final_callback")
+    def final_callback(self) -> None:
+        """End of backward: reduce what no post-backward hook reduced, then finish reductions."""
+        try:
+            for state in reversed(self.states):
+                # Also units that accumulated earlier micro-batches of the window but did not
+                # run in this one: the last backward must still reduce what they hold.
+                if state.needs_post_backward or (
+                    state.is_last_backward
+                    and any(g.grads.awaits_last_reduction for g in state.groups)
+                ):
+                    state.run_post_backward()
+            if self.coalescer is not None:
+                self.coalescer.flush()  # the last, partly filled reduction bucket
+            # Finish what is listed, oldest first, launching outer reductions as windows end
+            # (see [Note: outer reductions in backward]); those listed again are waited below.
+            self.drain_reductions(0)
+            self.reducing.clear()
+            for state in self.states:
+                # Weights kept for the next forward stay (see [Note: keeping gathered weights]).
+                keep = state.keeps_gathered_weights
+                for group in state.groups:
+                    if keep:
+                        group.wait_for_compute_weights()
+                    else:
+                        group.free_gathered_weights()
+                    group.grads.wait_for_reduction()
+            ending = [state for state in self.states if state.is_last_backward]
+            # The end of the window: collectives over the reduced shards (the plan's window
+            # steps, HSDP's outer all-reduce; nothing on a 1-D mesh) that drain_reductions did
+            # not launch already (overlap=False, a group that reduced earlier in the window but
+            # not in this backward), launched for every group first, in the same order on every
+            # rank, then waited on.
+            for state in ending:
+                for group in state.groups:
+                    group.grads.reduce_across_replicas(async_op=self.overlap)
+            for state in ending:
+                for group in state.groups:
+                    group.grads.wait_for_reduction()
+                    group.grads.install()
+                    # The optimizer step that usually follows changes the main weights:
+                    # refresh once before the next forward whatever updates them (an
+                    # optimizer the step hook does not see, writes through to_local()).
+                    group.mark_main_weights_updated()
+        except BaseException:
+            self.callback_failed = True  # reductions may be half-waited: recover() next forward
+            raise
+        finally:
+            self.final_callback_queued = False
+            for state in self.states:
+                state.reset_to_idle()
+
+    @property
+    def step_failed(self) -> bool:
+        """Whether the last forward or backward raised before finishing (checked at the root's
+        next pre-forward): a unit still in forward (its post-forward never ran), a backward whose
+        final callback never ran, or a final callback that raised."""
+        return (
+            self.final_callback_queued or self.callback_failed or self.unrecoverable is not None
+            or any(s.training_state is not TrainingState.IDLE for s in self.states)
+        )
+
+    def _process_groups(self) -> list[tuple[dist.ProcessGroup, torch.device]]:
+        """Every process group the tree's collectives run on, with its device."""
+        seen: dict[int, tuple[dist.ProcessGroup, torch.device]] = {}
+        for group in self.groups:
+            for process_group in group.axis_groups.values():
+                seen.setdefault(id(process_group), (process_group, group.device))
+        return list(seen.values())
+
+    def recover(self) -> None:
+        """Return every unit to the state a new step starts from, after a forward or backward
+        that raised (an exception or ``KeyboardInterrupt`` in user code or a hook). Requires that
+        every rank failed at the same point, so that in-flight collectives match.
+
+        * In-flight gathers and reductions are waited for (they are matched across ranks and
+          write into buffers about to be reused) and their results dropped; gathered ZeRO-3
+          weights are freed, so the next forward gathers afresh instead of reusing buffers that
+          may be half-gathered or stale (e.g. after an optimizer step in between).
+        * Hook state is reset: training states, pending post-backward counts, the queued final
+          callback, in-flight reduction bookkeeping; DTensor parameters are registered again.
+        * After a failed *backward*, every gradient not yet consumed by an optimizer step is
+          discarded, as ``zero_grad(set_to_none=True)`` would: the compute parameters' ``.grad``
+          of the failed backward, the main gradients (including micro-batches accumulated earlier
+          in the window, whose sums cannot be separated from the failed one's) and installed
+          ``.grad`` s. A failed *forward* wrote no gradient and leaves gradients untouched.
+
+        Raises ``RuntimeError`` if waiting for an in-flight collective fails (e.g. the ranks
+        failed at different points and their collectives no longer match): the process group
+        is then unusable and the job must restart; every later forward raises it again. On
+        gloo the wait raises after the group's timeout; on CUDA, where waits are event waits
+        that never fail, each is polled until it completes, a group reports an error, or the
+        largest collective timeout of the tree has passed since recovery began (see [Note:
+        recovery deadline] in ``_deadline.py``), and the groups are asked for an error once
+        all waits completed.
+
+        Runs at once when an exception leaves the root's forward (an ``always_call`` forward
+        hook), else lazily: at the root's next pre-forward, or before ``state_dict()`` /
+        ``load_state_dict()`` of any unit (a ``KeyboardInterrupt``, or a failed backward).
+        """
+        if self.unrecoverable is not None:
+            raise RuntimeError(self.unrecoverable)
+        if self.coalescer is not None:
+            self.coalescer.abandon()  # never issue a bucket the failed backward left open
+        discard_grads = self.final_callback_queued or self.callback_failed or any(
+            s.training_state is TrainingState.PRE_BACKWARD for s in self.states
+        )
+        error: BaseException | None = None
+        groups = self._process_groups()
+        seconds = max((collective_timeout_s(g, d) for g, d in groups), default=0.0)
+        with bounded_waits(seconds, lambda: group_error(groups)):
+            if self.refresh_coalescer is not None:
+                try:  # refresh buckets in flight are matched across ranks: wait, then drop
+                    self.refresh_coalescer.settle()
+                except Exception as e:  # noqa: BLE001 - reported below, after the reset
+                    error = e
+            for state in self.states:
+                for group in state.groups:
+                    if error is None:
+                        try:
+                            group.wait_for_compute_weights()
+                            group.grads.wait_for_reduction()
+                        except Exception as e:  # noqa: BLE001 - reported below
+                            error = e
+                    if error is not None:
+                        # The group is broken: free no buffer a collective may still write
+                        # into (and wait for no further one: each could take the timeout).
+                        continue
+                    group.free_gathered_weights()
+                    group.grads.drop_compute_grads()
+                    if discard_grads:
+                        group.grads.zero_grad(set_to_none=True)
+        if error is None and any(d.type == "cuda" for _, d in groups):
+            # Event waits complete when NCCL's watchdog aborted the communicator too.
+            failed = group_error(groups)
+            if failed is not None:
+                error = RuntimeError(failed)
+        self.reducing.clear()
+        self.final_callback_queued = False
+        self.callback_failed = False
+        for state in self.states:
+            state.reset_to_idle()
+            state.forget_graph()
+        if error is not None:
+            self.unrecoverable = (
+                "fully_shard cannot recover from the failed forward/backward: a collective it "
+                f"left in flight did not complete ({type(error).__name__}: {error}). The ranks "
+                "most likely failed at different points, so their collectives no longer match "
+                "and the process group is unusable; restart the job (e.g. from the last "
+                "checkpoint)"
+            )
+            raise RuntimeError(self.unrecoverable) from error

@@ -1,0 +1,563 @@
+"""One flat parameter group: its buffers and their lifecycle (compute weights made ready and
+freed, gradients staged and reduced), executing the group's :class:`~._plan.BufferPlan`. No
+hooks here (``_state.py`` decides *when*), no collective launch details (``_reduce.py``), no
+strategy branches (``_plan.py``); gradients (``main_grad``, the gradient path, what the optimizer
+sees as ``.grad``) are in ``_grads.py``.
+
+[Note: buffer roles]
+Every group owns up to three persistent flat buffers, laid out identically (see
+[Note: row-aligned flat buffers] in ``_layout.py``); the plan says each one's extent:
+
+* ``model_weight``: the compute weights, in the compute dtype. Compute parameters (the module's
+  original ``nn.Parameter`` objects) are views into the unsharded buffer (``model_weight``
+  itself, or the temporary ``unsharded_model_weight`` bucket of a group that gathers), bound
+  once: at wrap time, or at the first gather.
+* ``main_weight``: what the optimizer updates, exposed as DTensor parameters whose local tensors
+  are views into it. A separate buffer only when the main dtype differs from the compute dtype;
+  otherwise it *is* this rank's part of ``model_weight``.
+* ``main_grad``: what the optimizer reads, exposed as DTensor gradients viewing it. Allocated
+  lazily and freed when gradients are cleared; the tensor object survives (storage freeing), so
+  cached gradient views stay valid.
+
+[Note: replicated-buffer refresh]
+With replicated compute weights and sharded main weights (``optim``, ``optim_grads``), an
+optimizer step leaves every rank's ``model_weight`` stale outside its own shard. The group is
+marked stale (see design.md §4 for what marks it); the next ``ready_compute_weights`` (the unit's
+pre-forward) casts this rank's main shard into its own slot of ``model_weight``
+(``refresh_from_shard_``) and runs one in-place ``all_gather_into_tensor`` over ``model_weight``:
+the strategy's single all-gather. Writes through ``p.to_local()``/``p.data`` in the middle of an
+accumulation window are not seen (``FSDPModule.mark_main_weights_updated``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from .. import ops
+from .._buffers._allocator import BucketAllocator
+from .._buffers._layout import BufferLayout, ItemLayout
+from .._buffers._plan import Extent, Refresh, make_plan
+from .._comm import _collectives as comm
+from .._comm._collective_impl import GroupCollectives
+from .._profiling import traced
+from ..api import ResolvedDtypes, ShardingStrategy
+from . import _reduce
+from ._grads import GroupGrads
+
+if TYPE_CHECKING:
+    from ._refresh_buckets import RefreshBucket
+
+__all__ = ["FlatParamGroup", "ParamRecord", "mesh_device"]
+
+
+@dataclass(eq=False)
+class ParamRecord:
+    """One managed parameter (FSDP2's ``FSDPParam``): its names, its two faces and its place."""
+
+    fqn: str  # relative to the unit's module
+    group: FlatParamGroup
+    index: int  # in the group
+    item: ItemLayout
+    compute_param: nn.Parameter  # the module's original object; autograd sees it in forward
+    dist_param: nn.Parameter  # the optimizer-facing DTensor parameter
+    local_rows: tuple[int, int]  # global dim-0 rows of the optimizer-facing local shard
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's buffers live on for ``mesh`` (the current CUDA device for a
+    ``cuda`` mesh; the meta device while estimating, see [Note: meta buffers] in _registry)."""
+    from .. import _registry  # noqa: PLC0415 - _registry imports this module for typing only
+
+    if _registry.meta_buffers[0]:
+        return torch.device("meta")
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+class FlatParamGroup:
+    """The flat buffers of one (device, dtype, requires_grad) group of one FSDP unit."""
+
+    def __init__(
+        self,
+        *,
+        group_id: tuple[int, int],
+        params: Sequence[nn.Parameter],
+        fqns: Sequence[str],
+        layout: BufferLayout,
+        mesh: DeviceMesh,
+        process_group: dist.ProcessGroup | None = None,
+        outer_process_group: dist.ProcessGroup | None = None,
+        mesh_process_group: dist.ProcessGroup | None = None,
+        strategy: ShardingStrategy,
+        outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD,
+        dtypes: ResolvedDtypes,
+        grad_pre_scale: float,
+        allocator: BucketAllocator,
+        sync_from_rank0: bool = False,
+        collective_impl: str = "native",
+    ) -> None:
+        """Builds the buffers but leaves the module's parameters untouched: :meth:`bind`
+        turns them into views of the buffers once every group of the unit was built (so a
+        failure half-way changes nothing). ``sync_from_rank0``: start from the mesh rank 0's
+        values (one broadcast per mesh axis), as DDP does.
+
+        ``mesh``: 1-D, or 2-D for HSDP (dim 0 the outer axis, dim 1 the inner one). The layout,
+        ``strategy`` and every collective of the inner schedule are over the inner (last) axis;
+        ``outer_strategy`` applies along dim 0 of a 2-D mesh (see [Note: buffer plan]); with
+        ``OPTIM`` the layout is over ``R * S`` sub-shards, and ``mesh_process_group`` (a group
+        over the whole mesh) is where gradient norms are all-reduced. ``collective_impl``: see
+        [Note: collective implementation] in ``_collective_impl.py``."""
+        self.layout = layout
+        self.mesh = mesh  # the optimizer-facing DTensors live on it (all of its dims)
+        inner = mesh.ndim - 1
+        # Collectives run on ``process_group`` (a group over the inner axis' ranks; see
+        # ``_comm_groups.comm_group``), default: the mesh's own group for that axis.
+        self.process_group = (
+            process_group if process_group is not None else mesh.get_group(inner)
+        )
+        # HSDP: the ranks that hold the same inner shard (None on a 1-D mesh).
+        self.outer_process_group = outer_process_group
+        if mesh.ndim == 2 and outer_process_group is None:
+            self.outer_process_group = mesh.get_group(0)
+        self.rank = mesh.get_local_rank(inner)
+        self.world_size = mesh.size(inner)  # of the inner axis
+        self.strategy = strategy
+        replicas = mesh.size(0) if mesh.ndim == 2 else 1
+        self.plan = make_plan(
+            strategy, dtypes, layout, self.rank, outer=outer_strategy if replicas > 1 else None,
+            outer_rank=mesh.get_local_rank(0) if replicas > 1 else 0, outer_size=replicas,
+        )
+        self.mesh_process_group = mesh_process_group
+        if self.plan.norm_axis == "mesh" and mesh_process_group is None:
+            self.mesh_process_group = mesh._flatten().get_group()
+        # Outer axes first: (Replicate(), Shard(0)) on an HSDP mesh, (Shard(0), Shard(0)) with
+        # outer optim.
+        extent = self.plan.optimizer_placement
+        self._placements: tuple[Placement, ...] = (
+            (Shard(0) if extent is Extent.SUB_SHARD else Replicate(),) * inner
+            + (Replicate() if extent is Extent.FULL else Shard(0),)
+        )
+        self.dtypes = dtypes
+        self.grad_pre_scale = grad_pre_scale
+        self.allocator = allocator
+        # A module built under torch.device("meta") has no values yet: the buffers go on the
+        # mesh's device and are filled at materialization (see [Note: meta materialization]).
+        self.pending_init = params[0].device.type == "meta"
+        self.device = mesh_device(mesh) if self.pending_init else params[0].device
+        self.param_dtype = params[0].dtype  # the parameters' own dtype, before mp_policy
+        # The meta parameters the compute placeholders replace, until fully_shard swaps them.
+        self.original_params: list[nn.Parameter] = list(params) if self.pending_init else []
+        self.streams = comm.streams_for(self.device)
+        # Names this group in errors and in the collective-order check; the root's lazy init
+        # replaces it with the unit's fully qualified name.
+        self.name = f"group of {fqns[0]!r}" + (f" (+{len(fqns) - 1})" if len(fqns) > 1 else "")
+        self.debug_collectives = os.environ.get("MFSDP_DEBUG_COLLECTIVES", "0") == "1"
+        # Which calls carry this group's collectives, and the count of what ran.
+        self.collectives = GroupCollectives(collective_impl)
+        self.owner = ""  # "<Class> at 0x...": the unit, in error messages (set by fully_shard)
+        self.uncovered = layout.uncovered_ranges()  # padding and alignment gaps
+        self._group_id = group_id
+
+        self._build_weight_buffers(
+            None if self.pending_init else self._initial_flat(params, sync_from_rank0)
+        )
+        self.records = [
+            ParamRecord(fqn, self, index, item, self._compute_param(param),
+                        self._build_dist_param(param, index), self._local_rows(index))
+            for index, (param, fqn, item) in enumerate(zip(params, fqns, layout.items))
+        ]
+        self.requires_grad = params[0].requires_grad
+        self.grads = GroupGrads(self)  # main_grad, the gradient path, what the optimizer sees
+        self._pending_weights: _reduce.Pending | None = None
+        self._weights_stale = False
+        # The refresh bucket planned for this group's next refresh, if any (see [Note: refresh
+        # buckets] in _refresh_buckets.py).
+        self.refresh_bucket: RefreshBucket | None = None
+        self._gathered = False
+        self._main_version = self.dist_param_version()
+
+    # ------------------------------------------------------------------ records
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [r.compute_param for r in self.records]
+
+    @property
+    def dist_params(self) -> list[nn.Parameter]:
+        return [r.dist_param for r in self.records]
+
+    @property
+    def fqns(self) -> list[str]:
+        return [r.fqn for r in self.records]
+
+    def local_row_range(self, index: int) -> tuple[int, int]:
+        """Global dim-0 rows of parameter ``index`` in this rank's optimizer-facing shard."""
+        return self.records[index].local_rows
+
+    # ------------------------------------------------------------------ construction
+
+    def _initial_flat(self, params: Sequence[nn.Parameter], sync_from_rank0: bool) -> torch.Tensor:
+        """The parameters' current values packed into one full flat buffer of their own dtype
+        (padding zeroed), broadcast from mesh rank 0 when ``sync_from_rank0``. Temporary: it
+        lives while the group is built, like the parameters themselves."""
+        flat = torch.zeros(self.layout.total_numel, dtype=params[0].dtype, device=self.device)
+        offsets = [item.offset for item in self.layout.items]
+        # .contiguous() copies only the rare non-contiguous parameter (e.g. a strided view).
+        ops.pack_([p.detach().contiguous().view(-1) for p in params], offsets, flat)
+        if sync_from_rank0:
+            # Outer axis first (from its first rank), then the inner one: every rank ends with
+            # mesh rank (0, 0)'s values.
+            for group in self.sync_groups:
+                comm.broadcast_from_first(flat, group)
+        return flat
+
+    @property
+    def axis_groups(self) -> dict[str, dist.ProcessGroup]:
+        """The process group of each axis a plan step may name: ``"shard"`` (inner),
+        ``"outer"`` and ``"mesh"`` (the whole mesh) where they exist."""
+        groups = {"shard": self.process_group}
+        if self.outer_process_group is not None:
+            groups["outer"] = self.outer_process_group
+        if self.mesh_process_group is not None:
+            groups["mesh"] = self.mesh_process_group
+        return groups
+
+    @property
+    def norm_process_group(self) -> dist.ProcessGroup:
+        """Where the sum of squares of this group's optimizer-facing gradients is all-reduced
+        (``clip_grad_norm_``): the plan's ``norm_axis``."""
+        return self.axis_groups[self.plan.norm_axis]
+
+    @property
+    def sync_groups(self) -> list[dist.ProcessGroup]:
+        """The groups a start-from-the-first-rank broadcast runs over, in order (outer axis
+        first); groups of one rank are left out."""
+        groups = [self.outer_process_group, self.process_group]
+        return [g for g in groups if g is not None and dist.get_world_size(g) > 1]
+
+    def _build_weight_buffers(self, initial: torch.Tensor | None) -> None:
+        """``initial``: the full flat values, or ``None`` (meta parameters): zeros until
+        :meth:`write_full_param` fills each parameter's part."""
+        plan, dtypes, device = self.plan, self.dtypes, self.device
+        alloc = torch.zeros if initial is None else torch.empty  # padding must read as zeros
+        lo, hi = plan.model_weight_span
+        # Empty when every gather casts the main shard itself (Refresh.CAST_AT_GATHER).
+        self.model_weight = alloc(hi - lo if plan.keeps_model_weight else 0, dtype=dtypes.model,
+                                  device=device)
+        if initial is not None and plan.keeps_model_weight:
+            ops.pack_([initial[lo:hi]], [0], self.model_weight)
+        main_lo, main_hi = plan.main_weight_span
+        if plan.main_weight_separate:
+            self.main_weight = alloc(main_hi - main_lo, dtype=dtypes.main, device=device)
+            if initial is not None:
+                ops.pack_([initial[main_lo:main_hi]], [0], self.main_weight)
+        else:
+            self.main_weight = self.model_weight[main_lo - lo : main_hi - lo]
+        self._views_bound = False
+        self._bound_to: torch.Tensor | None = None  # the buffer the compute views are of
+        # Bumped whenever the compute views are bound to another buffer (a trace-pool bucket
+        # that moved): graphs built before must not be backwarded (FSDPState._pre_backward).
+        self.views_generation = 0
+
+    def _compute_param(self, param: nn.Parameter) -> nn.Parameter:
+        """The compute parameter of ``param``: ``param`` itself, or for a meta parameter (whose
+        storage cannot be replaced by one on another device) a new placeholder on the buffers'
+        device with the same attributes, which fully_shard puts in ``param``'s module slots."""
+        if param.device.type != "meta":
+            return param
+        fresh = nn.Parameter(
+            torch.empty(0, dtype=param.dtype, device=self.device),
+            requires_grad=param.requires_grad,
+        )
+        for name, value in vars(param).items():
+            setattr(fresh, name, value)
+        return fresh
+
+    @torch.no_grad()
+    def write_full_param(self, index: int, full: torch.Tensor) -> None:
+        """Write parameter ``index``'s whole value (shaped like it) into this rank's part of the
+        weight buffers (meta materialization): the rows each buffer's extent covers, and
+        nothing else, so a rank never keeps more than its own share."""
+        item = self.layout.items[index]
+        flat = full.detach().reshape(-1)
+        buffers = []
+        if self.plan.keeps_model_weight:
+            buffers.append((self.model_weight, self.plan.model_weight_span))
+        if self.plan.main_weight_separate:
+            buffers.append((self.main_weight, self.plan.main_weight_span))
+        for buffer, (start, end) in buffers:
+            lo, hi = self.layout.local_item_range(index, start, end)
+            if lo < hi:
+                buffer[lo - start : hi - start].copy_(flat[lo - item.offset : hi - item.offset])
+
+    def finish_materialization(self) -> None:
+        """Every parameter was written (or the user took over with ``to_empty``): the weights
+        are current, and the writes are not user edits to refresh from."""
+        self.pending_init = False
+        self._main_version = self.dist_param_version()
+
+    def bind(self) -> None:
+        """Make the compute parameters zero-copy views of the unsharded weights, which releases
+        their original storage. A group that gathers has no unsharded bucket until its first
+        gather (so wrapping never holds a full-size copy): until then they hold an empty
+        placeholder."""
+        if not self.plan.gathers_weights:
+            self._bind_compute_views(self.model_weight)
+            return
+        with torch.no_grad():
+            for record in self.records:
+                record.compute_param.data = torch.empty(
+                    0, dtype=self.dtypes.model, device=self.device
+                )
+
+    def _bind_compute_views(self, unsharded_model_weight: torch.Tensor) -> None:
+        # Outside inference mode: a view made inside it could never be updated in place again.
+        with torch.no_grad(), torch.inference_mode(False):
+            for record in self.records:
+                item = record.item
+                flat = unsharded_model_weight[item.offset : item.end]
+                record.compute_param.data = flat.view(item.shape)
+        self._views_bound = True
+        self._bound_to = unsharded_model_weight
+        self.views_generation += 1
+
+    def note_views_exposed(self) -> None:
+        """The compute parameters are about to be used (forward, recompute, backward): tensors
+        autograd saves may view the gathered bucket until backward, so it must get the same
+        memory whenever it is gathered again in this iteration (``BucketAllocator.pin``)."""
+        if self._gathered:
+            self.allocator.pin(self.temporary_key("unsharded_model_weight"))
+
+    def drop_gathered_views(self) -> None:
+        """A group that gathers, not gathered now: its compute parameters let go of the
+        temporary bucket (back to the placeholder of :meth:`bind`), so a trace-pool arena that
+        was replaced or released is freed; the next gather binds them again. Likewise the
+        gradient aliases cached over a temporary bucket (any group)."""
+        self.grads.forget_temporary_aliases()
+        if not self.plan.gathers_weights or self._gathered or not self._views_bound:
+            return
+        self.bind()
+        self._views_bound = False
+        self._bound_to = None
+        self.views_generation += 1  # a graph saved before must not be backwarded now
+
+    def local_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
+        """Item ``index``'s rows in ``buffer``, which holds the main-weight span (the span the
+        optimizer-facing parameters and gradients cover)."""
+        item = self.layout.items[index]
+        start, end = self.plan.main_weight_span
+        lo, hi = self.layout.local_item_range(index, start, end)
+        rows = (hi - lo) // item.row_numel
+        return buffer[lo - start : hi - start].view(rows, *item.shape[1:])
+
+    def _local_rows(self, index: int) -> tuple[int, int]:
+        item = self.layout.items[index]
+        lo, hi = self.layout.local_item_range(index, *self.plan.main_weight_span)
+        start = min(max(lo - item.offset, 0), item.numel) // item.row_numel
+        return start, start + (hi - lo) // item.row_numel
+
+    def to_dtensor(self, local: torch.Tensor, index: int) -> DTensor:
+        shape = self.layout.items[index].shape
+        return DTensor.from_local(
+            local, self.mesh, self._placements, run_check=False, shape=shape,
+            stride=_contiguous_stride(shape),
+        )
+
+    def _build_dist_param(self, param: nn.Parameter, index: int) -> nn.Parameter:
+        local = self.local_view(self.main_weight, index)
+        dist_param = nn.Parameter(self.to_dtensor(local, index), requires_grad=param.requires_grad)
+        # Optimizer grouping and user code read attributes set on the original parameters.
+        for name, value in vars(param).items():
+            setattr(dist_param, name, value)
+        return dist_param
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def needs_refresh(self) -> bool:
+        return self._weights_stale
+
+    def mark_main_weights_updated(self) -> None:
+        """The main weights changed: rebuild compute weights before their next use (a no-op
+        where compute weights are the main weights)."""
+        if self.plan.refresh is not Refresh.NONE:
+            self._weights_stale = True
+
+    def dist_param_version(self) -> int:
+        """The sum of the optimizer-facing parameters' version counters: changes with every
+        in-place write through them."""
+        return sum(r.dist_param._version for r in self.records)
+
+    def detect_main_weight_edits(self) -> None:
+        """Mark the group stale when an in-place op on an optimizer-facing parameter (e.g.
+        ``nn.init.normal_(p)``, ``p.copy_(x)``) bumped its version counter since the last look."""
+        version = self.dist_param_version()
+        if version != self._main_version:
+            self._main_version = version
+            self.mark_main_weights_updated()
+
+    def sync_requires_grad(self) -> None:
+        """Follow ``requires_grad_`` calls on the optimizer-facing parameters after wrapping:
+        the compute parameters autograd sees must agree with them."""
+        changed = False
+        for record in self.records:
+            wanted = record.dist_param.requires_grad
+            if record.compute_param.requires_grad != wanted:
+                record.compute_param.requires_grad_(wanted)
+                changed = True
+        if changed:
+            self.requires_grad = any(r.dist_param.requires_grad for r in self.records)
+            self.grads.forget_views()  # views exist only for parameters that train
+
+    def temporary_key(self, role: str) -> tuple[tuple[int, int], str]:
+        """The allocator key of this group's temporary bucket ``role`` (see the plan's
+        ``temporaries``)."""
+        return (self._group_id, role)
+
+    def issue(
+        self, what: str, launch: comm.Launch, *, async_op: bool, reduce: bool,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> comm.CommHandle | None:
+        """Launch one of this group's collectives on ``process_group`` (default: the inner
+        one; see [Note: asynchronous collectives]). ``launch`` must run on that group: it is
+        the group the debug order check runs on."""
+        if self.debug_collectives:
+            comm.check_collective_order(
+                process_group if process_group is not None else self.process_group,
+                f"{what} of {self.name} ({self.layout.total_numel} elements)",
+                self.device,
+            )
+        with comm.issuing(self.collectives):
+            return self.streams.run(launch, async_op=async_op, reduce=reduce)
+
+    def ready_compute_weights(self, async_op: bool = False) -> bool:
+        """Make the compute weights current: gather them (a group that gathers) or refresh them
+        from updated main weights. Possibly asynchronous (:meth:`wait_for_compute_weights`).
+        Returns whether a collective was issued."""
+        # Nothing to do (every pre-forward and pre-backward of a ready unit asks): skip the
+        # inference-mode context, a measurable per-unit cost on many small units.
+        if self._gathered if self.plan.gathers_weights else not self._weights_stale:
+            return False
+        # Buckets and views made under inference mode could never be updated in place again.
+        with torch.inference_mode(False):
+            if self.plan.gathers_weights:
+                return self._gather(async_op)
+            return self._refresh(async_op)
+
+    def _gather(self, async_op: bool) -> bool:
+        if self._gathered:
+            return False
+        refresh: _reduce.Pending | None = None
+        cast_at_gather = self.plan.refresh is Refresh.CAST_AT_GATHER
+        if self._weights_stale:
+            # The cast, then the plan's refresh steps (HSDP outer optim: the outer all-gather
+            # that rebuilds the inner shard), which the inner gather waits for where it launches.
+            # Nothing to rebuild when the gather below casts the main shard itself.
+            if not cast_at_gather:
+                refresh = _reduce.refresh_weights(self.plan, self.main_weight, self.model_weight,
+                                                  self.axis_groups, self.issue, async_op)
+            self._weights_stale = False
+        output = self.allocator.allocate(
+            self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
+            self.dtypes.model, self.device,
+        )
+        # Views stay valid across storage freeing; a trace-pool bucket may move between
+        # iterations (see [Note: trace-planned pool]), then they follow it.
+        if not self._views_bound or output is not self._bound_to:
+            self._bind_compute_views(output)
+        if cast_at_gather:
+            self._pending_weights = _reduce.cast_and_gather_weights(
+                output, self.main_weight, self.plan.main_weight_span[0], self.process_group,
+                self.issue, async_op,
+            )
+        else:
+            self._pending_weights = _reduce.gather_weights(
+                output, self.model_weight, self.process_group, self.issue, async_op,
+                after=refresh,
+            )
+        self._gathered = True
+        return True
+
+    def _refresh(self, async_op: bool) -> bool:
+        if not self._weights_stale:
+            return False
+        bucket = self.refresh_bucket
+        if bucket is not None:  # issuing it makes this group fresh (take_refresh)
+            return bucket.coalescer.issue_through(bucket, async_op)
+        self._weights_stale = False
+        self._pending_weights = _reduce.refresh_weights(
+            self.plan, self.main_weight, self.model_weight, self.axis_groups, self.issue,
+            async_op,
+        )
+        return self._pending_weights is not None
+
+    def take_refresh(self, pending: _reduce.Pending) -> None:
+        """This group's refresh was issued as part of a bucket; ``pending`` completes it."""
+        self.wait_for_compute_weights()
+        self._weights_stale = False
+        self._pending_weights = pending
+
+    def wait_for_compute_weights(self) -> None:
+        pending, self._pending_weights = self._pending_weights, None
+        if pending is not None:
+            pending.finish()
+
+    @traced("mfsdp::free")
+    def free_gathered_weights(self) -> bool:
+        """Free the gathered weights of a group that gathers; returns whether it did. Waits for
+        an in-flight gather or refresh first (one launched for a unit that control flow then
+        skipped must finish before its buffer is reused or overwritten)."""
+        self.wait_for_compute_weights()
+        if not self._gathered:
+            return False
+        self.allocator.free(self.temporary_key("unsharded_model_weight"))
+        self._gathered = False
+        return True
+
+    @property
+    def is_gathered(self) -> bool:
+        return self._gathered
+
+    @property
+    def holds_weight_work(self) -> bool:
+        """Gathered weights or an in-flight gather or refresh: what
+        :meth:`free_gathered_weights` acts on (a cheap check for the many hooks that ask)."""
+        return self._gathered or self._pending_weights is not None
+
+    # ------------------------------------------------------------------ accounting
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of each persistent buffer role this rank holds (grads at their step-time size)."""
+        model = self.model_weight.numel() * self.model_weight.element_size()
+        main = (
+            self.main_weight.numel() * self.main_weight.element_size()
+            if self.plan.main_weight_separate else 0
+        )
+        grad = self.grads.memory_bytes()
+        padding_elems = self.layout.padding_numel
+        if self.plan.model_weight is Extent.SHARD:
+            padding_elems //= self.world_size
+        return {
+            "model_weights": model,
+            "main_weights": main,
+            "main_grads": grad,
+            "padding": padding_elems * self.dtypes.model.itemsize,
+        }

@@ -1,0 +1,129 @@
+"""``memory_report``: the bytes this rank holds per buffer role (and, if asked, per optimizer)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from .. import _registry
+from .._buffers._allocator import BucketAllocator
+
+__all__ = ["MemoryReport", "memory_report"]
+
+
+@dataclass
+class MemoryReport:
+    """Bytes this rank holds per buffer role, summed over the units of a module tree.
+
+    ``main_weights`` counts only main weights in buffers of their own (a main dtype that differs
+    from the compute dtype). Where the main dtype equals the compute dtype the main weights are
+    views of the model-weight buffer (the rank's rows of it), already counted in
+    ``model_weights``; their bytes are in ``main_weights_aliased`` instead, so that
+    ``main_weights=0`` is not mistaken for missing weights. ``optimizer_state`` is filled only
+    when ``memory_report`` is given the optimizer.
+    """
+
+    model_weights: int = 0
+    main_weights: int = 0
+    main_grads: int = 0
+    temporary_peak: int = 0
+    padding: int = 0
+    padding_ratio: float = 0.0
+    num_groups: int = 0
+    # After the original fields, so positional construction keeps its meaning.
+    main_weights_aliased: int = 0
+    optimizer_state: int = 0
+    # The trace pool's arenas (enable_trace_pool=True): held between steps; the buckets served
+    # from them are also counted, as the storage-freeing allocator would hold them, in
+    # temporary_peak. 0 without the trace pool or before its first plan.
+    trace_pool_arena: int = 0
+
+    @property
+    def total(self) -> int:
+        """Bytes held, each byte once: aliased main weights are not added again; temporaries
+        count as the larger of ``temporary_peak`` and ``trace_pool_arena``."""
+        return (self.model_weights + self.main_weights + self.main_grads
+                + max(self.temporary_peak, self.trace_pool_arena) + self.optimizer_state)
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        if self.main_weights_aliased and not self.main_weights:
+            main = "aliases model_weights"
+        elif self.main_weights_aliased:  # some groups alias, others have their own buffers
+            main = (f"{self.main_weights / mib:.2f}MiB(+{self.main_weights_aliased / mib:.2f}MiB "
+                    "aliasing model_weights)")
+        else:
+            main = f"{self.main_weights / mib:.2f}MiB"
+        optim = (f"optimizer_state={self.optimizer_state / mib:.2f}MiB "
+                 if self.optimizer_state else "")
+        arena = (f"trace_pool_arena={self.trace_pool_arena / mib:.2f}MiB "
+                 f"(storage-freeing peak {self.temporary_peak / mib:.2f}MiB) "
+                 if self.trace_pool_arena else "")
+        return (
+            f"model_weights={self.model_weights / mib:.2f}MiB main_weights={main} "
+            f"main_grads={self.main_grads / mib:.2f}MiB {optim}"
+            f"temporary_peak={self.temporary_peak / mib:.2f}MiB {arena}"
+            f"padding={self.padding_ratio:.3%} groups={self.num_groups}"
+        )
+
+
+def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                  ) -> MemoryReport:
+    """Per-role bytes of every unit in ``module``'s tree (``main_grads`` at their size during the
+    optimizer step; ``temporary_peak`` is the high-water mark of temporary buckets so far;
+    ``trace_pool_arena`` the trace pool's arenas, see [Note: trace-planned pool]).
+
+    With ``optimizer``, ``optimizer_state`` is the bytes of the tensors in its state for the
+    parameters these units manage (this rank's local shards: AdamW's moments of a sharded
+    parameter count its local rows only), as they are now: the state exists after the first
+    ``optimizer.step()``. State of parameters outside ``module``'s units is not counted.
+    """
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"memory_report(optimizer=...) takes a torch.optim.Optimizer, got "
+            f"{type(optimizer).__name__}"
+        )
+    report = MemoryReport()
+    allocators: dict[int, BucketAllocator] = {}
+    content = padded = 0
+    managed: list[torch.Tensor] = []
+    for m in module.modules():
+        state = _registry.state_of(m)
+        if state is None:
+            continue
+        allocators[id(state.allocator)] = state.allocator
+        for group in state.groups:
+            sizes = group.memory_bytes()
+            report.model_weights += sizes["model_weights"]
+            report.main_weights += sizes["main_weights"]
+            report.main_grads += sizes["main_grads"]
+            report.padding += sizes["padding"]
+            report.num_groups += 1
+            if not group.plan.main_weight_separate:
+                report.main_weights_aliased += (
+                    group.main_weight.numel() * group.main_weight.element_size()
+                )
+            content += group.layout.content_numel
+            padded += group.layout.padding_numel
+            managed += group.dist_params
+    report.temporary_peak = sum(a.peak_bytes for a in allocators.values())
+    report.trace_pool_arena = sum(a.arena_bytes for a in allocators.values())
+    report.padding_ratio = padded / max(content, 1)
+    if optimizer is not None:
+        report.optimizer_state = _optimizer_state_bytes(optimizer, managed)
+    return report
+
+
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
+    """Bytes of the state tensors ``optimizer`` keeps for ``params`` on this rank (DTensor
+    state: its local shard; scalars such as AdamW's ``step`` included)."""
+    total = 0
+    for param in params:
+        for value in optimizer.state.get(param, {}).values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if isinstance(value, DTensor) else value
+                total += local.numel() * local.element_size()
+    return total

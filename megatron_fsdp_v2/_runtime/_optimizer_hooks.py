@@ -1,0 +1,172 @@
+"""The optimizer side: global ``torch.optim`` step hooks, installed by the first ``fully_shard``
+call (nothing at import time).
+
+Before a step they catch an optimizer built before wrapping (it holds the compute parameters,
+which would be updated as stale copies that never see a gradient), reduce gradients of a window
+no backward marked last, and mark the groups the optimizer holds for the refresh of their
+compute weights (see [Note: replicated-buffer refresh]), and let an elementwise optimizer step on
+the local tensors (see [Note: local optimizer step]); after it, swap the DTensors back and mark
+the groups again. ``torch.optim.Optimizer.zero_grad`` is wrapped alongside: after
+``zero_grad(set_to_none=False)`` it tells each group which installed gradients the optimizer
+zeroed, so no value is read back to learn it (see [Note: gradients known without a host read]
+in ``_zeroed_grads.py``).
+
+The first time they see an optimizer that holds managed parameters they also give it
+``state_dict`` / ``load_state_dict`` post-hooks (``_state_dict.optimizer_*``), so that
+``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` / ``set_state_dict`` with
+``dcp.save`` / ``dcp.load`` handle its uneven shards (see [Note: uneven shards in state dicts]).
+torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` step an optimizer without
+state first, so these hooks exist before its first ``state_dict()`` with anything in it;
+``checkpoint.get_state_dict`` / ``set_state_dict`` also install them (an optimizer that got its
+state from a plain ``load_state_dict`` and never stepped).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from .. import _registry
+from .._dtensor._state_dict import (
+    optimizer_load_state_dict_post_hook,
+    optimizer_state_dict_post_hook,
+)
+from .._profiling import traced
+from ._flat_param_group import FlatParamGroup
+from ._grads import finalize_unsynchronized
+from ._optimizer_local import restore, swap_in_local_tensors
+
+__all__ = ["install_optimizer_hooks", "install_state_dict_hooks", "note_wrap"]
+
+# Optimizers given the state-dict hooks (once each; the hooks die with the optimizer).
+_state_dict_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def note_wrap() -> None:
+    """A unit was wrapped: optimizers cached before it are checked again, and the hooks exist."""
+    _registry.wrap_generation[0] += 1
+    install_optimizer_hooks()
+
+
+def install_optimizer_hooks() -> None:
+    if not _registry.optimizer_hook_handles:
+        _registry.optimizer_hook_handles.extend([
+            register_optimizer_step_pre_hook(_optimizer_pre_step),
+            register_optimizer_step_post_hook(_optimizer_post_step),
+        ])
+    if not _registry.zero_grad_wrapper:
+        _registry.zero_grad_wrapper.append(_wrap_zero_grad())
+
+
+class _Restore:
+    """A handle whose ``remove()`` puts torch's ``Optimizer.zero_grad`` back (``_registry.reset``),
+    unless someone replaced the wrapper since."""
+
+    def __init__(self, original: Any, wrapper: Any) -> None:
+        self._original, self._wrapper = original, wrapper
+
+    def remove(self) -> None:
+        if torch.optim.Optimizer.zero_grad is self._wrapper:
+            torch.optim.Optimizer.zero_grad = self._original  # type: ignore[method-assign]
+
+
+def _wrap_zero_grad() -> _Restore:
+    """Wrap ``torch.optim.Optimizer.zero_grad`` so that ``zero_grad(set_to_none=False)`` marks the
+    installed gradients it zeroed (see [Note: gradients known without a host read])."""
+    original = torch.optim.Optimizer.zero_grad
+
+    @functools.wraps(original)
+    @torch._disable_dynamo  # as torch's own: host-side bookkeeping, nothing to compile
+    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        original(self, set_to_none)
+        if not set_to_none:
+            for group, indices in _optimizer_groups(self).members:
+                group.grads.note_zeroed_in_place(indices)
+
+    torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
+    return _Restore(original, zero_grad)
+
+
+@dataclass
+class _OptimizerGroups:
+    param_count: int
+    generation: int
+    groups: list[FlatParamGroup] = field(default_factory=list)
+    stale_params: list[str] = field(default_factory=list)
+    # Per group, the indices of the parameters this optimizer holds.
+    members: list[tuple[FlatParamGroup, list[int]]] = field(default_factory=list)
+
+
+def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
+    # Runs twice per step: the cache check must not walk the parameters.
+    param_count = sum(len(g["params"]) for g in optimizer.param_groups)
+    cached = _registry.optimizer_cache.get(optimizer)
+    if (
+        cached is not None and cached.param_count == param_count
+        and cached.generation == _registry.wrap_generation[0]
+    ):
+        return cached
+    info = _OptimizerGroups(param_count, _registry.wrap_generation[0])
+    indices: dict[int, list[int]] = {}
+    for param_group in optimizer.param_groups:
+        for p in param_group["params"]:
+            record = _registry.record_of(p)
+            if record is None:
+                continue
+            if p is record.compute_param:
+                info.stale_params.append(
+                    f"'{record.fqn}' of {record.group.owner}, shape {tuple(record.item.shape)}"
+                )
+                continue
+            if id(record.group) not in indices:
+                indices[id(record.group)] = []
+                info.groups.append(record.group)
+                info.members.append((record.group, indices[id(record.group)]))
+            indices[id(record.group)].append(record.index)
+    _registry.optimizer_cache[optimizer] = info
+    if info.groups:
+        install_state_dict_hooks(optimizer)
+    return info
+
+
+def install_state_dict_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Give ``optimizer`` the state-dict post-hooks that mark its managed states for DCP and
+    unmark what it adopts on load (no-ops for parameters no unit manages); once."""
+    if optimizer in _state_dict_hooked:
+        return
+    optimizer.register_state_dict_post_hook(optimizer_state_dict_post_hook)
+    optimizer.register_load_state_dict_post_hook(optimizer_load_state_dict_post_hook)
+    _state_dict_hooked.add(optimizer)
+
+
+@traced("mfsdp::optimizer_pre_step")
+def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    info = _optimizer_groups(optimizer)
+    if info.stale_params:
+        raise RuntimeError(
+            f"{type(optimizer).__name__} holds parameters that fully_shard replaced "
+            f"({len(info.stale_params)}, first: {info.stale_params[0]}): the optimizer was "
+            "built before wrapping, so it would update stale copies and never see gradients. "
+            "Build the optimizer after fully_shard (after wrapping the root), from "
+            "model.parameters()"
+        )
+    finalize_unsynchronized(info.groups, "optimizer.step()")
+    # Marked before the step too: a step that raises half-way has still changed main weights.
+    for group in info.groups:
+        group.mark_main_weights_updated()
+    if info.groups:
+        swap_in_local_tensors(optimizer)
+
+
+def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    restore(optimizer)
+    for group in _optimizer_groups(optimizer).groups:
+        group.mark_main_weights_updated()

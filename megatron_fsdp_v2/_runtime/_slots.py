@@ -1,0 +1,142 @@
+"""Which object sits in each parameter slot (``module._parameters[name]``) of the modules a unit
+owns: the compute parameters during forward and backward, the optimizer-facing DTensor
+parameters otherwise, and checks that nobody else put another one there.
+
+The parameter objects a unit was wrapped with are what its flat buffers hold: a parameter
+replaced, tied, added or removed after ``fully_shard`` would be silently put back at the next
+registration (or stay unsharded and unsynchronized), so :meth:`ParamSlots.check` raises first.
+A submodule called directly while the DTensor parameters are registered gets a clear error from
+a forward pre-hook that exists only then (forward itself pays nothing for it).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.nn as nn
+
+from .. import _registry
+from ._compile import eager_hook
+
+if TYPE_CHECKING:
+    from ._state import FSDPState
+
+__all__ = ["ParamSlots", "owned_modules"]
+
+# (a module's ``_parameters`` dict, {slot name: parameter to put there})
+Registration = tuple[dict[str, Any], dict[str, Any]]
+
+
+def owned_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module`` and its submodules, minus wrapped children and everything below them."""
+    owned: list[tuple[str, nn.Module]] = []
+    wrapped: list[str] = []
+    for prefix, submodule in module.named_modules():
+        if any(prefix.startswith(w + ".") for w in wrapped):
+            continue
+        if submodule is not module and _registry.state_of(submodule) is not None:
+            wrapped.append(prefix)
+            continue
+        owned.append((prefix, submodule))
+    return owned
+
+
+class ParamSlots:
+    """The parameter slots of one unit's modules."""
+
+    def __init__(self, state: FSDPState, module: nn.Module) -> None:
+        self._state = state
+        faces = {id(r.compute_param): r for g in state.groups for r in g.records}
+        compute: dict[int, Registration] = {}
+        dist: dict[int, Registration] = {}
+        # A tied parameter appears under every (submodule, name) slot it occupies.
+        for submodule in module.modules():
+            for name, param in submodule._parameters.items():
+                record = faces.get(id(param)) if param is not None else None
+                if record is None:
+                    continue
+                slots = submodule._parameters
+                compute.setdefault(id(submodule), (slots, {}))[1][name] = record.compute_param
+                dist.setdefault(id(submodule), (slots, {}))[1][name] = record.dist_param
+        self.compute_registration = list(compute.values())
+        self.dist_registration = list(dist.values())
+        self.compute_registered = False
+        # Every slot of the owned modules as wrapping left it (managed parameters as their
+        # DTensor parameters), to compare with.
+        owned = owned_modules(module)
+        self._expected = [
+            (prefix, submodule._parameters,
+             {name: faces[id(p)].dist_param if id(p) in faces else p
+              for name, p in submodule._parameters.items()})
+            for prefix, submodule in owned
+        ]
+        self._idle_hooks: list[tuple[dict[int, Any], int]] = []
+        self._outside_unit_hook = eager_hook(self._called_outside_unit)
+        for _, submodule in owned:
+            has_params = any(p is not None for p in submodule._parameters.values())
+            if submodule is not module and has_params:
+                handle = submodule.register_forward_pre_hook(self._outside_unit_hook)
+                self._idle_hooks.append((submodule._forward_pre_hooks, handle.id))
+
+    def register_dist_params(self) -> None:
+        for parameters, mapping in self.dist_registration:
+            parameters.update(mapping)
+        if self.compute_registered:
+            for hooks, key in self._idle_hooks:
+                hooks[key] = self._outside_unit_hook
+        self.compute_registered = False
+
+    def register_compute_params(self) -> None:
+        for parameters, mapping in self.compute_registration:
+            parameters.update(mapping)
+        if not self.compute_registered:
+            for hooks, key in self._idle_hooks:
+                hooks.pop(key, None)
+        self.compute_registered = True
+
+    def check(self) -> None:
+        """Raise if a parameter of this unit was replaced, added, removed or (un)tied after
+        wrapping (see the module docstring)."""
+        for prefix, parameters, expected in self._expected:
+            if len(parameters) == len(expected) and all(
+                parameters.get(name) is value or self._is_compute_param(name, parameters)
+                for name, value in expected.items()
+            ):
+                continue
+            for name in list(expected) + [n for n in parameters if n not in expected]:
+                if name in expected and (
+                    parameters.get(name) is expected[name]
+                    or self._is_compute_param(name, parameters)
+                ):
+                    continue
+                fqn = f"{prefix}.{name}" if prefix else name
+                what = (
+                    "added" if name not in expected
+                    else "removed" if name not in parameters
+                    else "replaced (or tied to another parameter)"
+                )
+                raise RuntimeError(
+                    f"parameter '{fqn}' of the fully_shard unit '{self._state.fqn}' was {what} "
+                    "after fully_shard; the unit's flat buffers hold the parameters it was "
+                    "wrapped with. Set, tie or add parameters before calling fully_shard (for "
+                    "tied weights, wrap a common ancestor); to change values, write in place "
+                    "(p.copy_(x), nn.init.*) or use load_state_dict"
+                )
+
+    def _is_compute_param(self, name: str, parameters: dict[str, Any]) -> bool:
+        """Whether ``parameters[name]`` is the compute parameter this unit registered there
+        (between forward and backward, or after a forward that raised)."""
+        for slots, mapping in self.compute_registration:
+            if slots is parameters:
+                return name in mapping and mapping[name] is parameters.get(name)
+        return False
+
+    def _called_outside_unit(self, submodule: nn.Module, args: Any) -> None:
+        if not self.compute_registered:
+            raise RuntimeError(
+                f"{type(submodule).__name__} is managed by the fully_shard unit "
+                f"'{self._state.fqn}' ({type(self._state.module).__name__}) and was called "
+                "outside that unit's forward, where its parameters are sharded DTensors. Call "
+                "the unit itself, or wrap this submodule with fully_shard (before its parent) so "
+                "it is a unit of its own"
+            )

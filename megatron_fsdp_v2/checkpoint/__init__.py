@@ -1,0 +1,395 @@
+"""Checkpointing ``fully_shard`` models: sharded state dicts for ``torch.distributed.checkpoint``
+(DCP) that reshard across world sizes and strategies, and full (unsharded) state dicts for a
+single-file ``torch.save`` or inference hand-off.
+
+Sharded (every rank, no gather)::
+
+    from megatron_fsdp_v2 import checkpoint as mckpt
+
+    mckpt.save(model, optimizer, checkpoint_id="ckpt/step100")   # dcp.save, checksums, commit
+    mckpt.load(model, optimizer, checkpoint_id="ckpt/step100")   # validate, verify, dcp.load, apply
+
+or, with DCP directly::
+
+    msd, osd = mckpt.get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    ...
+    msd, osd = mckpt.get_state_dict(model, optimizer)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    mckpt.set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+
+Full::
+
+    sd = mckpt.get_full_state_dict(model)              # rank 0: plain fp32 CPU tensors
+    if rank == 0: torch.save(sd, "model.pt")
+    mckpt.load_full_state_dict(model, torch.load("model.pt"))   # every rank passes it, or
+    mckpt.load_full_state_dict(model, sd if rank == 0 else None, broadcast_from_rank0=True)
+
+See ``design.md`` (§7 Checkpoints) for the format. The model entries are the optimizer-facing
+main weights (fp32 when a separate main buffer exists), under the original parameter names.
+
+Where the pieces live: ``_checkpoint_files.py`` (atomic save and commit,
+``[Note: atomic saves and checksums]``), ``_checkpoint_checksums.py`` (per-item CRC32),
+``_checkpoint_checks.py`` (checks against the model and DCP metadata), ``_full_state_dict.py``
+(full-state-dict gather and broadcast), ``_checkpoint_group.py`` (the process group every
+checkpoint collective runs on, ``[Note: checkpoint collectives]``), ``_state_dict.py`` (chunk
+metadata and the units' state-dict hooks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint import state_dict as _dsd
+
+from .. import _registry
+from .._dtensor import _state_dict as _sd
+from .._runtime._optimizer_hooks import install_state_dict_hooks
+from . import _full_state_dict as _full
+from . import _group as _cg
+from ._checks import (
+    MODEL_KEY,
+    OPTIM_KEY,
+    check_against_metadata,
+    check_optim_state_dict,
+)
+from ._checksums import verify_checksums
+from ._files import atomic_save, interrupted_commit_hint, local_dir
+
+__all__ = [
+    "get_state_dict",
+    "set_state_dict",
+    "save",
+    "load",
+    "get_full_state_dict",
+    "load_full_state_dict",
+]
+
+Optimizers = torch.optim.Optimizer | Iterable[torch.optim.Optimizer] | None
+
+
+def _as_tuple(optimizers: Optimizers) -> tuple[torch.optim.Optimizer, ...]:
+    if optimizers is None:
+        return ()
+    if isinstance(optimizers, torch.optim.Optimizer):
+        return (optimizers,)
+    return tuple(optimizers)
+
+
+def _check_options(options: _dsd.StateDictOptions | None, api: str) -> _dsd.StateDictOptions:
+    options = options if options is not None else _dsd.StateDictOptions()
+    bad = [
+        name for name in ("full_state_dict", "cpu_offload", "broadcast_from_rank0")
+        if getattr(options, name)
+    ]
+    if bad:
+        raise ValueError(
+            f"megatron_fsdp_v2.checkpoint.{api} does not support StateDictOptions({bad[0]}=True): "
+            "torch's gather and CPU offload assume torch.chunk shards, which fully_shard's "
+            "uneven shards are not. Use get_full_state_dict / load_full_state_dict for full "
+            "state dicts"
+        )
+    return options
+
+
+def _check_hsdp(model: nn.Module, api: str) -> None:
+    """Units on a 2-D (HSDP) mesh checkpoint with outer ``no_shard`` or ``optim`` only (see
+    ``_state_dict.check_outer_no_shard``): refuse anything else before any collective (the same
+    decision on every rank: it depends on wrap-time state only)."""
+    for module in model.modules():
+        state = _registry.state_of(module)
+        if state is not None:
+            for group in state.groups:
+                _sd.check_outer_no_shard(group, f"megatron_fsdp_v2.checkpoint.{api}")
+
+
+# ---------------------------------------------------------------------- sharded state dicts
+
+def _hook_optimizers(optims: tuple[torch.optim.Optimizer, ...]) -> None:
+    # Usually there already (the first step installs them); not when an optimizer got its
+    # state from a plain load_state_dict and never stepped.
+    for optim in optims:
+        install_state_dict_hooks(optim)
+
+
+def get_state_dict(
+    model: nn.Module,
+    optimizers: Optimizers = None,
+    *,
+    options: _dsd.StateDictOptions | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``torch.distributed.checkpoint.state_dict.get_state_dict`` for ``fully_shard`` models,
+    ready for ``dcp.save`` / ``dcp.load``.
+
+    Returns ``(model_state_dict, optim_state_dict)`` (the latter ``{}`` without optimizers),
+    keyed by the original parameter names. Values of managed parameters are DTensors viewing
+    the main weights (no copy; fp32 when a separate main buffer exists); optimizer states
+    shaped like their parameter are DTensors sharded the same way. Every sharded DTensor carries
+    chunk metadata at its true global row offset (shards are uneven and may be empty), so DCP
+    writes and reads the right rows. Plain optimizer states (Adam's ``step``) of a parameter
+    this rank holds no rows of are not written by this rank (see the design notes).
+    ``options`` may set ``ignore_frozen_params``, ``strict``, ``flatten_optimizer_state_dict``;
+    full/CPU-offloaded state dicts come from :func:`get_full_state_dict`. No collectives; an
+    optimizer whose state is still empty is first initialized by a zero-learning-rate step
+    (torch's behaviour), so that every state entry exists to load into.
+
+    A thin wrapper: the units' ``state_dict`` hooks and the optimizers' (see
+    ``_optimizer_hooks.py``) do the marking, so torch's own ``get_state_dict`` gives the same
+    result; this adds only the option and HSDP checks.
+    """
+    _check_hsdp(model, "get_state_dict")
+    options = _check_options(options, "get_state_dict")
+    optims = _as_tuple(optimizers)
+    if not optims:
+        return _dsd.get_model_state_dict(model, options=options), {}
+    _hook_optimizers(optims)
+    return _dsd.get_state_dict(model, optims, options=options)
+
+
+def set_state_dict(
+    model: nn.Module,
+    optimizers: Optimizers = None,
+    *,
+    model_state_dict: dict[str, Any],
+    optim_state_dict: dict[str, Any] | None = None,
+    options: _dsd.StateDictOptions | None = None,
+) -> Any:
+    """Load what :func:`get_state_dict` returned (typically filled by ``dcp.load``) into the
+    model and optimizers, through ``torch.distributed.checkpoint.state_dict.set_state_dict``.
+
+    Keys and shapes are checked first, on every rank, and a ``ValueError`` naming the first
+    mismatching key (expected vs found shape) is raised on all ranks before anything is
+    written (agreed on the units' communication group, with ``fully_shard``'s timeout).
+    Afterwards every unit refreshes its compute weights from the loaded main weights before the
+    next forward. Returns ``(missing_keys, unexpected_keys)`` like torch.
+    """
+    _check_hsdp(model, "set_state_dict")
+    options = _check_options(options, "set_state_dict")
+    optims = _as_tuple(optimizers)
+    found = {
+        k: (v.shape if isinstance(v, torch.Tensor) else None) for k, v in model_state_dict.items()
+    }
+    error = _sd.first_mismatch(_sd.expected_entries(model), found, strict=options.strict)
+    if error is None and optims and optim_state_dict:
+        error = check_optim_state_dict(model, optim_state_dict)
+    _cg.raise_if_any_rank(error, _cg.model_group(model))
+    if optims and optim_state_dict:
+        # The optimizers' load_state_dict post-hook unmarks the tensors they adopt.
+        _hook_optimizers(optims)
+        # Non-strict: a rank that holds no rows of a parameter never gives it a gradient, so
+        # its optimizer may have no state for it. Entries were checked against the model above.
+        _dsd.set_optimizer_state_dict(
+            model, optims, optim_state_dict, options=dataclasses.replace(options, strict=False)
+        )
+    result = _dsd.set_model_state_dict(model, model_state_dict, options=options)
+    # load_state_dict's post-hooks already marked every unit; this also covers entries DCP
+    # wrote in place into the main weights.
+    _sd.mark_all_loaded(model)
+    return result
+
+
+def _build_state(
+    model: nn.Module, optimizers: Optimizers, extra: dict[str, Any] | None
+) -> dict[str, Any]:
+    msd, osd = get_state_dict(model, optimizers)
+    state: dict[str, Any] = {MODEL_KEY: msd}
+    if _as_tuple(optimizers):
+        state[OPTIM_KEY] = osd
+    if extra:
+        state.update(extra)
+    return state
+
+
+# ---------------------------------------------------------------------- DCP save and load
+
+def save(
+    model: nn.Module,
+    optimizers: Optimizers = None,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_writer: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    extra: dict[str, Any] | None = None,
+    checksums: bool = True,
+) -> Any:
+    """``dcp.save({"model": ..., "optim": ...})`` of :func:`get_state_dict`'s result (plus any
+    ``extra`` entries, e.g. ``{"step": 100}``). Every rank of ``process_group`` (default: all)
+    calls it and writes its own rows; returns DCP's metadata. Without ``process_group``, DCP
+    and the agreement run on the units' communication group when it spans every rank (so a
+    missing rank fails the others after ``fully_shard``'s ``timeout``), else on the default
+    group (see ``[Note: checkpoint collectives]``).
+
+    To a local directory (a path ``checkpoint_id``, or a ``dcp.FileSystemWriter``) the save is
+    atomic: the ranks write into ``<path>.incomplete``, agree on success, and one rank then
+    replaces ``<path>`` as a whole. If any rank fails, every rank raises a ``RuntimeError`` and
+    ``<path>`` still holds the complete previous checkpoint (or nothing); never a mix. With
+    ``checksums`` (the default) a ``checksums.json`` with the CRC32 of every stored item is
+    committed with it, which :func:`load` verifies. A ``checkpoint_id`` that is an existing
+    regular file raises a ``ValueError`` on every rank before anything is written. Other
+    storage (URLs, custom writers) is written by plain ``dcp.save``, with DCP's
+    ``CheckpointException`` turned into a ``RuntimeError``. Assumes that every rank sees the
+    same filesystem, as a later load does.
+    """
+    _check_hsdp(model, "save")
+    # DCP's coordination group: the caller's, else the units' group if it covers the job
+    # (see [Note: checkpoint collectives] in _checkpoint_group.py).
+    group = _cg.dcp_group(model, process_group)
+    root = local_dir(checkpoint_id, storage_writer)
+    # Before anything is built or written: every rank names the same checkpoint.
+    _cg.check_same_path(root if root is not None else checkpoint_id, group,
+                        "checkpoint.save")
+    if root is not None:
+        return atomic_save(lambda: _build_state(model, optimizers, extra), root, storage_writer,
+                           group, checksums)
+    state = _build_state(model, optimizers, extra)
+    with _cg.no_checkpoint_exception(f"checkpoint.save to {checkpoint_id!r}"):
+        return dcp.save(
+            state, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
+            process_group=group,
+        )
+
+
+def load(
+    model: nn.Module,
+    optimizers: Optimizers = None,
+    *,
+    checkpoint_id: str | os.PathLike | None = None,
+    storage_reader: Any = None,
+    process_group: dist.ProcessGroup | None = None,
+    strict: bool = True,
+    extra: dict[str, Any] | None = None,
+    checksums: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint written by :func:`save`, from any world size and sharding strategy.
+
+    First reads the checkpoint's metadata and checks every model (and optimizer) tensor the
+    load would read: a shape mismatch, or with ``strict`` a missing entry or an extra model
+    entry, makes every rank raise a ``ValueError`` naming the first mismatching key, before
+    anything is read into the model. (``strict=False`` keeps the current values of entries the
+    checkpoint lacks.) ``extra`` holds entries to read back (e.g. ``{"step": 0}``); with
+    ``strict`` a key the checkpoint lacks raises a ``ValueError`` naming it and listing the
+    extra entries the checkpoint has (without, the given value is returned). With ``checksums``
+    (the default) and a local checkpoint that has a ``checksums.json`` (see :func:`save`),
+    every stored item is verified too, the files split across ranks: a corrupted item raises a
+    ``ValueError`` naming its key and file, before anything is read into the model. Then
+    ``dcp.load`` and :func:`set_state_dict`; the next forward uses the loaded weights. Returns
+    ``extra`` updated. A failure inside ``dcp.load`` raises a ``RuntimeError`` (chained to
+    DCP's ``CheckpointException``). Every rank of ``process_group`` (default: all) calls it;
+    the checks, DCP and the agreement use the same group as :func:`save`.
+    """
+    _check_hsdp(model, "load")
+    group = _cg.dcp_group(model, process_group)  # as in save
+    root = local_dir(checkpoint_id, storage_reader)
+    _cg.check_same_path(root if root is not None else checkpoint_id, group, "checkpoint.load")
+    if storage_reader is None:
+        if checkpoint_id is None:
+            raise ValueError("load needs a checkpoint_id or a storage_reader")
+        storage_reader = dcp.FileSystemReader(checkpoint_id)
+    extra = dict(extra or {})
+    state = _build_state(model, optimizers, extra)
+    error: str | None
+    try:
+        metadata = storage_reader.read_metadata()
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        metadata, error = None, f"cannot read checkpoint metadata of {checkpoint_id!r}: {exc}"
+        if root is not None:
+            error += interrupted_commit_hint(root)
+    if metadata is not None:
+        error = check_against_metadata(state, metadata, strict=strict, extra=extra)
+        if error is None and checksums and root is not None:
+            error = verify_checksums(root, metadata, group)
+    _cg.raise_if_any_rank(error, group)
+    with _cg.no_checkpoint_exception(f"checkpoint.load of {checkpoint_id!r}"):
+        dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
+                 process_group=group,
+                 planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    set_state_dict(
+        model, optimizers, model_state_dict=state[MODEL_KEY],
+        optim_state_dict=state.get(OPTIM_KEY),
+        options=_dsd.StateDictOptions(strict=strict),
+    )
+    return {k: state[k] for k in extra}
+
+
+# ---------------------------------------------------------------------- full state dicts
+
+@torch.no_grad()
+def get_full_state_dict(
+    model: nn.Module, *, rank0_only: bool = True, cpu_offload: bool = True
+) -> dict[str, Any]:
+    """The unsharded state dict: plain tensors under the original names (tied parameters under
+    each of theirs, as ``nn.Module.state_dict`` does), managed parameters as their main weights
+    (fp32 when a separate main buffer exists). Loadable into the unwrapped model class.
+
+    Every rank must call it (one all-gather per parameter group over the units' communication
+    group, one group at a time). With ``rank0_only`` (default) only the first rank of the
+    model's mesh (global rank 0 when the mesh spans the job) gets the tensors and the others
+    return ``{}``; ``cpu_offload`` (default) moves them to CPU as they are gathered. On a 2-D
+    (HSDP) mesh the all-gathers run over the inner group (every replica gathers its own copy of
+    the same rows; with outer ``optim`` an all-gather over the outer group comes first, which
+    completes each inner shard from its sub-shards) and "the first rank" is the whole mesh's
+    lowest rank.
+    """
+    _check_hsdp(model, "get_full_state_dict")
+    keep = not rank0_only or _cg.rank_and_size(_cg.model_group(model))[0] == 0
+    return _full.full_state_dict(model, keep=keep, cpu_offload=cpu_offload)
+
+
+@torch.no_grad()
+def load_full_state_dict(
+    model: nn.Module,
+    full_state_dict: dict[str, Any] | None,
+    *,
+    strict: bool = True,
+    broadcast_from_rank0: bool = False,
+) -> Any:
+    """Load an unsharded state dict (e.g. from :func:`get_full_state_dict`, or an unwrapped
+    model's ``state_dict()``) into a wrapped model of any world size and strategy.
+
+    By default every rank passes the full state dict and keeps only its own rows (no
+    collective besides the agreement on errors). With ``broadcast_from_rank0=True`` only rank 0
+    needs it (others may pass ``None``); it is broadcast one tensor at a time and each rank
+    keeps only its rows, so no rank but 0 ever holds the whole model. Collectives run on the
+    units' communication group (``fully_shard``'s timeout); "rank 0" is its first rank, global
+    rank 0 when the model's mesh spans the job. On a 2-D (HSDP) mesh that group is the one over
+    the whole mesh (see ``[Note: checkpoint collectives]``), so "rank 0" is the mesh's lowest
+    rank and the broadcast reaches every rank of both axes.
+
+    Keys (``strict``) and shapes are checked first; a mismatch raises a ``ValueError`` naming
+    the first mismatching key on every rank before anything is written. The next forward uses
+    the loaded weights. Returns ``(missing_keys, unexpected_keys)``.
+    """
+    _check_hsdp(model, "load_full_state_dict")
+    expected = _sd.expected_entries(model)
+    group = _cg.model_group(model)
+    rank, size = _cg.rank_and_size(group)
+    distributed = size > 1
+    is_source = not broadcast_from_rank0 or not distributed or rank == 0
+    error: str | None = None
+    if is_source:
+        if full_state_dict is None:
+            error = "load_full_state_dict got no state dict" + (
+                " on rank 0" if broadcast_from_rank0 else ""
+            )
+        else:
+            found = {
+                k: (v.shape if isinstance(v, torch.Tensor) else None)
+                for k, v in full_state_dict.items()
+            }
+            error = _sd.first_mismatch(expected, found, strict=strict)
+    _cg.raise_if_any_rank(error, group)
+    if broadcast_from_rank0 and distributed:
+        full_state_dict = _full.broadcast_rows(model, full_state_dict, group)
+    assert full_state_dict is not None
+    # load_state_dict's pre-hooks turn full tensors into each rank's rows; its post-hooks mark
+    # the units for a compute-weight refresh.
+    result = model.load_state_dict(full_state_dict, strict=strict)
+    _sd.mark_all_loaded(model)
+    return result

@@ -1,0 +1,257 @@
+"""Which process group the checkpoint code communicates on, and its cross-rank agreement:
+every collective ``checkpoint.py`` and its helpers issue for a model goes through here.
+
+[Note: checkpoint collectives]
+Every collective of the training step runs on the units' communication group
+(``FlatParamGroup.process_group``), which carries ``fully_shard``'s collective timeout (see
+``[Note: collective timeout]``). The checkpoint code uses the same group, so a rank that never
+reaches a checkpoint call (it raised, or is stuck in user code) makes the others fail after that
+timeout, not the default group's:
+
+* :func:`model_group`: the group of the model's first unit, in ``model.modules()`` order, that
+  owns parameters (the root unit when it does). Every unit's groups must cover the same ranks
+  (all units of a model on one 1-D mesh do, whatever their timeouts); a model whose units span
+  different ranks is rejected with a ``ValueError``. A model with no unit (nothing wrapped) has
+  no group: ``None``, the default group. ``set_state_dict``'s agreement, ``load_full_state_dict``'s
+  agreement and broadcast, and ``get_full_state_dict``'s choice of the receiving rank use it;
+  "rank 0" there is the group's first rank (global rank 0 when the mesh spans the job).
+  ``get_full_state_dict``'s all-gathers run on each parameter group's own group (the same one).
+* :func:`dcp_group`: ``save`` and ``load`` hand a group to ``dcp.save``/``dcp.load``, which
+  issue their own collectives on it, and run their agreement, commit and checksum collectives
+  on the same group (the two must involve the same ranks, or a failure agreed on one group
+  would leave ranks of the other inside DCP). A caller's ``process_group`` keeps DCP's meaning
+  and is used as given. Without one, DCP would use the default group over the whole job; the
+  model's group is used instead when it covers the whole job (same ranks, plus the timeout).
+  A model on a sub-mesh (``mesh["dp"]`` of a larger mesh) keeps DCP's default group: a
+  checkpoint then spans every rank of the job (e.g. every pipeline stage), and the sub-mesh's
+  group does not include them all. The timeout then bounds each wait inside a save or load,
+  including the wait for the slowest rank's writes and checksum reads: a checkpoint whose
+  per-rank I/O takes longer than ``fully_shard``'s ``timeout`` needs a larger ``timeout`` or an
+  explicit ``process_group``.
+
+HSDP (a 2-D mesh, outer ``no_shard``): the units' inner group covers one replica's S ranks
+only, not the job, so it cannot carry agreements that every rank of the mesh must join, nor
+DCP's coordination. :func:`model_group` then returns :func:`mesh_group`: a group over every rank
+of the 2-D mesh with the units' timeout (created on the first checkpoint call that needs it, by
+every rank of the mesh, like every checkpoint collective; cached with the units' groups under
+the axis ``"mesh"``). Everything above then applies unchanged with "the units' group" read as
+that whole-mesh group: the agreements, ``load_full_state_dict``'s broadcast (so it reaches every
+rank, inner and outer), "rank 0" (the mesh's lowest global rank, global rank 0 when the mesh
+spans the job), and :func:`dcp_group` (the whole-mesh group when it covers the job, else DCP's
+default group). Only ``get_full_state_dict``'s all-gathers stay on each parameter group's own
+(inner) group: every replica holds the same inner shards, so each replica gathers its own copy
+and no outer collective is needed.
+
+Collectives that are not ours keep their own groups: ``DTensor.full_tensor()`` of a DTensor
+``fully_shard`` does not manage (e.g. an ignored tensor-parallel weight) runs on that DTensor's
+mesh.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .. import _registry
+from .._comm._comm_groups import whole_mesh_group
+
+__all__ = [
+    "Failure",
+    "all_gather",
+    "broadcast_from_coordinator",
+    "check_same_path",
+    "coordinator",
+    "dcp_group",
+    "describe",
+    "gather_to_coordinator",
+    "mesh_group",
+    "model_group",
+    "no_checkpoint_exception",
+    "raise_first",
+    "raise_if_any_rank",
+    "rank_and_size",
+]
+
+# A rank-local failure, agreed across ranks: the exception type to raise and its message.
+Failure = tuple[type[Exception], str]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def mesh_group(group: Any) -> dist.ProcessGroup:
+    """A process group over every rank of ``group``'s 2-D (HSDP) mesh, with the collective
+    timeout of its inner communication group (see the note at the top). Collective over the
+    mesh's ranks on its first call for a (ranks, timeout, backend); cached afterwards."""
+    inner = group.process_group
+    timeout_s: float | None = None
+    for key, cached in _registry.comm_groups.items():
+        # The inner group's own key (a reused mesh group may be cached under other axes too).
+        if cached is inner and key[3] == "shard" and key[1] >= 0:
+            timeout_s = key[1]
+            break
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    return whole_mesh_group(group.mesh, timeout)
+
+
+def model_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The communication group of ``model``'s units (see the note at the top), ``None`` when
+    it has none or ``torch.distributed`` is not initialized. For units on a 2-D (HSDP) mesh:
+    the group over the whole mesh (:func:`mesh_group`), not the inner group."""
+    if not _distributed():
+        return None
+    chosen_group: Any = None
+    chosen: dist.ProcessGroup | None = None
+    chosen_ranks: tuple[int, ...] = ()
+    chosen_name = ""
+    checked: set[int] = set()
+    for module in model.modules():
+        state = _registry.state_of(module)
+        if state is None:
+            continue
+        for group in state.groups:
+            if chosen_group is not None and group.mesh.ndim != chosen_group.mesh.ndim:
+                raise ValueError(
+                    f"the units of this model live on meshes of different dimensions "
+                    f"({group.name}: {group.mesh.ndim}-D, {chosen_group.name}: "
+                    f"{chosen_group.mesh.ndim}-D); megatron_fsdp_v2's checkpoint functions need "
+                    "every unit of a model on the same mesh"
+                )
+            pg = group.process_group
+            if id(pg) in checked:
+                continue
+            checked.add(id(pg))
+            ranks = tuple(dist.get_process_group_ranks(pg))
+            if chosen is None:
+                chosen, chosen_ranks, chosen_name = pg, ranks, group.name
+                chosen_group = group
+            elif ranks != chosen_ranks:
+                raise ValueError(
+                    f"the units of this model communicate over different ranks ({group.name}: "
+                    f"{list(ranks)}, {chosen_name}: {list(chosen_ranks)}); megatron_fsdp_v2's "
+                    "checkpoint functions need every unit of a model on the same mesh"
+                )
+    if chosen_group is not None and chosen_group.mesh.ndim > 1:
+        return mesh_group(chosen_group)
+    return chosen
+
+
+def dcp_group(model: nn.Module, process_group: dist.ProcessGroup | None
+              ) -> dist.ProcessGroup | None:
+    """The group ``save``/``load`` pass to DCP and coordinate on (see the note at the top):
+    ``process_group`` when given, else the model's group when it covers the whole job, else
+    ``None`` (DCP's default group)."""
+    if process_group is not None:
+        return process_group
+    group = model_group(model)
+    if group is not None and dist.get_world_size(group) == dist.get_world_size():
+        return group
+    return None
+
+
+def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank and the size, within ``group`` (``None``: the default group)."""
+    if _distributed():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def coordinator(group: dist.ProcessGroup | None) -> int:
+    """Global rank of the group's rank 0: DCP's coordinator (which writes ``.metadata``), the
+    source of broadcasts and the receiver of full state dicts."""
+    return 0 if group is None or not _distributed() else dist.get_global_rank(group, 0)
+
+
+def all_gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj``, in rank order (one ``all_gather_object``; none on a single rank)."""
+    _, size = rank_and_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def gather_to_coordinator(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
+    """Every rank's ``obj`` in rank order on the group's rank 0, ``None`` elsewhere."""
+    rank, size = rank_and_size(group)
+    if size == 1:
+        return [obj]
+    out: list[Any] | None = [None] * size if rank == 0 else None
+    dist.gather_object(obj, out, dst=coordinator(group), group=group)
+    return out
+
+
+def broadcast_from_coordinator(obj: Any, group: dist.ProcessGroup | None) -> Any:
+    """The group's rank-0 ``obj`` on every rank."""
+    if rank_and_size(group)[1] == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=coordinator(group), group=group)
+    return box[0]
+
+
+def raise_if_any_rank(error: str | None, group: dist.ProcessGroup | None) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` when any rank found ``error`` (the lowest
+    such rank's message), so a check that fails on some ranks cannot leave the others in a
+    collective."""
+    error = next((e for e in all_gather(error, group) if e is not None), None)
+    if error is not None:
+        raise ValueError(error)
+
+
+def check_same_path(path: str | os.PathLike | None, group: dist.ProcessGroup | None,
+                    what: str) -> None:
+    """Raise ``ValueError`` on every rank of ``group`` unless every rank names the same
+    checkpoint location (one ``all_gather_object``). A distributed checkpoint is one directory
+    that every rank writes its shard files into, beside the one ``.metadata`` the coordinator
+    writes; a rank-dependent path (``f"ckpt_rank{rank}"``) would let the coordinator commit a
+    checkpoint whose other shards are elsewhere, which no load can read."""
+    key = None if path is None else (
+        str(path) if "://" in str(path) else os.path.abspath(os.fspath(path)))
+    paths = all_gather(key, group)
+    if any(p != paths[0] for p in paths):
+        shown = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths[:4]))
+        more = f", ... ({len(paths)} ranks)" if len(paths) > 4 else ""
+        raise ValueError(
+            f"{what}: the ranks passed different checkpoint paths ({shown}{more}). A "
+            "distributed checkpoint is one directory holding every rank's shard files and one "
+            ".metadata: pass the same path on every rank (leave the rank out of it); each "
+            "rank's part is kept apart inside it. Nothing was read or written"
+        )
+
+
+def raise_first(failures: Iterable[Failure | None], cause: BaseException | None = None) -> None:
+    """Raise the lowest rank's failure, if any, chained to this rank's own exception."""
+    first = next((f for f in failures if f is not None), None)
+    if first is not None:
+        kind, message = first
+        raise kind(message) from cause
+
+
+def describe(exc: BaseException, rank: int) -> str:
+    """One line per failing rank. A ``CheckpointException`` already carries every failing rank
+    (DCP raises the same one on all ranks), so it is listed as such, not as this rank's."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(
+            f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items())
+        )
+    return f"rank {rank}: {type(exc).__name__}: {exc}"
+
+
+@contextlib.contextmanager
+def no_checkpoint_exception(what: str) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` into a chained ``RuntimeError``: it derives from
+    ``BaseException``, so it would escape callers' ``except Exception`` (and retry loops)."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise RuntimeError(f"{what} failed: {describe(exc, -1)}") from exc

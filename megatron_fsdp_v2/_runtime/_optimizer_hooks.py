@@ -12,7 +12,7 @@ zeroed, so no value is read back to learn it (see [Note: gradients known without
 in ``_zeroed_grads.py``).
 
 The first time they see an optimizer that holds managed parameters they also give it
-``state_dict`` / ``load_state_dict`` post-hooks (``_state_dict.optimizer_*``), so that
+``state_dict`` / ``load_state_dict`` post-hooks (``_state_dict_hooks.optimizer_*``), so that
 ``torch.distributed.checkpoint.state_dict``'s ``get_state_dict`` / ``set_state_dict`` with
 ``dcp.save`` / ``dcp.load`` handle its uneven shards (see [Note: uneven shards in state dicts]).
 torch's ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` step an optimizer without
@@ -35,14 +35,14 @@ from torch.optim.optimizer import (
 )
 
 from .. import _registry
-from .._dtensor._state_dict import (
-    optimizer_load_state_dict_post_hook,
-    optimizer_state_dict_post_hook,
-)
 from .._profiling import traced
 from ._flat_param_group import FlatParamGroup
 from ._grads import finalize_unsynchronized
 from ._optimizer_local import restore, swap_in_local_tensors
+from ._state_dict_hooks import (
+    optimizer_load_state_dict_post_hook,
+    optimizer_state_dict_post_hook,
+)
 
 __all__ = ["install_optimizer_hooks", "install_state_dict_hooks", "note_wrap"]
 

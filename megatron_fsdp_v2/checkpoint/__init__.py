@@ -50,8 +50,9 @@ import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
 
 from .. import _registry
-from .._dtensor import _state_dict as _sd
 from .._runtime._optimizer_hooks import install_state_dict_hooks
+from .._runtime._state_dict_checks import expected_entries, first_mismatch
+from .._runtime._state_dict_hooks import mark_all_loaded
 from . import _full_state_dict as _full
 from . import _group as _cg
 from ._checks import (
@@ -59,6 +60,7 @@ from ._checks import (
     OPTIM_KEY,
     check_against_metadata,
     check_optim_state_dict,
+    check_outer_no_shard,
 )
 from ._checksums import verify_checksums
 from ._files import atomic_save, interrupted_commit_hint, local_dir
@@ -107,7 +109,7 @@ def _check_hsdp(model: nn.Module, api: str) -> None:
         state = _registry.state_of(module)
         if state is not None:
             for group in state.groups:
-                _sd.check_outer_no_shard(group, f"megatron_fsdp_v2.checkpoint.{api}")
+                check_outer_no_shard(group, f"megatron_fsdp_v2.checkpoint.{api}")
 
 
 # ---------------------------------------------------------------------- sharded state dicts
@@ -176,7 +178,7 @@ def set_state_dict(
     found = {
         k: (v.shape if isinstance(v, torch.Tensor) else None) for k, v in model_state_dict.items()
     }
-    error = _sd.first_mismatch(_sd.expected_entries(model), found, strict=options.strict)
+    error = first_mismatch(expected_entries(model), found, strict=options.strict)
     if error is None and optims and optim_state_dict:
         error = check_optim_state_dict(model, optim_state_dict)
     _cg.raise_if_any_rank(error, _cg.model_group(model))
@@ -191,7 +193,7 @@ def set_state_dict(
     result = _dsd.set_model_state_dict(model, model_state_dict, options=options)
     # load_state_dict's post-hooks already marked every unit; this also covers entries DCP
     # wrote in place into the main weights.
-    _sd.mark_all_loaded(model)
+    mark_all_loaded(model)
     return result
 
 
@@ -367,7 +369,7 @@ def load_full_state_dict(
     the loaded weights. Returns ``(missing_keys, unexpected_keys)``.
     """
     _check_hsdp(model, "load_full_state_dict")
-    expected = _sd.expected_entries(model)
+    expected = expected_entries(model)
     group = _cg.model_group(model)
     rank, size = _cg.rank_and_size(group)
     distributed = size > 1
@@ -383,7 +385,7 @@ def load_full_state_dict(
                 k: (v.shape if isinstance(v, torch.Tensor) else None)
                 for k, v in full_state_dict.items()
             }
-            error = _sd.first_mismatch(expected, found, strict=strict)
+            error = first_mismatch(expected, found, strict=strict)
     _cg.raise_if_any_rank(error, group)
     if broadcast_from_rank0 and distributed:
         full_state_dict = _full.broadcast_rows(model, full_state_dict, group)
@@ -391,5 +393,5 @@ def load_full_state_dict(
     # load_state_dict's pre-hooks turn full tensors into each rank's rows; its post-hooks mark
     # the units for a compute-weight refresh.
     result = model.load_state_dict(full_state_dict, strict=strict)
-    _sd.mark_all_loaded(model)
+    mark_all_loaded(model)
     return result

@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 from .. import _registry
 from .._buffers._plan import Extent
 from .._comm._backends import collective_device
-from .._dtensor import _state_dict as _sd
+from .._dtensor._chunk_metadata import is_row_sharded
+from .._dtensor._local_rows import dist_param_slots, local_rows_dtensor, param_slot
 from .._init._materialize import materialize
 from .._runtime._flat_param_group import FlatParamGroup
 from ._group import coordinator, rank_and_size
@@ -46,7 +47,7 @@ def gather_full_params(
     out: dict[tuple[int, int], torch.Tensor] = {}
     for group in _unique_groups(module.parameters()):
         main = group.main_weight.detach()
-        if _sd.is_row_sharded(group):
+        if is_row_sharded(group):
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             shard = main.contiguous()
             if group.plan.optimizer_placement is Extent.SUB_SHARD:
@@ -76,12 +77,12 @@ def full_state_dict(model: nn.Module, *, keep: bool, cpu_offload: bool) -> dict[
     """``model.state_dict()`` with every managed parameter's full main weights in place of its
     DTensor (``{}`` unless ``keep``; every rank must call it)."""
     full = gather_full_params(model, keep=keep, cpu_offload=cpu_offload)
-    slots = _sd.dist_param_slots(model)
+    slots = dist_param_slots(model)
     out: dict[str, Any] = {}
     for key, value in model.state_dict().items():
         param = slots.get(key)
         if param is not None:
-            group, index = _sd.param_slot(param)
+            group, index = param_slot(param)
             value = full.get((id(group), index))
         elif isinstance(value, DTensor):
             # A DTensor fully_shard does not manage (e.g. an ignored tensor-parallel weight):
@@ -112,7 +113,7 @@ def broadcast_rows(
     else:
         header = [None]
     dist.broadcast_object_list(header, src=src, group=group)
-    slots = _sd.dist_param_slots(model)
+    slots = dist_param_slots(model)
     targets = model.state_dict(keep_vars=True)
     # The device the group's collectives move natively (CUDA under NCCL, however it was named).
     device = collective_device(group)
@@ -131,7 +132,7 @@ def broadcast_rows(
         param = slots.get(key)
         if param is not None:
             # Keep a copy of this rank's rows only, not the whole broadcast tensor.
-            out[key] = _sd.local_rows_dtensor(param, tensor, copy=True)
+            out[key] = local_rows_dtensor(param, tensor, copy=True)
         else:
             target = targets.get(key)
             out[key] = tensor.to(target.device) if isinstance(target, torch.Tensor) else tensor

@@ -337,7 +337,7 @@ def test_outer_strategies_checkpoint_check() -> None:
     import pytest
 
     from megatron_fsdp_v2._buffers._plan import Collective, CollectiveStep, Extent
-    from megatron_fsdp_v2._dtensor._state_dict import check_outer_no_shard
+    from megatron_fsdp_v2.checkpoint._checks import check_outer_no_shard
 
     def fake(ndim: int, steps: tuple, outer: str | None = None,
              placement: Extent = Extent.SHARD) -> SimpleNamespace:

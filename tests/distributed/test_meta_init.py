@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, checkpoint, fully_shard
-from megatron_fsdp_v2._dtensor._state_dict import local_rows_dtensor
+from megatron_fsdp_v2._dtensor._local_rows import local_rows_dtensor
 from megatron_fsdp_v2._registry import record_of
 
 from _models import TinyGPT, agree, cat_batch, lm_loss, make_batches, reference_copy, step_mean_loss

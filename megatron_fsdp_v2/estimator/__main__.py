@@ -1,5 +1,5 @@
 """``python -m megatron_fsdp_v2.estimator``: every strategy side by side for one model preset."""
 
-from ._estimate import main
+from ._cli import main
 
 main()

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, _registry, estimate
-from megatron_fsdp_v2.estimator._estimate import main
+from megatron_fsdp_v2.estimator._cli import main
 from megatron_fsdp_v2.estimator._presets import GPTBlock, GPTDecoder, LlamaBlock, LlamaDecoder
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]

@@ -14,12 +14,12 @@ from one iteration to the next (what CUDA graphs need) and steady state allocate
   while the other is live. The events of an iteration form its pattern; the pool keeps the
   patterns seen so far (micro-batches 1..N-1 and the last one of a window differ, so do the
   steps of a model whose control flow alternates) and the union of their conflicts.
-* Plan (:func:`plan_offsets`): byte offsets in one ``uint8`` arena per device, aligned, such that
-  two conflicting keys never overlap; keys that are never live together share bytes. Buckets
-  are typed views of the arena, built once per plan, so ``data_ptr()`` is stable. The first
-  iteration is served like the storage-freeing allocator (recording); the plan is made at the
-  first boundary where no bucket is live (so a window whose buckets live across micro-batches,
-  HSDP's ``window_grad``, is traced whole). A trace with no bucket makes no arena.
+* Plan (``plan_offsets``, ``_offset_plan.py``): byte offsets in one ``uint8`` arena per device,
+  aligned, such that two conflicting keys never overlap; keys that are never live together share
+  bytes. Buckets are typed views of the arena, built once per plan, so ``data_ptr()`` is stable.
+  The first iteration is served like the storage-freeing allocator (recording); the plan is made
+  at the first boundary where no bucket is live (so a window whose buckets live across
+  micro-batches, HSDP's ``window_grad``, is traced whole). A trace with no bucket makes no arena.
 * Serving: while the iteration's events so far equal the beginning of a pattern the plan was made
   from ("on plan"), every bucket comes from its planned region: the plan already separated it
   from everything live with it. Once the iteration leaves every known pattern (a new key, a new
@@ -62,16 +62,17 @@ the freeing one (see [Note: buckets freed on another stream] in ``_allocator.py`
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping
+from collections.abc import Collection, Hashable
 from dataclasses import dataclass
 
 import torch
 
 from ._allocator import BucketAllocator, allocation_stream
+from ._offset_plan import ARENA_ALIGNMENT, plan_offsets
 
+# ARENA_ALIGNMENT and plan_offsets belong to _offset_plan.py; listed here as the pool's defaults.
 __all__ = ["ARENA_ALIGNMENT", "BucketSpec", "TracePoolAllocator", "plan_offsets"]
 
-ARENA_ALIGNMENT = 256  # bytes: every bucket starts at a multiple (any dtype, CUDA-friendly)
 # What every bucket's start must be a multiple of, at least: kernels and NCCL read the buckets
 # (and their slots, see [Note: row-aligned flat buffers] in _layout.py) with 16-byte accesses.
 _MIN_BUCKET_ALIGNMENT = 16
@@ -79,6 +80,8 @@ _MIN_BUCKET_ALIGNMENT = 16
 
 @dataclass(frozen=True)
 class BucketSpec:
+    """What a key asked for: its region in the arena fits ``nbytes``."""
+
     numel: int
     dtype: torch.dtype
     device: torch.device
@@ -86,55 +89,6 @@ class BucketSpec:
     @property
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
-
-
-def _align(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
-
-
-def plan_offsets(
-    sizes: Mapping[Hashable, int], conflicts: Mapping[Hashable, Collection[Hashable]],
-    previous: Mapping[Hashable, int] | None = None, alignment: int = ARENA_ALIGNMENT,
-) -> tuple[dict[Hashable, int], int]:
-    """Byte offsets for buckets of ``sizes`` bytes in one arena such that two buckets that
-    conflict (either direction of ``conflicts`` suffices) never overlap. Offsets of ``previous``
-    that are aligned and still valid are kept (stable addresses across a replan); the rest are
-    placed largest first, each at the lowest aligned offset clear of its placed neighbours.
-    Returns the offsets and the arena size in bytes (a multiple of ``alignment``)."""
-    if alignment <= 0:
-        raise ValueError(f"alignment must be positive, got {alignment}")
-    neighbours: dict[Hashable, set[Hashable]] = {key: set() for key in sizes}
-    for key, others in conflicts.items():
-        for other in others:
-            if key in sizes and other in sizes and other != key:
-                neighbours[key].add(other)
-                neighbours[other].add(key)
-    placed: dict[Hashable, int] = {}
-
-    def fits(key: Hashable, offset: int) -> bool:
-        end = offset + sizes[key]
-        for other in neighbours[key]:
-            start = placed.get(other)
-            if start is not None and start < end and offset < start + sizes[other]:
-                return False
-        return True
-
-    index = {key: i for i, key in enumerate(sizes)}
-    if previous:
-        kept = [k for k in sizes if k in previous and previous[k] % alignment == 0]
-        for key in sorted(kept, key=lambda k: (previous[k], index[k])):
-            if fits(key, previous[key]):
-                placed[key] = previous[key]
-    for key in sorted((k for k in sizes if k not in placed), key=lambda k: (-sizes[k], index[k])):
-        if sizes[key] == 0:
-            placed[key] = 0
-            continue
-        candidates = sorted({0, *(_align(placed[o] + sizes[o], alignment)
-                                  for o in neighbours[key] if o in placed)})
-        # The last candidate (past every placed neighbour) always fits.
-        placed[key] = next(c for c in candidates if fits(key, c))
-    total = _align(max((placed[k] + sizes[k] for k in placed), default=0), alignment)
-    return placed, total
 
 
 Event = tuple[object, ...]

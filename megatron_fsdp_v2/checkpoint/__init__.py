@@ -28,12 +28,13 @@ Full::
 See ``design.md`` (§7 Checkpoints) for the format. The model entries are the optimizer-facing
 main weights (fp32 when a separate main buffer exists), under the original parameter names.
 
-Where the pieces live: ``_checkpoint_files.py`` (atomic save and commit,
-``[Note: atomic saves and checksums]``), ``_checkpoint_checksums.py`` (per-item CRC32),
-``_checkpoint_checks.py`` (checks against the model and DCP metadata), ``_full_state_dict.py``
-(full-state-dict gather and broadcast), ``_checkpoint_group.py`` (the process group every
-checkpoint collective runs on, ``[Note: checkpoint collectives]``), ``_state_dict.py`` (chunk
-metadata and the units' state-dict hooks).
+This module is the public API only. Where the pieces live: ``_files.py`` (atomic save and
+commit, ``[Note: atomic saves and checksums]``), ``_checksums.py`` (per-item CRC32), ``_checks.py``
+(checks against the model and DCP metadata), ``_full_state_dict.py`` (full-state-dict gather and
+broadcast), ``_group.py`` (the process group every checkpoint collective runs on,
+``[Note: checkpoint collectives]``); outside the package, ``_dtensor/_chunk_metadata.py`` (chunk
+metadata at the true row offsets, ``[Note: uneven shards in state dicts]``) and
+``_runtime/_state_dict_hooks.py`` (the units' and optimizers' state-dict hooks).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from .._runtime._optimizer_hooks import install_state_dict_hooks
 from .._runtime._state_dict_checks import expected_entries, first_mismatch
 from .._runtime._state_dict_hooks import mark_all_loaded
 from . import _full_state_dict as _full
-from . import _group as _cg
+from . import _group
 from ._checks import (
     MODEL_KEY,
     OPTIM_KEY,
@@ -103,7 +104,7 @@ def _check_options(options: _dsd.StateDictOptions | None, api: str) -> _dsd.Stat
 
 def _check_hsdp(model: nn.Module, api: str) -> None:
     """Units on a 2-D (HSDP) mesh checkpoint with outer ``no_shard`` or ``optim`` only (see
-    ``_state_dict.check_outer_no_shard``): refuse anything else before any collective (the same
+    ``_checks.check_outer_no_shard``): refuse anything else before any collective (the same
     decision on every rank: it depends on wrap-time state only)."""
     for module in model.modules():
         state = _registry.state_of(module)
@@ -181,7 +182,7 @@ def set_state_dict(
     error = first_mismatch(expected_entries(model), found, strict=options.strict)
     if error is None and optims and optim_state_dict:
         error = check_optim_state_dict(model, optim_state_dict)
-    _cg.raise_if_any_rank(error, _cg.model_group(model))
+    _group.raise_if_any_rank(error, _group.model_group(model))
     if optims and optim_state_dict:
         # The optimizers' load_state_dict post-hook unmarks the tensors they adopt.
         _hook_optimizers(optims)
@@ -241,17 +242,17 @@ def save(
     """
     _check_hsdp(model, "save")
     # DCP's coordination group: the caller's, else the units' group if it covers the job
-    # (see [Note: checkpoint collectives] in _checkpoint_group.py).
-    group = _cg.dcp_group(model, process_group)
+    # (see [Note: checkpoint collectives] in _group.py).
+    group = _group.dcp_group(model, process_group)
     root = local_dir(checkpoint_id, storage_writer)
     # Before anything is built or written: every rank names the same checkpoint.
-    _cg.check_same_path(root if root is not None else checkpoint_id, group,
+    _group.check_same_path(root if root is not None else checkpoint_id, group,
                         "checkpoint.save")
     if root is not None:
         return atomic_save(lambda: _build_state(model, optimizers, extra), root, storage_writer,
                            group, checksums)
     state = _build_state(model, optimizers, extra)
-    with _cg.no_checkpoint_exception(f"checkpoint.save to {checkpoint_id!r}"):
+    with _group.no_checkpoint_exception(f"checkpoint.save to {checkpoint_id!r}"):
         return dcp.save(
             state, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
             process_group=group,
@@ -287,9 +288,9 @@ def load(
     the checks, DCP and the agreement use the same group as :func:`save`.
     """
     _check_hsdp(model, "load")
-    group = _cg.dcp_group(model, process_group)  # as in save
+    group = _group.dcp_group(model, process_group)  # as in save
     root = local_dir(checkpoint_id, storage_reader)
-    _cg.check_same_path(root if root is not None else checkpoint_id, group, "checkpoint.load")
+    _group.check_same_path(root if root is not None else checkpoint_id, group, "checkpoint.load")
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError("load needs a checkpoint_id or a storage_reader")
@@ -307,8 +308,8 @@ def load(
         error = check_against_metadata(state, metadata, strict=strict, extra=extra)
         if error is None and checksums and root is not None:
             error = verify_checksums(root, metadata, group)
-    _cg.raise_if_any_rank(error, group)
-    with _cg.no_checkpoint_exception(f"checkpoint.load of {checkpoint_id!r}"):
+    _group.raise_if_any_rank(error, group)
+    with _group.no_checkpoint_exception(f"checkpoint.load of {checkpoint_id!r}"):
         dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
                  process_group=group,
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
@@ -340,7 +341,7 @@ def get_full_state_dict(
     lowest rank.
     """
     _check_hsdp(model, "get_full_state_dict")
-    keep = not rank0_only or _cg.rank_and_size(_cg.model_group(model))[0] == 0
+    keep = not rank0_only or _group.rank_and_size(_group.model_group(model))[0] == 0
     return _full.full_state_dict(model, keep=keep, cpu_offload=cpu_offload)
 
 
@@ -370,8 +371,8 @@ def load_full_state_dict(
     """
     _check_hsdp(model, "load_full_state_dict")
     expected = expected_entries(model)
-    group = _cg.model_group(model)
-    rank, size = _cg.rank_and_size(group)
+    group = _group.model_group(model)
+    rank, size = _group.rank_and_size(group)
     distributed = size > 1
     is_source = not broadcast_from_rank0 or not distributed or rank == 0
     error: str | None = None
@@ -386,7 +387,7 @@ def load_full_state_dict(
                 for k, v in full_state_dict.items()
             }
             error = first_mismatch(expected, found, strict=strict)
-    _cg.raise_if_any_rank(error, group)
+    _group.raise_if_any_rank(error, group)
     if broadcast_from_rank0 and distributed:
         full_state_dict = _full.broadcast_rows(model, full_state_dict, group)
     assert full_state_dict is not None

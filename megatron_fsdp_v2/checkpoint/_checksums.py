@@ -1,7 +1,7 @@
 """Per-item CRC32 checksums of a DCP checkpoint on a local filesystem: computed by ``save`` over
 the files each rank wrote, stored in ``checksums.json`` next to ``.metadata``, verified by
 ``load`` before anything is read into the model (the files split across ranks by size). See
-``[Note: atomic saves and checksums]`` in ``_checkpoint_files.py``.
+``[Note: atomic saves and checksums]`` in ``_files.py``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ of every rank, and the commit that replaces a checkpoint as a whole.
 ``checkpoint.save`` to a local directory never leaves a half-written checkpoint at its path.
 After the ranks agree that they can start (the state dict built, the path usable, leftovers of
 an earlier failed save removed), every rank writes into ``<path>.incomplete`` and reads back the
-files it wrote to CRC32 each stored item (``_checkpoint_checksums.py``). The coordinator (DCP's,
+files it wrote to CRC32 each stored item (``_checksums.py``). The coordinator (DCP's,
 the group's rank 0) gathers every rank's outcome and checksums; only if all succeeded does it
 write ``checksums.json``, move an existing checkpoint aside to ``<path>.old``, rename the
 temporary directory to ``<path>`` and remove the old one; then it broadcasts its verdict, so
@@ -16,7 +16,7 @@ the next save to ``<path>`` puts it back first. ``checkpoint.load`` checks every
 before ``dcp.load`` touches the model, the files split across ranks. DCP's
 ``CheckpointException`` (a ``BaseException``, which escapes ``except Exception``) never leaves
 ``save``/``load``: it becomes a chained ``RuntimeError``. Every collective here runs on the
-group DCP gets (see ``[Note: checkpoint collectives]`` in ``_checkpoint_group.py``).
+group DCP gets (see ``[Note: checkpoint collectives]`` in ``_group.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import _group as _cg
+from . import _group
 from ._checksums import checksum_items, write_checksum_file, writer_rank
 
 __all__ = ["atomic_save", "interrupted_commit_hint", "local_dir"]
@@ -142,13 +142,13 @@ def atomic_save(
 ) -> Metadata:
     """Write ``build_state()`` into ``<root>.incomplete``, agree, checksum, commit (see the note
     at the top). Every rank of ``group`` (DCP's group) calls it."""
-    rank, size = _cg.rank_and_size(group)
+    rank, size = _group.rank_and_size(group)
     tmp, old = _sibling(root, _INCOMPLETE_SUFFIX), _sibling(root, _OLD_SUFFIX)
     where = f"checkpoint.save to '{root}'"
 
     # 1. Checks, the state dict and a clean temporary directory, agreed before DCP's first
     # collective: a rank that failed here would otherwise leave the others waiting in it.
-    failure: _cg.Failure | None = None
+    failure: _group.Failure | None = None
     cause: BaseException | None = None
     state: dict[str, Any] = {}
     try:
@@ -163,11 +163,11 @@ def atomic_save(
                 _prepare_directory(root, tmp, old)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         failure, cause = (RuntimeError, f"{where} failed before writing: "
-                                        f"{_cg.describe(exc, rank)}"), exc
-    failures = _cg.all_gather(failure, group)
+                                        f"{_group.describe(exc, rank)}"), exc
+    failures = _group.all_gather(failure, group)
     if rank == 0 and any(f is not None for f in failures) and failure is None:
         shutil.rmtree(tmp, ignore_errors=True)
-    _cg.raise_first(failures, cause)
+    _group.raise_first(failures, cause)
 
     # 2. Every rank writes into the temporary directory and checksums the files it wrote.
     writer = storage_writer if storage_writer is not None else dcp.FileSystemWriter(tmp)
@@ -181,7 +181,7 @@ def atomic_save(
                                                      if writer_rank(n, size) == rank))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised on every rank below
         failure, cause = (RuntimeError, f"{where} failed, {_untouched(root, old)}: "
-                                        f"{_cg.describe(exc, rank)}"), exc
+                                        f"{_group.describe(exc, rank)}"), exc
     finally:
         if storage_writer is not None:
             storage_writer.reset(root)  # the caller's writer points at the checkpoint again
@@ -189,8 +189,8 @@ def atomic_save(
     # 3. The coordinator collects the verdicts and checksums (one gather); if every rank
     # succeeded it writes the checksum file and commits. Its verdict (one broadcast) also keeps
     # every rank from returning before the checkpoint is in place.
-    results = _cg.gather_to_coordinator((failure, entries), group)
-    verdict: _cg.Failure | None = None
+    results = _group.gather_to_coordinator((failure, entries), group)
+    verdict: _group.Failure | None = None
     if rank == 0:
         assert results is not None
         verdict = next((f for f, _ in results if f is not None), None)
@@ -203,9 +203,9 @@ def atomic_save(
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             verdict, cause = (RuntimeError, f"{where} failed while committing, "
                                             f"{_untouched(root, old)}: "
-                                            f"{_cg.describe(exc, rank)}"), exc
+                                            f"{_group.describe(exc, rank)}"), exc
         if verdict is not None:  # every rank is past its writes: nothing writes into tmp
             shutil.rmtree(tmp, ignore_errors=True)
-    _cg.raise_first([_cg.broadcast_from_coordinator(verdict, group)], cause)
+    _group.raise_first([_group.broadcast_from_coordinator(verdict, group)], cause)
     assert metadata is not None
     return metadata

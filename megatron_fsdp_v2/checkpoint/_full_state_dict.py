@@ -1,7 +1,7 @@
 """Full (unsharded) state dicts: the gather of every unit's main weights into plain tensors under
 the original names, and the broadcast of a full state dict from the model's first rank in which
 each rank keeps only its own rows. Collectives run on the units' groups (see
-``[Note: checkpoint collectives]`` in ``_checkpoint_group.py``).
+``[Note: checkpoint collectives]`` in ``_group.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Which process group the checkpoint code communicates on, and its cross-rank agreement:
-every collective ``checkpoint.py`` and its helpers issue for a model goes through here.
+"""Which process group the checkpoint code communicates on, and its cross-rank agreement: every
+collective the ``checkpoint`` package issues for a model goes through here.
 
 [Note: checkpoint collectives]
 Every collective of the training step runs on the units' communication group

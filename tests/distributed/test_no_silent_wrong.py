@@ -48,6 +48,7 @@ from _models import (
     TinyGPT,
     all_ranks_ok,
     assert_close_to_reference,
+    local_detached,
     make_batches,
     shard_rows,
 )
@@ -164,10 +165,6 @@ def _adamw(params: Any, lr: float = 1e-2) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
-
-
 def _rows(p: torch.Tensor) -> tuple[int, int] | None:
     """This rank's global rows of a fully_shard parameter (None: a plain tensor, all rows)."""
     return shard_rows(p) if isinstance(p, DTensor) else None
@@ -238,8 +235,8 @@ def _grads_close(model: nn.Module, ref: nn.Module, where: str) -> None:
             if rows is None or rows[0] != rows[1]:
                 raise AssertionError(f"{where}: grad of {name} is None but torch's is set")
         else:
-            torch.testing.assert_close(_local(grad), _expected(p, ref_grad), rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{where}: grad {name}: {m}")
+            torch.testing.assert_close(local_detached(grad), _expected(p, ref_grad), rtol=RTOL,
+                                       atol=ATOL, msg=lambda m: f"{where}: grad {name}: {m}")
 
 
 def _grads_none(model: nn.Module, names: list[str], where: str) -> None:
@@ -254,7 +251,7 @@ def _unchanged(model: nn.Module, before: dict[str, torch.Tensor], where: str,
                names: list[str] | None = None) -> None:
     """Bitwise equality of this rank's local values with a ``_snapshot``."""
     for name in names if names is not None else list(before):
-        now, old = _local(model.get_parameter(name)), before[name]
+        now, old = local_detached(model.get_parameter(name)), before[name]
         if not torch.equal(now, old):
             diff = (_maxabs(now.float() - old.float()) if now.shape == old.shape
                     else f"shape {tuple(old.shape)} -> {tuple(now.shape)}")
@@ -263,7 +260,7 @@ def _unchanged(model: nn.Module, before: dict[str, torch.Tensor], where: str,
 
 
 def _maxabs(t: torch.Tensor) -> str:
-    t = _local(t)
+    t = local_detached(t)
     return f"{t.abs().max().item():.3g}" if t.numel() else "- (empty)"
 
 
@@ -290,7 +287,7 @@ def _assert_unchanged(model: nn.Module, before: dict[str, torch.Tensor], where: 
 
 
 def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: _local(p).clone() for name, p in model.named_parameters()}
+    return {name: local_detached(p).clone() for name, p in model.named_parameters()}
 
 
 @contextlib.contextmanager

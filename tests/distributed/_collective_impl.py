@@ -1,7 +1,7 @@
 """What the ``test_collective_impl*`` files share: thresholds lowered to 0
-(:func:`_substitute_all`), so every reduce-scatter and all-gather really runs as its substitute; a training loop that
-records losses, shards and accounting; the bitwise comparison of two runs and the count
-contract of ``"native"``.
+(:func:`_substitute_all`), so every reduce-scatter and all-gather really runs as its
+substitute; a training loop that records losses, shards and accounting; the bitwise comparison
+of two runs and the count contract of ``"native"``.
 
 Each comparison trains the same model twice in the same ranks (native, then auto) from the same
 seed on the same batches and compares every loss, every final parameter shard and a forward

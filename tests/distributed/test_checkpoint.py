@@ -21,9 +21,9 @@ from _checkpoint import (
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import checkpoint as mckpt
-from megatron_fsdp_v2.testing import run_distributed
 
 from _models import agree
+from _pool import RankPools
 
 # ---------------------------------------------------------------------- DCP resharding chain
 # Each job ("tag") is trained from step 0 (or resumed from another tag), saved at step
@@ -146,10 +146,10 @@ def _reshard_worker(rank: int, world: int, root: str, consume: list, produce: li
         _produce(rank, world, root, tag)
 
 
-def test_dcp_reshard_and_resume() -> None:
+def test_dcp_reshard_and_resume(ranks: RankPools) -> None:
     """World sizes 4 -> 2 -> 3 -> 4 (4->2, 4->3, 2->3, 2->4, 3->4), every strategy on both sides,
     nested units with a tied embedding (TinyGPT) and uneven/empty shards, frozen parameters and
     several buckets (OddMLP), and a checkpoint re-saved after a resharded resume."""
     with tempfile.TemporaryDirectory() as root:
         for world, consume, produce in PLAN:
-            run_distributed(_reshard_worker, world, root, consume, produce, timeout_s=120)
+            ranks.run(_reshard_worker, world, root, consume, produce, timeout_s=120)

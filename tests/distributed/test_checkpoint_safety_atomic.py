@@ -30,10 +30,10 @@ from _checkpoint_safety import (
 )
 
 from megatron_fsdp_v2 import checkpoint as mckpt
-from megatron_fsdp_v2.testing import run_distributed
 
 from _models import agree as check
 from _models import all_ranks_ok
+from _pool import RankPools
 
 # ---------------------------------------------------------------------- atomic save
 
@@ -97,12 +97,12 @@ def _atomic_worker(rank: int, world: int, root: str) -> None:
     check("after the repair: the new checkpoint", lambda: assert_same(snapshot(model, opt), step_c))
 
 
-def test_failed_save_keeps_previous_checkpoint() -> None:
+def test_failed_save_keeps_previous_checkpoint(ranks: RankPools) -> None:
     """A save that fails on one rank mid-write, or on the coordinator mid-commit, raises on
     every rank and leaves the previous checkpoint whole (a load gives it back bitwise); a
     successful overwrite gives the new one bitwise; an interrupted commit is repaired."""
     with tempfile.TemporaryDirectory() as root:
-        run_distributed(_atomic_worker, WORLD, root, timeout_s=120)
+        ranks.run(_atomic_worker, WORLD, root, timeout_s=120)
 
 
 # ---------------------------------------------------------------------- checksums
@@ -186,9 +186,9 @@ def _checksum_worker(rank: int, world: int, root: str) -> None:
         model, opt, storage_reader=dcp.FileSystemReader(other)), "'__0_0.distcp'")
 
 
-def test_corrupted_checkpoint_is_rejected_before_loading() -> None:
+def test_corrupted_checkpoint_is_rejected_before_loading(ranks: RankPools) -> None:
     """Bytes flipped in one shard file after a save: the load raises a ValueError naming the
     key and the file on every rank, with the model and optimizer unchanged bitwise; a
     checkpoint without a checksum file (plain ``dcp.save``) still loads."""
     with tempfile.TemporaryDirectory() as root:
-        run_distributed(_checksum_worker, WORLD, root, timeout_s=120)
+        ranks.run(_checksum_worker, WORLD, root, timeout_s=120)

@@ -23,9 +23,9 @@ from _checkpoint_safety import (
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from megatron_fsdp_v2 import checkpoint as mckpt
-from megatron_fsdp_v2.testing import run_distributed
 
 from _models import agree as check
+from _pool import RankPools
 
 # ---------------------------------------------------------------------- clear errors
 
@@ -107,9 +107,9 @@ def _errors_worker(rank: int, world: int, root: str) -> None:
     check("non-strict: the given value", lambda: _equal(out, {"step": 7}))
 
 
-def test_clear_errors() -> None:
+def test_clear_errors(ranks: RankPools) -> None:
     """Saving to a regular file raises a ValueError naming it before anything is written; DCP's
     CheckpointException leaves save/load as a chained RuntimeError; an extra key the checkpoint
     lacks raises a ValueError naming it and listing the checkpoint's extra keys."""
     with tempfile.TemporaryDirectory() as root:
-        run_distributed(_errors_worker, WORLD, root, timeout_s=120)
+        ranks.run(_errors_worker, WORLD, root, timeout_s=120)

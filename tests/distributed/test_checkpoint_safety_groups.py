@@ -31,6 +31,7 @@ from megatron_fsdp_v2.testing import run_distributed
 
 from _models import OddMLP, TinyGPT
 from _models import agree as check
+from _pool import RankPools
 
 # ---------------------------------------------------------------------- collective groups
 
@@ -147,12 +148,12 @@ def _groups_worker(rank: int, world: int, root: str) -> None:
         [n for n, g in calls if all(g is not u for u in groups)], []))
 
 
-def test_checkpoint_collectives_run_on_the_units_group() -> None:
+def test_checkpoint_collectives_run_on_the_units_group(ranks: RankPools) -> None:
     """Every collective of save, load (its checks included), set_state_dict and the full state
     dict functions runs on the units' communication group (fully_shard's timeout), never on
     the default group."""
     with tempfile.TemporaryDirectory() as root:
-        run_distributed(_groups_worker, WORLD, root, timeout_s=120)
+        ranks.run(_groups_worker, WORLD, root, timeout_s=120)
 
 
 SHORT_TIMEOUT_S = 3  # fully_shard's collective timeout in the test below

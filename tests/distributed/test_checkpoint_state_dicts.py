@@ -28,9 +28,9 @@ from torch.distributed.tensor import DTensor, Shard
 from megatron_fsdp_v2 import MixedPrecisionPolicy
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2._registry import record_of
-from megatron_fsdp_v2.testing import run_distributed
 
 from _models import OddMLP, agree
+from _pool import RankPools
 
 # ---------------------------------------------------------------------- state dicts, refresh,
 # full state dicts, bad checkpoints (one spawn)
@@ -229,11 +229,11 @@ def _bad_checkpoints(rank: int, world: int, root: str) -> None:
     unchanged()
 
 
-def test_state_dicts_refresh_full_export_and_bad_checkpoints() -> None:
+def test_state_dicts_refresh_full_export_and_bad_checkpoints(ranks: RankPools) -> None:
     """World 3 (uneven and empty shards), every strategy, fp32 and bf16 compute / fp32 main:
     sharded ``state_dict``/``load_state_dict``, DCP via torch's ``set_model_state_dict``, full
     state-dict export and broadcast import; each load is followed by a forward compared (fp32:
     bitwise) with an unwrapped model holding the loaded weights. Then mismatching checkpoints
     must raise a ValueError naming the key, and leave weights and optimizer state untouched."""
     with tempfile.TemporaryDirectory() as root:
-        run_distributed(_state_dict_worker, 3, root, timeout_s=150)
+        ranks.run(_state_dict_worker, 3, root, timeout_s=150)

@@ -8,7 +8,6 @@ Workers collect their findings and return them; the assertions run in the test p
 every rank finished.
 """
 
-
 from __future__ import annotations
 
 import copy

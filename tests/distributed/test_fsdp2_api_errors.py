@@ -3,7 +3,6 @@ clip route installed by wrapping. Argument errors are raised before any collecti
 checked in this process without a process group.
 """
 
-
 from __future__ import annotations
 
 from typing import Any

@@ -4,7 +4,6 @@
 ``_fsdp2_api.py`` for how cases run).
 """
 
-
 from __future__ import annotations
 
 import copy

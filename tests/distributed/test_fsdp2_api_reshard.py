@@ -2,7 +2,6 @@
 ``set_requires_gradient_sync`` on fully_shard (see ``_fsdp2_api.py`` for how cases run).
 """
 
-
 from __future__ import annotations
 
 from typing import Any

@@ -1,5 +1,6 @@
 """Test helpers shipped with the package so downstream users can reuse them."""
 
-from ._dist import DistributedTestError, run_distributed
+from ._dist import run_distributed
+from ._pool import DistributedTestError, RankPool, RankPools
 
-__all__ = ["DistributedTestError", "run_distributed"]
+__all__ = ["DistributedTestError", "RankPool", "RankPools", "run_distributed"]

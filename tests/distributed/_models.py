@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import record_of
 
 
@@ -169,6 +170,24 @@ def all_ranks_ok(ok: bool) -> bool:
     flag = torch.tensor([0 if ok else 1])
     dist.all_reduce(flag)
     return int(flag.item()) == 0
+
+
+def check_all_ranks(ok: bool, message: str) -> None:
+    """Raise on every rank when any rank failed (no rank left waiting in a collective)."""
+    if not all_ranks_ok(ok):
+        raise AssertionError(message if not ok else f"{message} (on another rank)")
+
+
+def wrap_blocks(model: nn.Module, strategy: str, **kw: object) -> nn.Module:
+    """``fully_shard`` each of ``model.blocks`` (when it has them), then the root; the root."""
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, sharding_strategy=strategy, **kw)  # type: ignore[arg-type]
+    return fully_shard(model, sharding_strategy=strategy, **kw)  # type: ignore[arg-type]
+
+
+def local_detached(t: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a parameter or gradient (a DTensor's local shard), detached."""
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
 def reference_copy(model: nn.Module) -> nn.Module:

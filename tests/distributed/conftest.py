@@ -8,12 +8,18 @@ from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
-from _pool import RankPools  # noqa: E402
+from megatron_fsdp_v2.testing import RankPools  # noqa: E402
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ranks() -> Iterator[RankPools]:
-    """Spawned ranks shared by the cases of one test module (see ``_pool.py``)."""
+    """Spawned gloo ranks, one pool per world size, shared by every case of the session.
+
+    Spawning a pool costs seconds (each rank imports torch); sharing them across modules pays
+    that once per world size instead of once per module and size. A failing case closes its
+    pool, and the next case of that size starts a fresh one (see [Note: rank pools] in
+    ``megatron_fsdp_v2/testing/_pool.py``).
+    """
     pools = RankPools()
     yield pools
     pools.close()

@@ -21,9 +21,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import clip_grad_norm_, fully_shard
-from megatron_fsdp_v2.testing import run_distributed
 
 from _models import TinyGPT, all_ranks_ok, lm_loss, shard_rows
+from _pool import RankPools
 
 TIMEOUT_S = 20  # fully_shard's collective timeout (one library group for the whole process)
 RUN_TIMEOUT_S = 120
@@ -202,9 +202,9 @@ def _two_dtype_check(rank: int, case: str, strategy: str, norm_type: float) -> N
 
 @pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
 @pytest.mark.parametrize("case", ["fp32_and_bf16_params", "fp32_main_grads_and_ignored_bf16"])
-def test_clip_two_dtypes_matches_torch(case: str, strategy: str) -> None:
+def test_clip_two_dtypes_matches_torch(ranks: RankPools, case: str, strategy: str) -> None:
     """Both norm types per run (named in the failure message)."""
-    run_distributed(_two_dtype_worker, 2, case, strategy, timeout_s=RUN_TIMEOUT_S)
+    ranks.run(_two_dtype_worker, 2, case, strategy, timeout_s=RUN_TIMEOUT_S)
 
 
 def _fp32_worker(rank: int, world: int) -> None:
@@ -227,8 +227,8 @@ def _fp32_check(rank: int, norm_type: float) -> None:
     _raise_together(errors, f"fp32 norm={norm_type} rank {rank}")
 
 
-def test_clip_fp32_matches_torch() -> None:
-    run_distributed(_fp32_worker, 2, timeout_s=RUN_TIMEOUT_S)
+def test_clip_fp32_matches_torch(ranks: RankPools) -> None:
+    ranks.run(_fp32_worker, 2, timeout_s=RUN_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------- 2: empty lists
@@ -275,10 +275,10 @@ def _empty_list_check(rank: int, world: int, how: str, strategy: str, norm_type:
 
 @pytest.mark.parametrize("how", ["grad_not_none", "per_rank"])
 @pytest.mark.parametrize("world_size", [3, 4])
-def test_clip_rank_with_empty_list_joins(world_size: int, how: str) -> None:
+def test_clip_rank_with_empty_list_joins(ranks: RankPools, world_size: int, how: str) -> None:
     """Strategies and norm types per run (named in the failure message). A rank that skipped
     the all-reduce would leave its peers in it until fully_shard's short timeout."""
-    run_distributed(_empty_list_worker, world_size, how, timeout_s=RUN_TIMEOUT_S)
+    ranks.run(_empty_list_worker, world_size, how, timeout_s=RUN_TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------- 3: collectives
@@ -329,5 +329,5 @@ def _count_worker(rank: int, world: int, case: str) -> None:
     "no_shard",  # replicated gradients only: none
     "two_groups",  # two timeouts, so two library groups: one each
 ])
-def test_clip_collective_count(case: str) -> None:
-    run_distributed(_count_worker, 2, case, timeout_s=RUN_TIMEOUT_S)
+def test_clip_collective_count(ranks: RankPools, case: str) -> None:
+    ranks.run(_count_worker, 2, case, timeout_s=RUN_TIMEOUT_S)

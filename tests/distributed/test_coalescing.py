@@ -9,18 +9,17 @@ its last bit; there the tiny bucket, which issues exactly the uncoalesced collec
 bitwise equal and the others within 1e-6). The uncoalesced runs are what the parity tests
 compare with single-process PyTorch. The coalesced run must also issue fewer reductions
 (``CommDebugMode``) and report what it coalesced; the strategies that reduce every micro-batch
-must be unaffected. Every case runs under the rank pool's timeout.
+must be unaffected. Every case runs under the rank pool's timeout. The bucket-size arguments:
+``test_coalescing_options.py``.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
@@ -339,64 +338,3 @@ def test_other_strategies_unaffected(ranks: Any, strategy: str) -> None:
     assert coal[0]["counts"] == base[0]["counts"]
     assert coal[0]["stats"] == {"coalesced_collectives": 0, "coalesced_groups": 0,
                                 "single_collectives": 0}
-
-
-# Both bucket options (reduce_bucket_size_mb, refresh_bucket_size_mb; see [Note: refresh
-# buckets]) share their argument rules; each with a strategy it affects.
-OPTIONS = [("reduce_bucket_size_mb", "no_shard"), ("refresh_bucket_size_mb", "optim")]
-
-
-def _invalid_sizes(rank: int, world: int, option: str, strategy: str) -> list[str]:
-    out = []
-    for value, error in [(0, ValueError), (-1.0, ValueError), (math.nan, ValueError),
-                         (math.inf, ValueError), (True, TypeError), ("25", TypeError)]:
-        model = nn.Linear(4, 4)
-        before = model.weight.detach().clone()
-        with pytest.raises(error, match=option):
-            fully_shard(model, sharding_strategy=strategy, **{option: value})
-        assert state_of(model) is None and torch.equal(model.weight, before)
-        out.append(repr(value))
-    # Units of one model must agree: raised at the first forward, before any collective.
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    fully_shard(model[0], sharding_strategy=strategy, **{option: 1.0})
-    fully_shard(model, sharding_strategy=strategy)
-    with CommDebugMode() as comm, pytest.raises(ValueError, match="same for every fully_shard"):
-        model(torch.randn(2, 4))
-    assert comm.get_total_counts() == 0
-    return out
-
-
-def _hsdp_refused(rank: int, world: int, option: str, strategy: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    model = nn.Linear(4, 4)
-    with pytest.raises(NotImplementedError, match=option):
-        fully_shard(model, mesh=mesh, sharding_strategy=strategy, **{option: 1.0})
-    assert state_of(model) is None
-
-
-def _agrees_across_ranks(rank: int, world: int, option: str, strategy: str) -> None:
-    """Ranks passing different sizes fail the wrap-time cross-rank check on every rank."""
-    model = nn.Linear(4, 4)
-    with pytest.raises((RuntimeError, ValueError), match=option):
-        fully_shard(model, sharding_strategy=strategy, **{option: 1.0 if rank == 0 else None})
-    dist.barrier()
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("option,strategy", OPTIONS, ids=[o for o, _ in OPTIONS])
-def test_invalid_bucket_size(ranks: Any, option: str, strategy: str) -> None:
-    ranks.run(_invalid_sizes, 2, option, strategy, timeout_s=TIMEOUT_S)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("option,strategy", OPTIONS, ids=[o for o, _ in OPTIONS])
-def test_hsdp_refused(ranks: Any, option: str, strategy: str) -> None:
-    ranks.run(_hsdp_refused, 2, option, strategy, timeout_s=TIMEOUT_S)
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("option,strategy", OPTIONS, ids=[o for o, _ in OPTIONS])
-def test_ranks_must_agree(ranks: Any, option: str, strategy: str) -> None:
-    ranks.run(_agrees_across_ranks, 2, option, strategy, timeout_s=TIMEOUT_S)

@@ -29,10 +29,17 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import record_of, state_of
 
-from _models import TinyGPT, agree, all_ranks_ok, cat_batch, lm_loss, make_batches
+from _models import (
+    TinyGPT,
+    agree,
+    cat_batch,
+    check_all_ranks,
+    lm_loss,
+    make_batches,
+    wrap_blocks,
+)
 from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -43,12 +50,6 @@ WORLD = 2
 STEPS = 3
 MICRO = 2
 TIMEOUT_S = 280
-
-
-def _check(ok: bool, message: str) -> None:
-    """Raise on every rank when any rank failed (no rank left waiting in a collective)."""
-    if not all_ranks_ok(ok):
-        raise AssertionError(message if not ok else f"{message} (on another rank)")
 
 
 class _CountingBackend:
@@ -72,12 +73,6 @@ def _compile_blocks(model: TinyGPT, how: str, backend: _CountingBackend) -> None
             blocks[i].compile(backend=backend, fullgraph=True)
         else:  # an OptimizedModule holding the block as ``_orig_mod``
             blocks[i] = torch.compile(blocks[i], backend=backend, fullgraph=True)
-
-
-def _wrap(model: TinyGPT, strategy: str) -> None:
-    for block in model.blocks:
-        fully_shard(block, sharding_strategy=strategy)
-    fully_shard(model, sharding_strategy=strategy)
 
 
 def _train(model: nn.Module, rank: int | None, backend: _CountingBackend | None = None
@@ -113,7 +108,8 @@ def _train(model: nn.Module, rank: int | None, backend: _CountingBackend | None 
             dist.all_reduce(total)
             total /= WORLD
             live = state.ctx.allocator.live_bytes
-            _check(live == 0, f"step {step}: {live} bytes of gathered buckets still allocated")
+            check_all_ranks(live == 0,
+                            f"step {step}: {live} bytes of gathered buckets still allocated")
         losses.append(total.item())
         graphs.append(backend.graphs if backend is not None else 0)
     if state is not None:
@@ -148,7 +144,7 @@ def _case(rank: int, world: int, strategy: str, order: str, how: str, backend: s
 
     # Eager fully_shard: the hook schedule to compare with.
     eager = build()
-    _wrap(eager, strategy)
+    wrap_blocks(eager, strategy)
     _, _, eager_events = _train(eager, rank)
 
     torch._dynamo.reset()
@@ -156,7 +152,7 @@ def _case(rank: int, world: int, strategy: str, order: str, how: str, backend: s
     fsdp_backend = _CountingBackend(backend)
     if order == "before":
         _compile_blocks(model, how, fsdp_backend)
-    _wrap(model, strategy)
+    wrap_blocks(model, strategy)
     if order == "after":
         _compile_blocks(model, how, fsdp_backend)
     losses, graphs, events = _train(model, rank, fsdp_backend)

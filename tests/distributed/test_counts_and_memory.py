@@ -9,9 +9,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, memory_report
 from megatron_fsdp_v2._registry import state_of
-from megatron_fsdp_v2.testing import run_distributed
 
 from _models import TinyGPT, lm_loss, make_batches
+from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
@@ -77,10 +77,10 @@ def _counts_worker(rank: int, world: int, strategy: str, set_to_none: bool) -> N
 
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["zero_grad_to_none", "zero_grad_zeros"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_collective_counts(strategy: str, set_to_none: bool) -> None:
+def test_collective_counts(ranks: RankPools, strategy: str, set_to_none: bool) -> None:
     """The contract holds whether the optimizer sets gradients to None or zeroes them in place
     (zeroed no_shard/optim gradients used to keep one collective per micro-batch for good)."""
-    run_distributed(_counts_worker, 2, strategy, set_to_none, timeout_s=300)
+    ranks.run(_counts_worker, 2, strategy, set_to_none, timeout_s=300)
 
 
 def _memory_worker(rank: int, world: int) -> None:
@@ -142,8 +142,8 @@ def _memory_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [4])
-def test_memory_report_matches_zero_formula(world_size: int) -> None:
-    run_distributed(_memory_worker, world_size, timeout_s=300)
+def test_memory_report_matches_zero_formula(ranks: RankPools, world_size: int) -> None:
+    ranks.run(_memory_worker, world_size, timeout_s=300)
 
 
 def _memory_alias_and_optimizer_worker(rank: int, world: int) -> None:
@@ -189,8 +189,8 @@ def _memory_alias_and_optimizer_worker(rank: int, world: int) -> None:
         memory_report(model, optimizer=[opt])  # type: ignore[arg-type]
 
 
-def test_memory_report_aliasing_and_optimizer_state() -> None:
-    run_distributed(_memory_alias_and_optimizer_worker, 2, timeout_s=300)
+def test_memory_report_aliasing_and_optimizer_state(ranks: RankPools) -> None:
+    ranks.run(_memory_alias_and_optimizer_worker, 2, timeout_s=300)
 
 
 def _gathered_weights_worker(rank: int, world: int) -> list[str]:
@@ -236,6 +236,6 @@ def _gathered_weights_worker(rank: int, world: int) -> list[str]:
     return mismatches + [f"{len(checked)} checks"]
 
 
-def test_zero3_casts_main_shard_into_each_gather() -> None:
-    for mismatches in run_distributed(_gathered_weights_worker, 2, timeout_s=300):
+def test_zero3_casts_main_shard_into_each_gather(ranks: RankPools) -> None:
+    for mismatches in ranks.run(_gathered_weights_worker, 2, timeout_s=300):
         assert mismatches == ["24 checks"], mismatches

@@ -16,7 +16,6 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._comm import _comm_groups
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import DistributedTestError, run_distributed
@@ -28,6 +27,7 @@ from _models import (
     lm_loss,
     make_batches,
     reference_copy,
+    wrap_blocks,
 )
 
 TIMEOUT_S = 3.0
@@ -36,12 +36,6 @@ SLACK_S = 20.0  # the bound: a peer fails within TIMEOUT_S + SLACK_S
 
 class InjectedError(RuntimeError):
     pass
-
-
-def _wrap(model: nn.Module, strategy: str, **kw: Any) -> nn.Module:
-    for block in model.blocks:
-        fully_shard(block, sharding_strategy=strategy, **kw)
-    return fully_shard(model, sharding_strategy=strategy, **kw)
 
 
 def _raise(exc: type[BaseException]) -> Callable[..., None]:
@@ -71,7 +65,7 @@ def _one_rank_fails(rank: int, world: int, strategy: str, where: str) -> tuple[f
     """Rank 1 raises in ``where`` and stays alive (in a barrier on the healthy default group);
     rank 0 goes on into the next collective. Returns rank 0's time to fail and its error."""
     torch.manual_seed(0)
-    model = _wrap(TinyGPT(), strategy, timeout=TIMEOUT_S)
+    model = wrap_blocks(TinyGPT(), strategy, timeout=TIMEOUT_S)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = make_batches("lm", 3, 1, world, per_rank=2)
     failing = rank == 1
@@ -121,7 +115,7 @@ def _propagates(rank: int, world: int, signal_path: str) -> None:
     """As in ``_one_rank_fails``, but every rank lets its error escape (rank 1 only once rank 0
     has failed, so it stays alive and out of every collective until then)."""
     torch.manual_seed(0)
-    model = _wrap(TinyGPT(), "optim_grads_params", timeout=TIMEOUT_S)
+    model = wrap_blocks(TinyGPT(), "optim_grads_params", timeout=TIMEOUT_S)
     batch = make_batches("lm", 1, 1, world, per_rank=2)[0][0][rank]
     if rank == 1:
         _inject(model, "backward_early")
@@ -143,7 +137,7 @@ def _ranks_fail_differently(rank: int, world: int) -> None:
     flight that rank 0 never launched. Recovery cannot complete it and must say so (within the
     timeout), and keep saying so instead of issuing collectives on the broken group."""
     torch.manual_seed(0)
-    model = _wrap(TinyGPT(), "optim_grads_params", timeout=TIMEOUT_S)
+    model = wrap_blocks(TinyGPT(), "optim_grads_params", timeout=TIMEOUT_S)
     batches = make_batches("lm", 2, 1, world, per_rank=2)
     lm_loss(model, batches[0][0][rank]).backward()
     _inject(model, "backward_early" if rank == 0 else "backward_late")
@@ -259,7 +253,7 @@ def _recovers(rank: int, world: int, strategy: str, where: str, exc: type[BaseEx
     torch.manual_seed(0)
     model = TinyGPT()
     ref = reference_copy(model)
-    model = _wrap(model, strategy, timeout=30)
+    model = wrap_blocks(model, strategy, timeout=30)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9, weight_decay=0.1)
     batches = make_batches("lm", 3, micro, world, per_rank=2)
@@ -330,7 +324,7 @@ def _optimizer_step_fails(rank: int, world: int, strategy: str) -> None:
     torch.manual_seed(0)
     model = TinyGPT()
     ref = reference_copy(model)
-    model = _wrap(model, strategy, timeout=30)
+    model = wrap_blocks(model, strategy, timeout=30)
     opt = _HalfStepSGD(model.parameters(), lr=0.05)
     ref_opt = _HalfStepSGD(ref.parameters(), lr=0.05)
     batches = make_batches("lm", 3, 1, world, per_rank=2)

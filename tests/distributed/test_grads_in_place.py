@@ -32,7 +32,7 @@ import megatron_fsdp_v2._runtime._grads as grads_module
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2._registry import record_of, state_of
 
-from _models import agree, shard_rows
+from _models import agree, local_detached, shard_rows
 from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -134,10 +134,6 @@ def _batches(world: int, micro: int, seed: int) -> list[list[list[tuple[torch.Te
               for _ in range(world)] for _ in range(micro)] for _ in range(STEPS)]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
-
-
 def _expected_rows(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if isinstance(p, DTensor):
         lo, hi = shard_rows(p)
@@ -152,7 +148,7 @@ def _check_against(model: nn.Module, other: nn.Module, bitwise: bool, what: str,
     others = dict(other.named_parameters())
     for name, p in model.named_parameters():
         q = others[name]
-        pairs = [("param", _local(p), q.detach()), ("grad", p.grad, q.grad)]
+        pairs = [("param", local_detached(p), q.detach()), ("grad", p.grad, q.grad)]
         for kind, mine, theirs in pairs:
             if mine is None or theirs is None:
                 empty = isinstance(p, DTensor) and shard_rows(p)[0] == shard_rows(p)[1]
@@ -160,8 +156,8 @@ def _check_against(model: nn.Module, other: nn.Module, bitwise: bool, what: str,
                     raise AssertionError(f"{what}: {name}.{kind}: {mine is None=} but the other "
                                          f"is {'None' if theirs is None else 'set'}")
                 continue
-            mine = _local(mine)
-            theirs = _expected_rows(p, _local(theirs)) if ref else _local(theirs)
+            mine = local_detached(mine)
+            theirs = _expected_rows(p, local_detached(theirs)) if ref else local_detached(theirs)
             if bitwise:
                 assert torch.equal(mine, theirs), (
                     f"{what}: {name}.{kind} differs bitwise, max abs diff "

@@ -34,11 +34,12 @@ from megatron_fsdp_v2._registry import state_of
 
 from _models import (
     TinyGPT,
-    all_ranks_ok,
     assert_close_to_reference,
+    check_all_ranks,
     lm_loss,
     make_batches,
     reference_copy,
+    wrap_blocks,
 )
 from _pool import RankPools
 
@@ -55,18 +56,6 @@ def _groups(model: nn.Module) -> list:
     return [g for m in model.modules() if (s := state_of(m)) is not None for g in s.groups]
 
 
-def _wrap(model: nn.Module, mesh: DeviceMesh, strategy: str, **kw) -> nn.Module:
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, sharding_strategy=strategy, **kw)
-    return fully_shard(model, mesh=mesh, sharding_strategy=strategy, **kw)
-
-
-def _check(ok: bool, message: str) -> None:
-    """Raise on every rank when any rank failed (no rank left waiting in a collective)."""
-    if not all_ranks_ok(ok):
-        raise AssertionError(message if not ok else f"{message} (on another rank)")
-
-
 def _assert_replicas_equal(model: nn.Module, mesh: DeviceMesh, what: str) -> None:
     """Optimizer-facing shards are bitwise equal across the outer (replicate) axis."""
     outer = mesh.get_group(0)
@@ -76,7 +65,7 @@ def _assert_replicas_equal(model: nn.Module, mesh: DeviceMesh, what: str) -> Non
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(outer))]
         dist.all_gather(gathered, local, group=outer)
         ok &= all(torch.equal(g, local) for g in gathered)
-    _check(ok, f"{what}: replicas differ along the outer axis")
+    check_all_ranks(ok, f"{what}: replicas differ along the outer axis")
 
 
 def train_hsdp(rank: int, world: int, *, replicas: int, strategy: str, micro: int,
@@ -100,7 +89,8 @@ def train_hsdp(rank: int, world: int, *, replicas: int, strategy: str, micro: in
         torch.manual_seed(model_seed)
         ref = TinyGPT()
         model = reference_copy(ref)
-    model = _wrap(model, mesh, strategy, **({"mp_policy": mp} if mp is not None else {}))
+    model = wrap_blocks(model, mesh=mesh, strategy=strategy,
+                        **({"mp_policy": mp} if mp is not None else {}))
     for p in model.parameters():
         expected = (Replicate(), Replicate() if strategy == "no_shard" else Shard(0))
         assert p.placements == expected and p.device_mesh == mesh, (p.placements, expected)
@@ -214,7 +204,7 @@ def _counts_worker(rank: int, world: int, strategy: str) -> None:
     try:
         for micro in (1, 3):
             torch.manual_seed(0)
-            model = _wrap(TinyGPT(layers=3), mesh, strategy)
+            model = wrap_blocks(TinyGPT(layers=3), mesh=mesh, strategy=strategy)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
             batches = make_batches("lm", 3, micro, world, per_rank=2)
             observed = []
@@ -271,7 +261,7 @@ def _debug_order_worker(rank: int, world: int) -> None:
     collectives.check_collective_order = recording
     try:
         torch.manual_seed(0)
-        model = _wrap(TinyGPT(), mesh, "optim_grads")
+        model = wrap_blocks(TinyGPT(), mesh=mesh, strategy="optim_grads")
         lm_loss(model, make_batches("lm", 1, 1, world, 2)[0][0][rank]).backward()
     finally:
         del os.environ["MFSDP_DEBUG_COLLECTIVES"]
@@ -296,7 +286,7 @@ def _memory_worker(rank: int, world: int) -> None:
         torch.manual_seed(0)
         model = TinyGPT(vocab=64, dim=32)
         content = sum(p.numel() for p in model.parameters())
-        model = _wrap(model, mesh, strategy)
+        model = wrap_blocks(model, mesh=mesh, strategy=strategy)
         lm_loss(model, make_batches("lm", 1, 1, world, 2)[0][0][rank]).backward()
         report = memory_report(model)
         padding = sum(g.layout.padding_numel for g in _groups(model))

@@ -33,7 +33,7 @@ from megatron_fsdp_v2._registry import state_of
 
 from _models import (
     TinyGPT,
-    all_ranks_ok,
+    check_all_ranks,
     lm_loss,
     make_batches,
     reference_copy,
@@ -60,12 +60,6 @@ def _wrap(model: nn.Module, mesh: DeviceMesh, **kw) -> nn.Module:
     return fully_shard(model, mesh=mesh, sharding_strategy="optim_grads_params", **OUTER, **kw)
 
 
-def _check(ok: bool, message: str) -> None:
-    """Raise on every rank when any rank failed (no rank left waiting in a collective)."""
-    if not all_ranks_ok(ok):
-        raise AssertionError(message if not ok else f"{message} (on another rank)")
-
-
 def _assert_sub_shards_partition(model: nn.Module, what: str) -> None:
     """The R x S ranks' local rows of each parameter are disjoint and cover it."""
     mine = [shard_rows(p) for p in model.parameters()]
@@ -80,7 +74,7 @@ def _assert_sub_shards_partition(model: nn.Module, what: str) -> None:
                 ok &= lo == covered
                 covered = hi
         ok &= covered == p.shape[0]
-    _check(ok, f"{what}: local rows do not partition the parameters")
+    check_all_ranks(ok, f"{what}: local rows do not partition the parameters")
 
 
 def _assert_inner_shards_equal(model: nn.Module, mesh: DeviceMesh, what: str) -> None:
@@ -95,7 +89,7 @@ def _assert_inner_shards_equal(model: nn.Module, mesh: DeviceMesh, what: str) ->
         gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(outer))]
         dist.all_gather(gathered, local, group=outer)
         ok &= all(torch.equal(g, local) for g in gathered)
-    _check(ok, f"{what}: inner shards differ along the outer axis")
+    check_all_ranks(ok, f"{what}: inner shards differ along the outer axis")
 
 
 def train_outer_optim(rank: int, world: int, *, replicas: int, micro: int, steps: int = 4,

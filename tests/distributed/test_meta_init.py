@@ -20,7 +20,16 @@ from megatron_fsdp_v2 import MixedPrecisionPolicy, checkpoint, fully_shard
 from megatron_fsdp_v2._dtensor._local_rows import local_rows_dtensor
 from megatron_fsdp_v2._registry import record_of
 
-from _models import TinyGPT, agree, cat_batch, lm_loss, make_batches, reference_copy, step_mean_loss
+from _models import (
+    TinyGPT,
+    agree,
+    cat_batch,
+    lm_loss,
+    make_batches,
+    reference_copy,
+    step_mean_loss,
+    wrap_blocks,
+)
 from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -54,12 +63,6 @@ class RawParam(nn.Module):
         return self.lin(x) * self.scale
 
 
-def _wrap(model: nn.Module, strategy: str, **kw) -> nn.Module:
-    for block in getattr(model, "blocks", []):
-        fully_shard(block, sharding_strategy=strategy, **kw)
-    return fully_shard(model, sharding_strategy=strategy, **kw)
-
-
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full state dict (parameters and buffers; every rank calls it for a wrapped model)."""
     if any(isinstance(p, DTensor) for p in model.parameters()):
@@ -91,7 +94,7 @@ def _meta_equals_device(rank: int, world: int, strategy: str) -> None:
         torch.manual_seed(7)
         with torch.device("meta"):
             model = TinyGPT(layers=3)
-        model = _wrap(model, strategy)
+        model = wrap_blocks(model, strategy)
         tokens = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(3))
         if trigger == "forward":
             out = model(tokens)
@@ -117,11 +120,11 @@ def _meta_equals_device(rank: int, world: int, strategy: str) -> None:
     # Mixed precision: bf16 compute weights cast from the materialized values, as at wrap.
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
     torch.manual_seed(7)
-    built = _wrap(TinyGPT(layers=3), strategy, mp_policy=mp)
+    built = wrap_blocks(TinyGPT(layers=3), strategy, mp_policy=mp)
     torch.manual_seed(7)
     with torch.device("meta"):
         model = TinyGPT(layers=3)
-    model = _wrap(model, strategy, mp_policy=mp)
+    model = wrap_blocks(model, strategy, mp_policy=mp)
     out, want = model(tokens), built(tokens)
     agree(f"{strategy} bf16 compute: forward (bitwise)",
           lambda: torch.testing.assert_close(out, want, rtol=0, atol=0))
@@ -267,14 +270,14 @@ def _seed_checkpoint(rank: int, world: int, strategy: str) -> None:
     torch.manual_seed(5)
     seed_model = TinyGPT(layers=2)
     ref = reference_copy(seed_model)
-    cpu_built = _wrap(reference_copy(seed_model), strategy)
+    cpu_built = wrap_blocks(reference_copy(seed_model), strategy)
     seed_sd = seed_model.state_dict() if rank == 0 else None
     # torchtitan: build on meta (another seed: values must come from the checkpoint), wrap,
     # to_empty on the device, load the full state dict broadcast from rank 0.
     torch.manual_seed(1000 + rank)
     with torch.device("meta"):
         model = TinyGPT(layers=2)
-    model = _wrap(model, strategy)
+    model = wrap_blocks(model, strategy)
     dist_params = {n: id(p) for n, p in model.named_parameters()}
     model.to_empty(device="cpu")
     replaced = [n for n, p in model.named_parameters() if dist_params.get(n) != id(p)]
@@ -302,7 +305,7 @@ def _conversions(rank: int, world: int, strategy: str) -> None:
     case = f"{strategy} conversions"
     torch.manual_seed(3)
     ref = TinyGPT(layers=2)
-    model = _wrap(reference_copy(ref), strategy)
+    model = wrap_blocks(reference_copy(ref), strategy)
     tokens = torch.randint(0, 37, (2, 8), generator=torch.Generator().manual_seed(4))
     before = _full_params(model)
     params = _param_ids(model)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from megatron_fsdp_v2 import checkpoint, fully_shard
 
-from _models import agree
+from _models import agree, wrap_blocks
 from _pool import RankPools
 
 WORLD = 3
@@ -126,12 +126,6 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     return checkpoint.get_full_state_dict(model, rank0_only=False)
 
 
-def _wrap(model: nn.Module, strategy: str) -> nn.Module:
-    for block in getattr(model, "blocks", []):
-        fully_shard(block, sharding_strategy=strategy)
-    return fully_shard(model, sharding_strategy=strategy)
-
-
 def _bitwise_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys(), (sorted(got), sorted(want))
     for k, v in want.items():
@@ -146,7 +140,7 @@ def _covering(rank: int, world: int, strategy: str, model_name: str) -> None:
     torch.manual_seed(3)
     with torch.device("meta"):
         model = make()
-    model = _wrap(model, strategy)
+    model = wrap_blocks(model, strategy)
     x = (torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(1))
          if model_name == "ScaledBlock" else torch.arange(10).view(2, 5) % 29)
     out = model(x)  # materializes

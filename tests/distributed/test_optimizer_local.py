@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from megatron_fsdp_v2 import fully_shard
 
-from _models import OddMLP, agree, cat_batch, make_batches, shard_rows
+from _models import OddMLP, agree, cat_batch, local_detached, make_batches, shard_rows
 from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -66,16 +66,13 @@ def _wrap(model: OddMLP, strategy: str) -> OddMLP:
     return fully_shard(model, **kw)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if isinstance(t, DTensor) else t).detach()
-
-
 def _check_twins(ours: nn.Module, ours_opt: Any, forced: nn.Module, forced_opt: Any,
                  where: str) -> None:
     forced_params = list(forced.parameters())
     for i, p in enumerate(ours.parameters()):
         q = forced_params[i]
-        assert torch.equal(_local(p), _local(q)), f"{where}: parameter {i} differs bitwise"
+        assert torch.equal(local_detached(p), local_detached(q)), \
+            f"{where}: parameter {i} differs bitwise"
         mine, theirs = ours_opt.state.get(p, {}), forced_opt.state.get(q, {})
         assert sorted(mine) == sorted(theirs), f"{where}: state keys {sorted(mine)} vs " \
             f"{sorted(theirs)}"
@@ -88,7 +85,7 @@ def _check_twins(ours: nn.Module, ours_opt: Any, forced: nn.Module, forced_opt: 
                     p.placements, p.shape, p.device_mesh), f"{where}: state {i}.{key} placed " \
                     f"{value.placements} {tuple(value.shape)}, parameter {p.placements}"
             if isinstance(value, torch.Tensor):
-                assert torch.equal(_local(value), _local(other)), (
+                assert torch.equal(local_detached(value), local_detached(other)), (
                     f"{where}: state {i}.{key} differs bitwise")
 
 
@@ -99,7 +96,7 @@ def _check_reference(ours: nn.Module, ref: nn.Module, where: str) -> None:
         if isinstance(p, DTensor):
             lo, hi = shard_rows(p)
             full = full[lo:hi]
-        torch.testing.assert_close(_local(p), full, rtol=1e-4, atol=1e-5,
+        torch.testing.assert_close(local_detached(p), full, rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{where}: {name}: {m}")
 
 
@@ -250,9 +247,10 @@ def _state_placed_otherwise(rank: int, world: int) -> list[int]:
 
 def _check_state_equal(models: list[nn.Module], opts: list[Any], step: int) -> None:
     for p, q in zip(models[0].parameters(), models[1].parameters()):
-        assert torch.equal(_local(p), _local(q)), f"step {step}: parameters differ"
+        assert torch.equal(local_detached(p), local_detached(q)), f"step {step}: parameters differ"
         for key, value in opts[0].state[p].items():
-            assert torch.equal(_local(value), _local(opts[1].state[q][key])), f"{key} differs"
+            assert torch.equal(local_detached(value),
+                               local_detached(opts[1].state[q][key])), f"{key} differs"
 
 
 @pytest.mark.timeout(300)

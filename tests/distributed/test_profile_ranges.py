@@ -8,8 +8,6 @@ window.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -39,13 +37,6 @@ _BY_STRATEGY = {
     "optim_grads": {"mfsdp::refresh", "mfsdp::stage"},
     "optim_grads_params": {"mfsdp::gather", "mfsdp::stage"},
 }
-
-
-@pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPools]:
-    pools = RankPools()
-    yield pools
-    pools.close()
 
 
 def _profiled_ranges(rank: int, world: int, strategy: str, overlap: bool) -> dict[str, set[str]]:

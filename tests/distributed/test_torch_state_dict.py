@@ -36,9 +36,10 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
-from megatron_fsdp_v2.testing import DistributedTestError, run_distributed
+from megatron_fsdp_v2.testing import DistributedTestError
 
 from _models import OddMLP, TinyGPT, agree, lm_loss, mlp_loss, step_mean_loss
+from _pool import RankPools
 
 GLOBAL_BATCH = 12  # divisible by 2, 3 and 4
 SAVE_AT, END = 2, 4
@@ -298,8 +299,9 @@ def resume_and_compare(what: str, model, opt, kind: str, rank: int, world: int) 
 class _Checkpoints:
     """The checkpoints of every case, written on first need by one spawn per world size."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, ranks: RankPools) -> None:
         self.root = root
+        self.ranks = ranks
         self.errors: dict[str, str] = {}
         self.saved: set[int] = set()
 
@@ -308,7 +310,7 @@ class _Checkpoints:
         if world not in self.saved:
             self.saved.add(world)
             try:
-                results = run_distributed(_save_all, world, self.root, timeout_s=TIMEOUT_S)
+                results = self.ranks.run(_save_all, world, self.root, timeout_s=TIMEOUT_S)
             except DistributedTestError as exc:  # every case saved at this world size fails
                 results = [{case: str(exc) for case in CASES if CASES[case]["save"][0] == world}]
             for result in results:
@@ -319,16 +321,17 @@ class _Checkpoints:
 
 
 @pytest.fixture(scope="module")
-def checkpoints():
+def checkpoints(ranks: RankPools):
     with tempfile.TemporaryDirectory() as root:
-        yield _Checkpoints(root)
+        yield _Checkpoints(root, ranks)
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)
 @pytest.mark.parametrize("name", list(CASES))
-def test_torch_state_dict_round_trip(checkpoints: _Checkpoints, name: str) -> None:
+def test_torch_state_dict_round_trip(ranks: RankPools, checkpoints: _Checkpoints, name: str
+                                     ) -> None:
     root = checkpoints.path_of(name)
-    run_distributed(_load_case, CASES[name]["load"][0], root, name, timeout_s=TIMEOUT_S)
+    ranks.run(_load_case, CASES[name]["load"][0], root, name, timeout_s=TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------- unsupported states
@@ -358,9 +361,9 @@ def _check_in(needle: str, text: str) -> None:
 
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
-def test_foreign_optimizer_state_fails_at_dcp_only() -> None:
+def test_foreign_optimizer_state_fails_at_dcp_only(ranks: RankPools) -> None:
     with tempfile.TemporaryDirectory() as root:
-        run_distributed(_foreign_state, 2, root, timeout_s=TIMEOUT_S)
+        ranks.run(_foreign_state, 2, root, timeout_s=TIMEOUT_S)
 
 
 # ---------------------------------------------------------------------- torch.save per rank
@@ -389,6 +392,6 @@ def _per_rank_pickle(rank: int, world: int, root: str, strategy: str) -> None:
 
 @pytest.mark.timeout(2 * TIMEOUT_S)
 @pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
-def test_torch_save_per_rank_round_trip(strategy: str) -> None:
+def test_torch_save_per_rank_round_trip(ranks: RankPools, strategy: str) -> None:
     with tempfile.TemporaryDirectory() as root:
-        run_distributed(_per_rank_pickle, 3, root, strategy, timeout_s=TIMEOUT_S)
+        ranks.run(_per_rank_pickle, 3, root, strategy, timeout_s=TIMEOUT_S)

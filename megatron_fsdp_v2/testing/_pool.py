@@ -1,0 +1,206 @@
+"""Spawned gloo ranks that run test functions under a hard timeout: the one way tests spawn ranks.
+
+[Note: rank pools]
+A :class:`RankPool` starts ``world_size`` processes, joins them in one process group, and then
+runs tasks on them one at a time: ``fn(rank, world_size, *args, **kwargs)`` on every rank, the
+per-rank results returned in rank order. Spawning costs seconds (every rank imports torch), so
+a sweep split into one test id per case runs all its cases on the same ranks
+(:class:`RankPools`, the ``ranks`` fixture of ``tests/distributed``); a one-off call
+(:func:`~megatron_fsdp_v2.testing.run_distributed`) is a pool that runs one task and closes.
+
+Failures are reported the same way everywhere: a rank's traceback fails the task, and ranks not
+done within ``timeout_s`` (a deadlock, a crashed peer) fail it too; after the first error the
+others get ``grace_s`` to report. A failed pool is closed (its processes killed) and never
+given another task, so a failing case cannot leave a broken process group or stale state to
+later cases. Results are collected before any rank is told to exit: gloo sometimes aborts in
+process teardown, and a result already in hand must not be lost to that.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["DistributedTestError", "RankPool", "RankPools"]
+
+
+class DistributedTestError(AssertionError):
+    """A rank raised, or the ranks did not finish in time."""
+
+
+def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_timeout_s: float,
+           preload: Callable[..., Any] | None, tasks: Any, results: Any) -> None:
+    """A rank: join the process group, then run tasks until told to stop (``None``).
+
+    ``preload`` is only received, never called: unpickling it imports its module before the
+    process group exists, so that module can register a backend the group then uses.
+    """
+    del preload
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group(
+            backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+    except BaseException:  # noqa: BLE001 - report it as the first task's failure
+        results.put((None, rank, "error", traceback.format_exc()))
+        return
+    while True:
+        task_id = None
+        try:
+            task = tasks.get()  # unpickling imports the test module
+            if task is None:
+                break
+            task_id, fn, args, kwargs = task
+            results.put((task_id, rank, "ok", fn(rank, world_size, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+            results.put((task_id, rank, "error", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - every result is already collected (see the Note)
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip interpreter teardown (seconds with torch loaded); nothing is pending
+
+
+class RankPool:
+    """``world_size`` spawned ranks in one process group that run one task at a time.
+
+    ``backend`` is passed to ``init_process_group`` as given: a name (``"gloo"``, ``"nccl"``), a
+    device map (``"cpu:gloo,cuda:nccl"``), or ``None`` for torch's choice by device.
+    ``preload``'s module is imported in every rank before the group is initialized.
+    """
+
+    def __init__(self, world_size: int, *, backend: str | None = "gloo",
+                 pg_timeout_s: float = 60.0, preload: Callable[..., Any] | None = None) -> None:
+        self.world_size = world_size
+        self.closed = False
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory()
+        init_file = os.path.join(self._tmp.name, "rendezvous")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(target=_serve, daemon=True,
+                        args=(r, world_size, init_file, backend, pg_timeout_s, preload,
+                              self._tasks[r], self._results))
+            for r in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self._last_task = 0
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
+            grace_s: float = 10.0, **kwargs: Any) -> list[Any]:
+        """``fn(rank, world_size, *args, **kwargs)`` on every rank; the results in rank order.
+
+        ``fn`` must be importable (a module-level function). Raises
+        :class:`DistributedTestError` with the failing ranks' tracebacks, or when the ranks are
+        not done within ``timeout_s`` (which includes starting the pool); the pool is closed
+        then.
+        """
+        assert not self.closed, "the pool was closed"
+        try:
+            return self._run(fn, args, kwargs, timeout_s, grace_s)
+        except BaseException:
+            # Our own failure report, or an interruption from outside (pytest-timeout, Ctrl-C)
+            # while the ranks may still be busy: never hand these ranks another case.
+            self.close(graceful=False)
+            raise
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             timeout_s: float, grace_s: float) -> list[Any]:
+        self._last_task += 1
+        task_id = self._last_task
+        for q in self._tasks:
+            q.put((task_id, fn, args, kwargs))
+        outcomes: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        first_error_at: float | None = None
+        while len(outcomes) < self.world_size:
+            now = time.monotonic()
+            limit = deadline if first_error_at is None else min(deadline, first_error_at + grace_s)
+            if now >= limit:
+                break
+            try:
+                tid, rank, status, payload = self._results.get(timeout=min(0.5, limit - now))
+            except queue.Empty:
+                # A dead rank (a crash) leaves its peers blocked: give them the grace period.
+                if first_error_at is None and any(not p.is_alive() for p in self._procs):
+                    first_error_at = time.monotonic()
+                continue
+            if tid not in (task_id, None):
+                continue
+            outcomes[rank] = (status, payload)
+            if status == "error" and first_error_at is None:
+                first_error_at = time.monotonic()
+        errors = [f"--- rank {r} ---\n{payload}"
+                  for r, (s, payload) in sorted(outcomes.items()) if s == "error"]
+        missing = [r for r in range(self.world_size) if r not in outcomes]
+        if errors or missing:
+            exitcodes = {r: self._procs[r].exitcode for r in missing}
+            reason = list(errors)
+            if missing:
+                reason.append(f"ranks {missing} did not finish within {timeout_s:.0f}s (after an "
+                              f"error: {grace_s:.0f}s grace); exit codes {exitcodes}")
+            raise DistributedTestError("\n".join(reason))
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the ranks: idle ones exit cleanly; busy ones (or all, ``graceful=False``) are
+        killed."""
+        if self.closed:
+            return
+        self.closed = True
+        if graceful:
+            for q in self._tasks:
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=5 if graceful else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for q in [*self._tasks, self._results]:
+            q.cancel_join_thread()
+            q.close()
+        self._tmp.cleanup()
+
+
+class RankPools:
+    """Live gloo :class:`RankPool` s, one per world size, shared by every case that asks.
+
+    A pool is started on first use and kept until :meth:`close`, so cases of several world
+    sizes (and several test modules) interleave without respawning. A failed pool is replaced
+    by a fresh one on the next request. Passing cases share processes: a case must set its own
+    seeds and build its own model.
+    """
+
+    def __init__(self) -> None:
+        self._pools: dict[int, RankPool] = {}
+
+    def run(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+            **kwargs: Any) -> list[Any]:
+        """``fn(rank, world_size, *args, **kwargs)`` on the pool of ``world_size`` ranks."""
+        pool = self._pools.get(world_size)
+        if pool is None or pool.closed:
+            pool = self._pools[world_size] = RankPool(world_size)
+        return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
+
+    def close(self) -> None:
+        """Stop every pool."""
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()

@@ -125,7 +125,7 @@ class ReductionCoalescer:
             ) -> Pending:
         """Queue ``group``'s delayed reduction of ``main_grad``, multiplied by ``pre_scale``
         first (gradients written in place hold unscaled sums; see [Note: gradients in place]
-        in ``_grads.py``); the returned handle's ``finish()`` issues the bucket if it is still
+        in ``_grad_staging.py``); the returned handle's ``finish()`` issues the bucket if it is still
         open, waits for it and copies the result into ``main_grad``."""
         (step,) = group.plan.reduce_steps
         comm_dtype = group.dtypes.comm

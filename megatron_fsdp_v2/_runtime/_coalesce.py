@@ -125,8 +125,8 @@ class ReductionCoalescer:
             ) -> Pending:
         """Queue ``group``'s delayed reduction of ``main_grad``, multiplied by ``pre_scale``
         first (gradients written in place hold unscaled sums; see [Note: gradients in place]
-        in ``_grad_staging.py``); the returned handle's ``finish()`` issues the bucket if it is still
-        open, waits for it and copies the result into ``main_grad``."""
+        in ``_grad_staging.py``); the returned handle's ``finish()`` issues the bucket if it is
+        still open, waits for it and copies the result into ``main_grad``."""
         (step,) = group.plan.reduce_steps
         comm_dtype = group.dtypes.comm
         # One scale per bucket: the staging copy applies it (in practice every group shares it).

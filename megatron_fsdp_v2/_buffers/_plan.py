@@ -27,7 +27,7 @@ into ``main_grad`` once per window. The refresh casts the main sub-shard into it
 gathers; gradient norms are all-reduced over the whole mesh (``norm_axis = "mesh"``).
 
 ``grads_in_place``: whether autograd writes gradients straight into the flat buffer the gradient
-path fills first (see [Note: gradients in place] in ``_grads.py``): ``main_grad`` on the
+path fills first (see [Note: gradients in place] in ``_grad_staging.py``): ``main_grad`` on the
 accumulate path when the gradient dtype is the compute dtype, the ``reduce_scatter_input``
 bucket on the reduce-each path when the communication dtype is the compute dtype and weights
 are not gathered (``optim_grads``). Otherwise (a cast is needed; ZeRO-3, where the earlier
@@ -68,7 +68,7 @@ class GradPath(enum.Enum):
 
 class Refresh(enum.Enum):
     """How compute weights follow an update of the main weights (see
-    [Note: replicated-buffer refresh] in ``_flat_param_group.py``)."""
+    [Note: replicated-buffer refresh] in ``_runtime/_gather.py``)."""
 
     NONE = "none"
     """Compute weights *are* the main weights (same buffer): nothing to do."""
@@ -149,7 +149,7 @@ class BufferPlan:
     gradient path writes first (``main_grad`` on the accumulate path, which then holds unscaled
     local sums and is scaled once before its delayed collective; ``reduce_scatter_input`` on the
     reduce-each path, allocated and zeroed at the unit's pre-backward), so autograd accumulates
-    in place; see [Note: gradients in place] in ``_grads.py``. False: staged by ``pack_``."""
+    in place; see [Note: gradients in place] in ``_grad_staging.py``. False: staged by ``pack_``."""
 
     @property
     def keeps_model_weight(self) -> bool:

@@ -20,9 +20,10 @@ no new full-size temporary and give bitwise the same result:
   issued asynchronously and waited on together. Broadcasts copy bits, so this is exact.
 
 Which implementation runs is decided in the collectives layer (``_collectives.py``): a group's
-``issue`` makes its :class:`GroupCollectives` current while it launches, and the collective
-functions ask it. Collectives launched outside ``issue`` (wrap-time broadcasts, the gradient
-norm all-reduce of clipping, checkpoints, the debug order check) are native and not counted.
+issuer (``GroupIssuer.launch`` in ``_runtime/_issuer.py``) passes its :class:`GroupCollectives` to
+the collective functions, which ask it and count into it. Collectives launched outside an
+issuer (wrap-time broadcasts, the gradient norm all-reduce of clipping, checkpoints, the debug
+order check) are native and not counted.
 Every rank decides alike (backend, bytes and group size agree across ranks), so ranks always
 pair the same calls; ``check_ranks`` makes every rank agree on ``collective_impl`` itself.
 """

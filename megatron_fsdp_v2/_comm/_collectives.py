@@ -15,16 +15,15 @@ a flat 1-D buffer through
   Python thread keeps computing; ``wait()`` waits on the returned work.
 
 Which calls carry each collective of a group (``collective_impl``) is decided here, by the
-group's :class:`~._collective_impl.GroupCollectives` that ``issuing`` makes current; see
-[Note: collective implementation] in ``_collective_impl.py``.
+:class:`~._collective_impl.GroupCollectives` the caller passes (``collectives=``: the group's
+issuer, see [Note: who issues collectives] in ``_runtime/_issuer.py``); see [Note: collective
+implementation] in ``_collective_impl.py``.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -44,7 +43,7 @@ from ._deadline import wait_for_event
 
 __all__ = [
     "CommHandle", "CommStreams", "all_gather_into", "reduce_scatter_into", "all_reduce_inplace",
-    "broadcast_from_first", "check_collective_order", "issuing",
+    "broadcast_from_first", "check_collective_order",
 ]
 
 Work = dist.Work
@@ -54,30 +53,15 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# The collectives of the group whose ``issue`` is launching (None: native, not counted).
-_current: ContextVar[GroupCollectives | None] = ContextVar("mfsdp_collectives", default=None)
-
-
-@contextmanager
-def issuing(collectives: GroupCollectives) -> Iterator[None]:
-    """Run the collective functions below with ``collectives``' implementation choice, and
-    count what they issue in its accounting."""
-    token = _current.set(collectives)
-    try:
-        yield
-    finally:
-        _current.reset(token)
-
-
-def _choose(logical: str, buffer: torch.Tensor, group: ProcessGroup) -> str:
-    collectives = _current.get()
+def _choose(logical: str, buffer: torch.Tensor, group: ProcessGroup,
+            collectives: GroupCollectives | None) -> str:
     if collectives is None:
         return logical
     return collectives.choose(logical, group, buffer.nbytes, buffer.device.type)
 
 
-def _record(logical: str, issued: str, ops: int, buffer: torch.Tensor) -> None:
-    collectives = _current.get()
+def _record(logical: str, issued: str, ops: int, buffer: torch.Tensor,
+            collectives: GroupCollectives | None) -> None:
     if collectives is not None:
         collectives.record(logical, issued, ops, buffer.nbytes)
 
@@ -112,16 +96,18 @@ def _finish(works: list[Work], then: Callable[[], object] | None, async_op: bool
 
 
 def all_gather_into(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False
+    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False,
+    *, collectives: GroupCollectives | None = None,
 ) -> Work | None:
     """Gather every rank's ``shard`` into ``output`` (rank-major). ``shard`` may be the rank's own
-    slot of ``output`` (in-place gather, used by the replicated-buffer refresh)."""
-    issued = _choose(ALL_GATHER, output, group)
+    slot of ``output`` (in-place gather, used by the replicated-buffer refresh). ``collectives``:
+    the issuing group's implementation choice and accounting (None: native, not counted)."""
+    issued = _choose(ALL_GATHER, output, group, collectives)
     if issued == BROADCASTS:
         world = dist.get_world_size(group)
-        _record(ALL_GATHER, issued, world, output)
+        _record(ALL_GATHER, issued, world, output, collectives)
         return _all_gather_as_broadcasts(output, shard, group, world, async_op)
-    _record(ALL_GATHER, issued, 1, output)
+    _record(ALL_GATHER, issued, 1, output, collectives)
     return _all_gather_single(output, shard, group=group, async_op=async_op)
 
 
@@ -147,13 +133,13 @@ def _all_gather_as_broadcasts(
 
 def reduce_scatter_into(
     output: torch.Tensor, reduce_scatter_input: torch.Tensor, group: ProcessGroup,
-    async_op: bool = False,
+    async_op: bool = False, *, collectives: GroupCollectives | None = None,
 ) -> Work | None:
     """Sum ``reduce_scatter_input`` over ranks and leave this rank's slot in ``output``, which may
     be that slot of the input itself (in-place reduce-scatter). Under ``collective_impl="auto"``
     the rest of the input may be overwritten with the reduced values too."""
-    issued = _choose(REDUCE_SCATTER, reduce_scatter_input, group)
-    _record(REDUCE_SCATTER, issued, 1, reduce_scatter_input)
+    issued = _choose(REDUCE_SCATTER, reduce_scatter_input, group, collectives)
+    _record(REDUCE_SCATTER, issued, 1, reduce_scatter_input, collectives)
     if issued == ALL_REDUCE:
         return _reduce_scatter_as_all_reduce(output, reduce_scatter_input, group, async_op)
     return _reduce_scatter_single(
@@ -179,10 +165,11 @@ def _reduce_scatter_as_all_reduce(
 
 
 def all_reduce_inplace(
-    buffer: torch.Tensor, group: ProcessGroup, async_op: bool = False
+    buffer: torch.Tensor, group: ProcessGroup, async_op: bool = False,
+    *, collectives: GroupCollectives | None = None,
 ) -> Work | None:
     """Sum ``buffer`` over ranks in place."""
-    _record(ALL_REDUCE, ALL_REDUCE, 1, buffer)
+    _record(ALL_REDUCE, ALL_REDUCE, 1, buffer, collectives)
     return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 

@@ -52,12 +52,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from .. import ops
 from .._buffers._plan import Collective
-from .._comm import _collectives as comm
 from . import _reduce
+from ._issuer import CollectiveLaunch, Pending
 
 if TYPE_CHECKING:
     from .._buffers._allocator import BucketAllocator
@@ -101,7 +100,7 @@ class _Bucket:
         self.scale = scale  # what the staging copy multiplies every member's main_grad by
         self.members: list[tuple[FlatParamGroup, torch.Tensor]] = []  # (group, main_grad)
         self.nbytes = 0
-        self.pending: _reduce.Pending | None = None
+        self.pending: Pending | None = None
         self.issued = False
         self.done = False
         self.dropped = False  # abandoned before it was issued (recovery): nothing to do
@@ -123,11 +122,11 @@ class ReductionCoalescer:
         self.single_collectives = 0
 
     def add(self, group: FlatParamGroup, main_grad: torch.Tensor, pre_scale: float = 1.0
-            ) -> _reduce.Pending:
+            ) -> Pending:
         """Queue ``group``'s delayed reduction of ``main_grad``, multiplied by ``pre_scale``
         first (gradients written in place hold unscaled sums; see [Note: gradients in place]
-        in ``_grads.py``); the returned handle's ``finish()`` issues the bucket if it is still
-        open, waits for it and copies the result into ``main_grad``."""
+        in ``_grad_staging.py``); the returned handle's ``finish()`` issues the bucket if it is
+        still open, waits for it and copies the result into ``main_grad``."""
         (step,) = group.plan.reduce_steps
         comm_dtype = group.dtypes.comm
         # One scale per bucket: the staging copy applies it (in practice every group shares it).
@@ -145,7 +144,7 @@ class ReductionCoalescer:
         bucket.nbytes += nbytes
         if bucket.nbytes >= self.bucket_bytes:
             self.flush()
-        return _reduce.Pending(None, _finisher(self, bucket))
+        return Pending(None, _finisher(self, bucket))
 
     def flush(self) -> None:
         """Issue the open bucket, if any (end of backward, or before an incompatible group)."""
@@ -161,9 +160,8 @@ class ReductionCoalescer:
         if len(bucket.members) == 1:
             group, main_grad = bucket.members[0]
             bucket.pending = _reduce.reduce_accumulated(
-                group.plan, main_grad, group.dtypes.comm, group.process_group, group.allocator,
-                group.temporary_key("grad_comm"), group.issue, async_op=True,
-                pre_scale=bucket.scale,
+                group.plan, main_grad, group.dtypes.comm, group.issuer, group.allocator,
+                group.temporary_key("grad_comm"), async_op=True, pre_scale=bucket.scale,
             )
             self.single_collectives += 1
         else:
@@ -173,11 +171,10 @@ class ReductionCoalescer:
         bucket.issued = True
         self._inflight.append(bucket)
 
-    def _issue_staged(self, bucket: _Bucket) -> _reduce.Pending:
+    def _issue_staged(self, bucket: _Bucket) -> Pending:
         first = bucket.members[0][0]
         op, comm_dtype, device = bucket.key[0], bucket.key[1], bucket.key[2]
         assert isinstance(comm_dtype, torch.dtype) and isinstance(device, torch.device)
-        group_pg = first.process_group
         world = first.world_size
         numels = [main_grad.numel() for _, main_grad in bucket.members]
         total = sum(numels)
@@ -186,6 +183,7 @@ class ReductionCoalescer:
         inputs: list[torch.Tensor] = []
         offsets: list[int] = []
         outputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (reduced part, destination)
+        own: torch.Tensor | None = None  # this rank's slot (a reduce-scatter's output)
         if op is Collective.ALL_REDUCE:
             offset = 0
             for (_, main_grad), numel in zip(bucket.members, numels):
@@ -193,9 +191,6 @@ class ReductionCoalescer:
                 offsets.append(offset)
                 outputs.append((staging[offset : offset + numel], main_grad))
                 offset += numel
-
-            def launch(a: bool) -> dist.Work | None:
-                return comm.all_reduce_inplace(staging, group_pg, a)
         else:
             assert op is Collective.REDUCE_SCATTER, op
             # Rank-major: rank r's slot of the bucket holds slot r of every group in order.
@@ -212,13 +207,8 @@ class ReductionCoalescer:
                 outputs.append((staging[start : start + width], main_grad[lo:hi]))
                 column += width
             own = staging[rank * slot_numel : (rank + 1) * slot_numel]
-
-            def launch(a: bool) -> dist.Work | None:
-                return comm.reduce_scatter_into(own, staging, group_pg, a)
         # The cast-and-copy kernel the uncoalesced path uses for its workspace (same rounding).
         ops.pack_(inputs, offsets, staging, scale=bucket.scale)
-        what = f"coalesced {op.value} of {len(bucket.members)} groups ({total} elements)"
-        handle = first.issue(what, launch, async_op=True, reduce=True)
         allocator = self.allocator
 
         if all(target.dtype == comm_dtype for _, target in outputs):
@@ -238,7 +228,11 @@ class ReductionCoalescer:
             copy_out()
             allocator.free(key)
 
-        return _reduce.Pending(handle, finish)
+        # Through the first member's issuer: its debug order check and its accounting.
+        what = f"coalesced {op.value} of {len(bucket.members)} groups ({total} elements)"
+        return first.issuer.launch(
+            CollectiveLaunch(op, staging, own, what=what, complete=finish), async_op=True
+        )
 
     def complete(self, bucket: _Bucket) -> None:
         """Make ``bucket``'s result visible in its groups' ``main_grad`` (exactly once)."""
@@ -260,10 +254,6 @@ class ReductionCoalescer:
         if self._open is not None:
             self._open.dropped = True
             self._open = None
-
-    @property
-    def has_open_bucket(self) -> bool:
-        return self._open is not None
 
 
 def _finisher(coalescer: ReductionCoalescer, bucket: _Bucket) -> Callable[[], None]:

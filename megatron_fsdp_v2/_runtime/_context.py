@@ -110,8 +110,8 @@ class FSDPContext:
         outer collectives in the same order. An outer reduction that holds a temporary bucket
         (a workspace in the communication dtype, or outer optim's ``window_grad``, which it
         frees) is listed again and finished by the next drain, so at most one unit's are alive
-        besides the reduction in flight (the estimator replays this: ``_estimate._Replay``); an
-        all-reduce in place runs on until the final callback, which waits for all of them and
+        besides the reduction in flight (the estimator replays this:
+        ``estimator/_replay._Replay``); an all-reduce in place runs on until the final callback, which waits for all of them and
         installs.
         Same collectives, same buffers, same arithmetic: only the launch moves earlier."""
         finished: list[FSDPState] = []
@@ -160,23 +160,17 @@ class FSDPContext:
                     else:
                         group.free_gathered_weights()
                     group.grads.wait_for_reduction()
-            ending = [state for state in self.states if state.is_last_backward]
-            # The end of the window: collectives over the reduced shards (the plan's window
-            # steps, HSDP's outer all-reduce; nothing on a 1-D mesh) that drain_reductions did
-            # not launch already (overlap=False, a group that reduced earlier in the window but
-            # not in this backward), launched for every group first, in the same order on every
-            # rank, then waited on.
-            for state in ending:
-                for group in state.groups:
-                    group.grads.reduce_across_replicas(async_op=self.overlap)
-            for state in ending:
-                for group in state.groups:
-                    group.grads.wait_for_reduction()
-                    group.grads.install()
-                    # The optimizer step that usually follows changes the main weights:
-                    # refresh once before the next forward whatever updates them (an
-                    # optimizer the step hook does not see, writes through to_local()).
-                    group.mark_main_weights_updated()
+            # The end of the window (GroupGrads.end_window): collectives over the reduced
+            # shards (the plan's window steps, HSDP's outer all-reduce; nothing on a 1-D mesh)
+            # that drain_reductions did not launch already (overlap=False, a group that reduced
+            # earlier in the window but not in this backward), launched for every group first,
+            # in the same order on every rank, then waited on and installed.
+            windows = [
+                group.end_window(async_op=self.overlap)
+                for state in self.states if state.is_last_backward for group in state.groups
+            ]
+            for window in windows:
+                window.finish()
         except BaseException:
             self.callback_failed = True  # reductions may be half-waited: recover() next forward
             raise

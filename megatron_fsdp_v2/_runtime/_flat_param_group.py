@@ -1,6 +1,7 @@
 """One flat parameter group: its buffers and their lifecycle (compute weights made ready and
 freed, gradients staged and reduced), executing the group's :class:`~._plan.BufferPlan`. No
-hooks here (``_state.py`` decides *when*), no collective launch details (``_reduce.py``), no
+hooks here (``_state.py`` decides *when*), no collective launch details (the group's
+:class:`~._issuer.GroupIssuer` launches; ``_gather.py`` plans weight gathers and refreshes), no
 strategy branches (``_plan.py``); gradients (``main_grad``, the gradient path, what the optimizer
 sees as ``.grad``) are in ``_grads.py``.
 
@@ -19,19 +20,12 @@ Every group owns up to three persistent flat buffers, laid out identically (see
   lazily and freed when gradients are cleared; the tensor object survives (storage freeing), so
   cached gradient views stay valid.
 
-[Note: replicated-buffer refresh]
-With replicated compute weights and sharded main weights (``optim``, ``optim_grads``), an
-optimizer step leaves every rank's ``model_weight`` stale outside its own shard. The group is
-marked stale (see design.md §4 for what marks it); the next ``ready_compute_weights`` (the unit's
-pre-forward) casts this rank's main shard into its own slot of ``model_weight``
-(``refresh_from_shard_``) and runs one in-place ``all_gather_into_tensor`` over ``model_weight``:
-the strategy's single all-gather. Writes through ``p.to_local()``/``p.data`` in the middle of an
-accumulation window are not seen (``FSDPModule.mark_main_weights_updated``).
+The compute weights of ``optim``/``optim_grads`` are refreshed after a step as [Note:
+replicated-buffer refresh] in ``_gather.py`` says.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,13 +39,13 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from .. import ops
 from .._buffers._allocator import BucketAllocator
 from .._buffers._layout import BufferLayout, ItemLayout
-from .._buffers._plan import Extent, Refresh, make_plan
+from .._buffers._plan import Extent, make_plan
 from .._comm import _collectives as comm
 from .._comm._collective_impl import GroupCollectives
-from .._profiling import traced
 from ..api import ResolvedDtypes, ShardingStrategy
-from . import _reduce
+from ._compute_weights import ComputeWeights
 from ._grads import GroupGrads
+from ._issuer import GroupIssuer, Pending
 
 if TYPE_CHECKING:
     from ._refresh_buckets import RefreshBucket
@@ -92,7 +86,7 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-class FlatParamGroup:
+class FlatParamGroup(ComputeWeights):
     """The flat buffers of one (device, dtype, requires_grad) group of one FSDP unit."""
 
     def __init__(
@@ -128,15 +122,6 @@ class FlatParamGroup:
         self.layout = layout
         self.mesh = mesh  # the optimizer-facing DTensors live on it (all of its dims)
         inner = mesh.ndim - 1
-        # Collectives run on ``process_group`` (a group over the inner axis' ranks; see
-        # ``_comm_groups.comm_group``), default: the mesh's own group for that axis.
-        self.process_group = (
-            process_group if process_group is not None else mesh.get_group(inner)
-        )
-        # HSDP: the ranks that hold the same inner shard (None on a 1-D mesh).
-        self.outer_process_group = outer_process_group
-        if mesh.ndim == 2 and outer_process_group is None:
-            self.outer_process_group = mesh.get_group(0)
         self.rank = mesh.get_local_rank(inner)
         self.world_size = mesh.size(inner)  # of the inner axis
         self.strategy = strategy
@@ -145,9 +130,8 @@ class FlatParamGroup:
             strategy, dtypes, layout, self.rank, outer=outer_strategy if replicas > 1 else None,
             outer_rank=mesh.get_local_rank(0) if replicas > 1 else 0, outer_size=replicas,
         )
-        self.mesh_process_group = mesh_process_group
         if self.plan.norm_axis == "mesh" and mesh_process_group is None:
-            self.mesh_process_group = mesh._flatten().get_group()
+            mesh_process_group = mesh._flatten().get_group()
         # Outer axes first: (Replicate(), Shard(0)) on an HSDP mesh, (Shard(0), Shard(0)) with
         # outer optim.
         extent = self.plan.optimizer_placement
@@ -165,13 +149,21 @@ class FlatParamGroup:
         self.param_dtype = params[0].dtype  # the parameters' own dtype, before mp_policy
         # The meta parameters the compute placeholders replace, until fully_shard swaps them.
         self.original_params: list[nn.Parameter] = list(params) if self.pending_init else []
-        self.streams = comm.streams_for(self.device)
-        # Names this group in errors and in the collective-order check; the root's lazy init
-        # replaces it with the unit's fully qualified name.
-        self.name = f"group of {fqns[0]!r}" + (f" (+{len(fqns) - 1})" if len(fqns) > 1 else "")
-        self.debug_collectives = os.environ.get("MFSDP_DEBUG_COLLECTIVES", "0") == "1"
-        # Which calls carry this group's collectives, and the count of what ran.
-        self.collectives = GroupCollectives(collective_impl)
+        # The group's collectives, over process_group (the inner axis' ranks; see
+        # ``_comm_groups.comm_group``; default: the mesh's own group for that axis) and, on a
+        # 2-D mesh, the outer axis' group (see [Note: who issues collectives] in _issuer.py).
+        # ``name`` names this group in errors and in the collective-order check; the root's lazy
+        # init replaces it with the unit's fully qualified name.
+        self.issuer = GroupIssuer(
+            name=f"group of {fqns[0]!r}" + (f" (+{len(fqns) - 1})" if len(fqns) > 1 else ""),
+            numel=layout.total_numel, device=self.device,
+            process_group=process_group if process_group is not None else mesh.get_group(inner),
+            outer_process_group=(
+                outer_process_group if outer_process_group is not None or mesh.ndim != 2
+                else mesh.get_group(0)
+            ),
+            mesh_process_group=mesh_process_group, collective_impl=collective_impl,
+        )
         self.owner = ""  # "<Class> at 0x...": the unit, in error messages (set by fully_shard)
         self.uncovered = layout.uncovered_ranges()  # padding and alignment gaps
         self._group_id = group_id
@@ -186,7 +178,7 @@ class FlatParamGroup:
         ]
         self.requires_grad = params[0].requires_grad
         self.grads = GroupGrads(self)  # main_grad, the gradient path, what the optimizer sees
-        self._pending_weights: _reduce.Pending | None = None
+        self._pending_weights: Pending | None = None
         self._weights_stale = False
         # The refresh bucket planned for this group's next refresh, if any (see [Note: refresh
         # buckets] in _refresh_buckets.py).
@@ -230,15 +222,33 @@ class FlatParamGroup:
         return flat
 
     @property
+    def name(self) -> str:
+        return self.issuer.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.issuer.name = value
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The inner axis' group: the layout and every collective of the inner schedule."""
+        return self.issuer.process_group
+
+    @property
+    def outer_process_group(self) -> dist.ProcessGroup | None:
+        """HSDP: the ranks that hold the same inner shard (None on a 1-D mesh)."""
+        return self.issuer.outer_process_group
+
+    @property
     def axis_groups(self) -> dict[str, dist.ProcessGroup]:
         """The process group of each axis a plan step may name: ``"shard"`` (inner),
         ``"outer"`` and ``"mesh"`` (the whole mesh) where they exist."""
-        groups = {"shard": self.process_group}
-        if self.outer_process_group is not None:
-            groups["outer"] = self.outer_process_group
-        if self.mesh_process_group is not None:
-            groups["mesh"] = self.mesh_process_group
-        return groups
+        return self.issuer.axis_groups
+
+    @property
+    def collectives(self) -> GroupCollectives:
+        """Which calls carry this group's collectives, and the count of what ran."""
+        return self.issuer.collectives
 
     @property
     def norm_process_group(self) -> dist.ProcessGroup:
@@ -314,51 +324,6 @@ class FlatParamGroup:
         self.pending_init = False
         self._main_version = self.dist_param_version()
 
-    def bind(self) -> None:
-        """Make the compute parameters zero-copy views of the unsharded weights, which releases
-        their original storage. A group that gathers has no unsharded bucket until its first
-        gather (so wrapping never holds a full-size copy): until then they hold an empty
-        placeholder."""
-        if not self.plan.gathers_weights:
-            self._bind_compute_views(self.model_weight)
-            return
-        with torch.no_grad():
-            for record in self.records:
-                record.compute_param.data = torch.empty(
-                    0, dtype=self.dtypes.model, device=self.device
-                )
-
-    def _bind_compute_views(self, unsharded_model_weight: torch.Tensor) -> None:
-        # Outside inference mode: a view made inside it could never be updated in place again.
-        with torch.no_grad(), torch.inference_mode(False):
-            for record in self.records:
-                item = record.item
-                flat = unsharded_model_weight[item.offset : item.end]
-                record.compute_param.data = flat.view(item.shape)
-        self._views_bound = True
-        self._bound_to = unsharded_model_weight
-        self.views_generation += 1
-
-    def note_views_exposed(self) -> None:
-        """The compute parameters are about to be used (forward, recompute, backward): tensors
-        autograd saves may view the gathered bucket until backward, so it must get the same
-        memory whenever it is gathered again in this iteration (``BucketAllocator.pin``)."""
-        if self._gathered:
-            self.allocator.pin(self.temporary_key("unsharded_model_weight"))
-
-    def drop_gathered_views(self) -> None:
-        """A group that gathers, not gathered now: its compute parameters let go of the
-        temporary bucket (back to the placeholder of :meth:`bind`), so a trace-pool arena that
-        was replaced or released is freed; the next gather binds them again. Likewise the
-        gradient aliases cached over a temporary bucket (any group)."""
-        self.grads.forget_temporary_aliases()
-        if not self.plan.gathers_weights or self._gathered or not self._views_bound:
-            return
-        self.bind()
-        self._views_bound = False
-        self._bound_to = None
-        self.views_generation += 1  # a graph saved before must not be backwarded now
-
     def local_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         """Item ``index``'s rows in ``buffer``, which holds the main-weight span (the span the
         optimizer-facing parameters and gradients cover)."""
@@ -389,30 +354,7 @@ class FlatParamGroup:
             setattr(dist_param, name, value)
         return dist_param
 
-    # ------------------------------------------------------------------ weights
-
-    @property
-    def needs_refresh(self) -> bool:
-        return self._weights_stale
-
-    def mark_main_weights_updated(self) -> None:
-        """The main weights changed: rebuild compute weights before their next use (a no-op
-        where compute weights are the main weights)."""
-        if self.plan.refresh is not Refresh.NONE:
-            self._weights_stale = True
-
-    def dist_param_version(self) -> int:
-        """The sum of the optimizer-facing parameters' version counters: changes with every
-        in-place write through them."""
-        return sum(r.dist_param._version for r in self.records)
-
-    def detect_main_weight_edits(self) -> None:
-        """Mark the group stale when an in-place op on an optimizer-facing parameter (e.g.
-        ``nn.init.normal_(p)``, ``p.copy_(x)``) bumped its version counter since the last look."""
-        version = self.dist_param_version()
-        if version != self._main_version:
-            self._main_version = version
-            self.mark_main_weights_updated()
+    # ------------------------------------------------------------------ weights (ComputeWeights)
 
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad_`` calls on the optimizer-facing parameters after wrapping:
@@ -432,115 +374,19 @@ class FlatParamGroup:
         ``temporaries``)."""
         return (self._group_id, role)
 
-    def issue(
-        self, what: str, launch: comm.Launch, *, async_op: bool, reduce: bool,
-        process_group: dist.ProcessGroup | None = None,
-    ) -> comm.CommHandle | None:
-        """Launch one of this group's collectives on ``process_group`` (default: the inner
-        one; see [Note: asynchronous collectives]). ``launch`` must run on that group: it is
-        the group the debug order check runs on."""
-        if self.debug_collectives:
-            comm.check_collective_order(
-                process_group if process_group is not None else self.process_group,
-                f"{what} of {self.name} ({self.layout.total_numel} elements)",
-                self.device,
-            )
-        with comm.issuing(self.collectives):
-            return self.streams.run(launch, async_op=async_op, reduce=reduce)
+    def end_window(self, async_op: bool) -> Pending:
+        """The end of this group's accumulation window at the end of backward: the gradient
+        state machine's window end (:meth:`GroupGrads.end_window`), whose ``finish()`` also marks
+        the main weights updated: the optimizer step that usually follows changes them, so they
+        are refreshed once before the next forward whatever updates them (an optimizer the step
+        hook does not see, writes through ``to_local()``)."""
+        window = self.grads.end_window(async_op)
 
-    def ready_compute_weights(self, async_op: bool = False) -> bool:
-        """Make the compute weights current: gather them (a group that gathers) or refresh them
-        from updated main weights. Possibly asynchronous (:meth:`wait_for_compute_weights`).
-        Returns whether a collective was issued."""
-        # Nothing to do (every pre-forward and pre-backward of a ready unit asks): skip the
-        # inference-mode context, a measurable per-unit cost on many small units.
-        if self._gathered if self.plan.gathers_weights else not self._weights_stale:
-            return False
-        # Buckets and views made under inference mode could never be updated in place again.
-        with torch.inference_mode(False):
-            if self.plan.gathers_weights:
-                return self._gather(async_op)
-            return self._refresh(async_op)
+        def finish() -> None:
+            window.finish()
+            self.mark_main_weights_updated()
 
-    def _gather(self, async_op: bool) -> bool:
-        if self._gathered:
-            return False
-        refresh: _reduce.Pending | None = None
-        cast_at_gather = self.plan.refresh is Refresh.CAST_AT_GATHER
-        if self._weights_stale:
-            # The cast, then the plan's refresh steps (HSDP outer optim: the outer all-gather
-            # that rebuilds the inner shard), which the inner gather waits for where it launches.
-            # Nothing to rebuild when the gather below casts the main shard itself.
-            if not cast_at_gather:
-                refresh = _reduce.refresh_weights(self.plan, self.main_weight, self.model_weight,
-                                                  self.axis_groups, self.issue, async_op)
-            self._weights_stale = False
-        output = self.allocator.allocate(
-            self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
-            self.dtypes.model, self.device,
-        )
-        # Views stay valid across storage freeing; a trace-pool bucket may move between
-        # iterations (see [Note: trace-planned pool]), then they follow it.
-        if not self._views_bound or output is not self._bound_to:
-            self._bind_compute_views(output)
-        if cast_at_gather:
-            self._pending_weights = _reduce.cast_and_gather_weights(
-                output, self.main_weight, self.plan.main_weight_span[0], self.process_group,
-                self.issue, async_op,
-            )
-        else:
-            self._pending_weights = _reduce.gather_weights(
-                output, self.model_weight, self.process_group, self.issue, async_op,
-                after=refresh,
-            )
-        self._gathered = True
-        return True
-
-    def _refresh(self, async_op: bool) -> bool:
-        if not self._weights_stale:
-            return False
-        bucket = self.refresh_bucket
-        if bucket is not None:  # issuing it makes this group fresh (take_refresh)
-            return bucket.coalescer.issue_through(bucket, async_op)
-        self._weights_stale = False
-        self._pending_weights = _reduce.refresh_weights(
-            self.plan, self.main_weight, self.model_weight, self.axis_groups, self.issue,
-            async_op,
-        )
-        return self._pending_weights is not None
-
-    def take_refresh(self, pending: _reduce.Pending) -> None:
-        """This group's refresh was issued as part of a bucket; ``pending`` completes it."""
-        self.wait_for_compute_weights()
-        self._weights_stale = False
-        self._pending_weights = pending
-
-    def wait_for_compute_weights(self) -> None:
-        pending, self._pending_weights = self._pending_weights, None
-        if pending is not None:
-            pending.finish()
-
-    @traced("mfsdp::free")
-    def free_gathered_weights(self) -> bool:
-        """Free the gathered weights of a group that gathers; returns whether it did. Waits for
-        an in-flight gather or refresh first (one launched for a unit that control flow then
-        skipped must finish before its buffer is reused or overwritten)."""
-        self.wait_for_compute_weights()
-        if not self._gathered:
-            return False
-        self.allocator.free(self.temporary_key("unsharded_model_weight"))
-        self._gathered = False
-        return True
-
-    @property
-    def is_gathered(self) -> bool:
-        return self._gathered
-
-    @property
-    def holds_weight_work(self) -> bool:
-        """Gathered weights or an in-flight gather or refresh: what
-        :meth:`free_gathered_weights` acts on (a cheap check for the many hooks that ask)."""
-        return self._gathered or self._pending_weights is not None
+        return Pending(None, finish)
 
     # ------------------------------------------------------------------ accounting
 

@@ -20,8 +20,9 @@ the same order:
   are separate (the cast-and-copy kernel of the uncoalesced refresh), into its column of this
   rank's slot of a temporary ``refresh_bucket``: rank-major, rank r's slot holds slot r of every
   member in order;
-* one all-gather of that slot, in place, through the first member's ``issue`` (the debug order
-  check, ``collective_impl`` and the accounting, which counts it for that group only);
+* one all-gather of that slot, in place, through the first member's issuer (the debug order
+  check, ``collective_impl`` and the accounting, which counts it for that group only; see
+  [Note: who issues collectives] in ``_issuer.py``);
 * copy-out, when a member first waits for its weights: every rank's column of each member into
   its replicated ``model_weight`` (one strided copy per member); then the bucket is freed.
 
@@ -46,13 +47,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from .. import ops
 from .._buffers._plan import Collective
-from .._comm import _collectives as comm
 from .._profiling import traced
-from . import _reduce
+from ._issuer import CollectiveLaunch, Pending
 
 if TYPE_CHECKING:
     from .._buffers._allocator import BucketAllocator
@@ -83,7 +82,7 @@ class RefreshBucket:
         self.coalescer = coalescer
         self.members = members
         self.index = index  # position in the plan
-        self.pending: _reduce.Pending | None = None
+        self.pending: Pending | None = None
         self.issued = False
         self.done = False
 
@@ -174,14 +173,6 @@ class RefreshCoalescer:
             column += width
         # The refresh's cast-and-copy kernel (same rounding as the uncoalesced refresh).
         ops.pack_([g.main_weight for g in members], offsets, gathered)
-        group_pg = first.process_group
-
-        def launch(a: bool) -> dist.Work | None:
-            return comm.all_gather_into(gathered, own, group_pg, a)
-
-        what = (f"coalesced refresh all-gather of {len(members)} groups "
-                f"({gathered.numel()} elements)")
-        handle = first.issue(what, launch, async_op=async_op, reduce=False)
         allocator = self.allocator
 
         def finish() -> None:
@@ -195,8 +186,12 @@ class RefreshCoalescer:
                     column += width
             allocator.free(key)
 
-        bucket.pending = _reduce.Pending(handle, finish)
-        shared = _reduce.Pending(None, lambda: self.complete(bucket))
+        what = (f"coalesced refresh all-gather of {len(members)} groups "
+                f"({gathered.numel()} elements)")
+        bucket.pending = first.issuer.launch(CollectiveLaunch(
+            Collective.ALL_GATHER, gathered, own, what=what, complete=finish,
+        ), async_op)
+        shared = Pending(None, lambda: self.complete(bucket))
         for group in members:
             group.refresh_bucket = None
             group.take_refresh(shared)

@@ -516,7 +516,7 @@ class FSDPState:
 
     def prepare_gradients(self) -> None:
         """Before this unit's parameters receive gradients: let autograd write them into the
-        flat buffers (see [Note: gradients in place] in ``_grads.py``, which says why a unit
+        flat buffers (see [Note: gradients in place] in ``_grad_staging.py``, which says why a unit
         with units nested below it does so only on the accumulate path)."""
         for group in self.groups:
             accumulates = group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE

@@ -34,7 +34,7 @@ steady-state step reads no value, for every strategy, with either ``zero_grad`` 
 
 * The one read left: a parameter that received no gradient on this rank in the window and had
   none installed gets ``.grad=None`` only if its reduced gradient is exactly zero (no rank used
-  it, see [Note: gradients the optimizer sees] in ``_grads.py``). Whether other ranks used it
+  it, see [Note: gradients the optimizer sees] in ``_grad_views.py``). Whether other ranks used it
   reaches this rank only through the reduced values, so no host-side bookkeeping can decide it:
   :func:`reduced_nonzero` reads all such parameters of a group at once (one read per group and
   window, not one per parameter). DDP pays the same with ``find_unused_parameters=True`` (it

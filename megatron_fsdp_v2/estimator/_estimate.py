@@ -131,7 +131,7 @@ def _check_args(world_size: int, rank: int, micro_batches: int, optimizer: str,
             "estimate() runs the library under a fake process group of its own, and this "
             "process already has a default process group; call estimate() before "
             "init_process_group, or in a separate process (e.g. python -m "
-            "megatron_fsdp_v2.estimate)"
+            "megatron_fsdp_v2.estimator)"
         )
 
 

@@ -31,7 +31,8 @@ def replay_temporaries(states: list[Any], micro_batches: int) -> int:
     * backward, in reverse: a unit's pre-backward gathers its weights, prefetches the
       previous unit's and, where gradients go in place on the reduce-each path (a unit with no
       unit below it), allocates its ``reduce_scatter_input`` (see [Note: gradients in place]
-      in ``_grads.py``); its post-backward frees its weights, finishes the reduction in flight
+      in ``_runtime/_grad_staging.py``); its post-backward frees its weights, finishes the
+      reduction in flight
       (``max_inflight_reductions = 1``: its bucket is freed) and stages its own
       (``reduce_scatter_input`` each micro-batch, or on the last backward the accumulate path's
       ``grad_comm`` when the communication dtype differs); the root's post-backward runs at the

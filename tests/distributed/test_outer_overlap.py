@@ -3,7 +3,7 @@
 ``no_shard``) or reduce-scatter (outer ``optim``) is launched as soon as the unit's last inner
 reduction has finished, when the next unit's post-backward drains it, so it is launched before
 the inner reduction of the unit after it in backward order; before, every outer reduction was
-launched by the final callback. The launches are recorded from ``FlatParamGroup.issue``; the
+launched by the final callback. The launches are recorded from ``GroupIssuer.launch``; the
 numbers, collective counts and bitwise agreement of replicas are what ``test_hsdp.py`` and
 ``test_hsdp_outer_optim.py`` check, unchanged.
 """
@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2._registry import state_of
-from megatron_fsdp_v2._runtime._flat_param_group import FlatParamGroup
+from megatron_fsdp_v2._runtime._issuer import CollectiveLaunch, GroupIssuer
 
 from _models import TinyGPT, lm_loss, make_batches
 from _pool import RankPools
@@ -42,15 +42,15 @@ def _launch_order(rank: int, world: int, inner: str, outer: str, reduce_bf16: bo
     fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     launches: list[tuple[str, str]] = []
-    issue = FlatParamGroup.issue
+    launch = GroupIssuer.launch
 
-    def recording(self: FlatParamGroup, what: str, launch: Any, **kwargs: Any) -> Any:
-        if kwargs.get("reduce"):
+    def recording(self: GroupIssuer, collective: CollectiveLaunch, async_op: bool) -> Any:
+        if collective.is_reduction:
             ctx = state_of(model).ctx  # type: ignore[union-attr]
-            unit = next(s.fqn for s in ctx.states if any(g is self for g in s.groups))
-            kind = "inner" if kwargs.get("process_group") is None else "outer"
+            unit = next(s.fqn for s in ctx.states if any(g.issuer is self for g in s.groups))
+            kind = "inner" if collective.axis == "shard" else "outer"
             launches.append((unit, kind))
-        return issue(self, what, launch, **kwargs)
+        return launch(self, collective, async_op)
 
     batches = make_batches("lm", 2, MICRO, world, per_rank=2)
     for step in range(2):
@@ -59,11 +59,11 @@ def _launch_order(rank: int, world: int, inner: str, outer: str, reduce_bf16: bo
             model.set_is_last_backward(last)
             loss = lm_loss(model, batches[step][i][rank]) / MICRO
             if step == 1 and last:
-                FlatParamGroup.issue = recording  # type: ignore[method-assign]
+                GroupIssuer.launch = recording  # type: ignore[method-assign]
             try:
                 loss.backward()
             finally:
-                FlatParamGroup.issue = issue  # type: ignore[method-assign]
+                GroupIssuer.launch = launch  # type: ignore[method-assign]
         opt.step()
         opt.zero_grad()
     order = [s.fqn for s in reversed(state_of(model).ctx.forward_order)]  # type: ignore[union-attr]

@@ -1,0 +1,211 @@
+"""A flat group's compute weights made ready and freed: bound as views of the unsharded
+buffer, gathered (ZeRO-3) or refreshed from updated main weights through ``_gather.py`` (see
+[Note: replicated-buffer refresh] there), waited on and freed. A part of
+:class:`~._flat_param_group.FlatParamGroup`, whose buffers and state it works on."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .._buffers._allocator import BucketAllocator
+from .._buffers._layout import BufferLayout
+from .._buffers._plan import BufferPlan, Refresh
+from .._profiling import traced
+from ..api import ResolvedDtypes
+from ._gather import cast_and_gather_weights, gather_weights, refresh_weights
+from ._issuer import GroupIssuer, Pending
+
+if TYPE_CHECKING:
+    from ._flat_param_group import ParamRecord
+    from ._grads import GroupGrads
+    from ._refresh_buckets import RefreshBucket
+
+__all__ = ["ComputeWeights"]
+
+
+class ComputeWeights:
+    """The compute-weight part of :class:`~._flat_param_group.FlatParamGroup` (its state is set
+    there)."""
+
+    plan: BufferPlan
+    layout: BufferLayout
+    dtypes: ResolvedDtypes
+    device: torch.device
+    allocator: BucketAllocator
+    issuer: GroupIssuer
+    records: list[ParamRecord]
+    grads: GroupGrads
+    model_weight: torch.Tensor
+    main_weight: torch.Tensor
+    refresh_bucket: RefreshBucket | None
+    views_generation: int
+    _views_bound: bool
+    _bound_to: torch.Tensor | None
+    _gathered: bool
+    _weights_stale: bool
+    _pending_weights: Pending | None
+    _main_version: int
+
+    if TYPE_CHECKING:  # defined by FlatParamGroup
+        def temporary_key(self, role: str) -> tuple[tuple[int, int], str]: ...
+
+    def bind(self) -> None:
+        """Make the compute parameters zero-copy views of the unsharded weights, which releases
+        their original storage. A group that gathers has no unsharded bucket until its first
+        gather (so wrapping never holds a full-size copy): until then they hold an empty
+        placeholder."""
+        if not self.plan.gathers_weights:
+            self._bind_compute_views(self.model_weight)
+            return
+        with torch.no_grad():
+            for record in self.records:
+                record.compute_param.data = torch.empty(
+                    0, dtype=self.dtypes.model, device=self.device
+                )
+
+    def _bind_compute_views(self, unsharded_model_weight: torch.Tensor) -> None:
+        # Outside inference mode: a view made inside it could never be updated in place again.
+        with torch.no_grad(), torch.inference_mode(False):
+            for record in self.records:
+                item = record.item
+                flat = unsharded_model_weight[item.offset : item.end]
+                record.compute_param.data = flat.view(item.shape)
+        self._views_bound = True
+        self._bound_to = unsharded_model_weight
+        self.views_generation += 1
+
+    def note_views_exposed(self) -> None:
+        """The compute parameters are about to be used (forward, recompute, backward): tensors
+        autograd saves may view the gathered bucket until backward, so it must get the same
+        memory whenever it is gathered again in this iteration (``BucketAllocator.pin``)."""
+        if self._gathered:
+            self.allocator.pin(self.temporary_key("unsharded_model_weight"))
+
+    def drop_gathered_views(self) -> None:
+        """A group that gathers, not gathered now: its compute parameters let go of the
+        temporary bucket (back to the placeholder of :meth:`bind`), so a trace-pool arena that
+        was replaced or released is freed; the next gather binds them again. Likewise the
+        gradient aliases cached over a temporary bucket (any group)."""
+        self.grads.forget_temporary_aliases()
+        if not self.plan.gathers_weights or self._gathered or not self._views_bound:
+            return
+        self.bind()
+        self._views_bound = False
+        self._bound_to = None
+        self.views_generation += 1  # a graph saved before must not be backwarded now
+
+    @property
+    def needs_refresh(self) -> bool:
+        return self._weights_stale
+
+    def mark_main_weights_updated(self) -> None:
+        """The main weights changed: rebuild compute weights before their next use (a no-op
+        where compute weights are the main weights)."""
+        if self.plan.refresh is not Refresh.NONE:
+            self._weights_stale = True
+
+    def dist_param_version(self) -> int:
+        """The sum of the optimizer-facing parameters' version counters: changes with every
+        in-place write through them."""
+        return sum(r.dist_param._version for r in self.records)
+
+    def detect_main_weight_edits(self) -> None:
+        """Mark the group stale when an in-place op on an optimizer-facing parameter (e.g.
+        ``nn.init.normal_(p)``, ``p.copy_(x)``) bumped its version counter since the last look."""
+        version = self.dist_param_version()
+        if version != self._main_version:
+            self._main_version = version
+            self.mark_main_weights_updated()
+
+    def ready_compute_weights(self, async_op: bool = False) -> bool:
+        """Make the compute weights current: gather them (a group that gathers) or refresh them
+        from updated main weights. Possibly asynchronous (:meth:`wait_for_compute_weights`).
+        Returns whether a collective was issued."""
+        # Nothing to do (every pre-forward and pre-backward of a ready unit asks): skip the
+        # inference-mode context, a measurable per-unit cost on many small units.
+        if self._gathered if self.plan.gathers_weights else not self._weights_stale:
+            return False
+        # Buckets and views made under inference mode could never be updated in place again.
+        with torch.inference_mode(False):
+            if self.plan.gathers_weights:
+                return self._gather(async_op)
+            return self._refresh(async_op)
+
+    def _gather(self, async_op: bool) -> bool:
+        if self._gathered:
+            return False
+        refresh: Pending | None = None
+        cast_at_gather = self.plan.refresh is Refresh.CAST_AT_GATHER
+        if self._weights_stale:
+            # The cast, then the plan's refresh steps (HSDP outer optim: the outer all-gather
+            # that rebuilds the inner shard), which the inner gather waits for where it launches.
+            # Nothing to rebuild when the gather below casts the main shard itself.
+            if not cast_at_gather:
+                refresh = refresh_weights(self.plan, self.main_weight, self.model_weight,
+                                          self.issuer, async_op)
+            self._weights_stale = False
+        output = self.allocator.allocate(
+            self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
+            self.dtypes.model, self.device,
+        )
+        # Views stay valid across storage freeing; a trace-pool bucket may move between
+        # iterations (see [Note: trace-planned pool]), then they follow it.
+        if not self._views_bound or output is not self._bound_to:
+            self._bind_compute_views(output)
+        if cast_at_gather:
+            self._pending_weights = cast_and_gather_weights(
+                output, self.main_weight, self.plan.main_weight_span[0], self.issuer, async_op,
+            )
+        else:
+            self._pending_weights = gather_weights(
+                output, self.model_weight, self.issuer, async_op, after=refresh,
+            )
+        self._gathered = True
+        return True
+
+    def _refresh(self, async_op: bool) -> bool:
+        if not self._weights_stale:
+            return False
+        bucket = self.refresh_bucket
+        if bucket is not None:  # issuing it makes this group fresh (take_refresh)
+            return bucket.coalescer.issue_through(bucket, async_op)
+        self._weights_stale = False
+        self._pending_weights = refresh_weights(
+            self.plan, self.main_weight, self.model_weight, self.issuer, async_op,
+        )
+        return self._pending_weights is not None
+
+    def take_refresh(self, pending: Pending) -> None:
+        """This group's refresh was issued as part of a bucket; ``pending`` completes it."""
+        self.wait_for_compute_weights()
+        self._weights_stale = False
+        self._pending_weights = pending
+
+    def wait_for_compute_weights(self) -> None:
+        pending, self._pending_weights = self._pending_weights, None
+        if pending is not None:
+            pending.finish()
+
+    @traced("mfsdp::free")
+    def free_gathered_weights(self) -> bool:
+        """Free the gathered weights of a group that gathers; returns whether it did. Waits for
+        an in-flight gather or refresh first (one launched for a unit that control flow then
+        skipped must finish before its buffer is reused or overwritten)."""
+        self.wait_for_compute_weights()
+        if not self._gathered:
+            return False
+        self.allocator.free(self.temporary_key("unsharded_model_weight"))
+        self._gathered = False
+        return True
+
+    @property
+    def is_gathered(self) -> bool:
+        return self._gathered
+
+    @property
+    def holds_weight_work(self) -> bool:
+        """Gathered weights or an in-flight gather or refresh: what
+        :meth:`free_gathered_weights` acts on (a cheap check for the many hooks that ask)."""
+        return self._gathered or self._pending_weights is not None

@@ -1,0 +1,22 @@
+"""What a flat group's ``main_grad`` holds: the state of the gradient state machine
+(``GroupGrads`` in ``_grads.py``), read by its staging (``_grad_staging.py``) and by what the
+optimizer sees (``_grad_views.py``)."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["GradState"]
+
+
+class GradState(enum.Enum):
+    """What ``main_grad`` holds."""
+
+    EMPTY = "empty"
+    """Nothing: the next gradient write overwrites (storage may be freed)."""
+    ACCUMULATING = "accumulating"
+    """Local, unreduced sums in the full-size ``main_grad`` (the accumulate path between the
+    first and the last micro-batch)."""
+    REDUCED = "reduced"
+    """Reduced sums in this rank's part of ``main_grad``; new micro-batches are reduced first and
+    then added."""

@@ -1,0 +1,158 @@
+"""One flat group's collectives, launched in one place: :class:`GroupIssuer` owns the group's
+process groups, the ``collective_impl`` choice and its accounting, the debug order check and
+the streams, and :meth:`GroupIssuer.launch` runs a :class:`CollectiveLaunch` (a description of
+one collective over flat buffers) and returns its :class:`Pending` handle.
+
+[Note: who issues collectives]
+Every collective of a group's gradient and weight pipeline goes down the layers once and comes
+back once:
+
+* the group's gradient state machine (``GroupGrads`` in ``_grads.py``) or weights
+  (``FlatParamGroup`` in ``_flat_param_group.py``) decide *that* a reduction, gather or refresh
+  runs now, and pass the group's issuer down;
+* the planning functions (``_reduce.py`` for reductions, ``_gather.py`` for gathers and
+  refreshes, and the tree's buckets in ``_coalesce.py`` and ``_refresh_buckets.py``) prepare
+  the buffers the plan names (copy-in, workspace, staging bucket), describe the collective as a
+  :class:`CollectiveLaunch` with what completes it (copy-out, freeing a temporary), and hand it
+  to the issuer of the group it is counted for (a bucket's first member);
+* :meth:`GroupIssuer.launch` runs the debug order check, then the collective function of
+  ``_collectives.py`` on the stream or ``async_op`` of [Note: asynchronous collectives], passing
+  its :class:`~.._comm._collective_impl.GroupCollectives` explicitly (which calls carry the
+  collective, and the count of what ran);
+* the :class:`Pending` it returns travels back up to whoever waits: ``finish()`` waits and then
+  completes, exactly once.
+
+One issuer per group rather than per unit: a unit's groups differ in dtype, device and
+``requires_grad`` and are counted, named in the debug check and coalesced one by one, and the
+process groups are the group's (``FlatParamGroup`` is what the checkpoint and the clipping code
+ask for them). Nothing is looked up from a context variable: the accounting a collective goes
+into is an argument all the way down.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .._buffers._plan import Collective
+from .._comm import _collectives as comm
+from .._comm._collective_impl import GroupCollectives
+from .._profiling import traced
+
+__all__ = ["CollectiveLaunch", "GroupIssuer", "Pending"]
+
+
+class Pending:
+    """An issued collective: :meth:`wait` blocks until its output is written; :meth:`finish`
+    also runs what consumes it (a copy-out, freeing a temporary bucket), exactly once."""
+
+    __slots__ = ("_handle", "_finish")
+
+    def __init__(
+        self, handle: comm.CommHandle | None, finish: Callable[[], None] | None = None
+    ) -> None:
+        self._handle = handle
+        self._finish = finish
+
+    @traced("mfsdp::wait")
+    def wait(self) -> None:
+        handle, self._handle = self._handle, None
+        if handle is not None:
+            handle.wait()
+
+    @property
+    def holds_temporary(self) -> bool:
+        """Whether finishing it consumes a temporary bucket (a reduction in place into a
+        persistent buffer has nothing left to run)."""
+        return self._finish is not None
+
+    def finish(self) -> None:
+        self.wait()
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+
+@dataclass(frozen=True, eq=False)
+class CollectiveLaunch:
+    """One collective over flat buffers, described for :meth:`GroupIssuer.launch`.
+
+    ``full`` is the whole flat buffer and ``part`` this rank's part of it:
+
+    * ``ALL_GATHER``: every rank's ``part`` gathered into ``full`` (``part`` may be this rank's
+      own slot of ``full``: an in-place gather);
+    * ``REDUCE_SCATTER``: ``full`` summed over the ranks, this rank's slot left in ``part``
+      (which may be that slot of ``full``);
+    * ``ALL_REDUCE``: ``full`` summed in place (``part`` unused).
+    """
+
+    op: Collective
+    full: torch.Tensor
+    part: torch.Tensor | None
+    what: str  # names it in the debug order check ("all-gather", "outer all-reduce", ...)
+    axis: str = "shard"  # the mesh axis it runs over: "shard", "outer" or "mesh"
+    after: Pending | None = None  # waited on where the collective launches (stream order)
+    complete: Callable[[], None] | None = None  # run by Pending.finish after the wait
+
+    @property
+    def is_reduction(self) -> bool:
+        """Reductions and gathers run on different side streams on CUDA."""
+        return self.op is not Collective.ALL_GATHER
+
+
+class GroupIssuer:
+    """The process groups and collectives of one flat group (see [Note: who issues
+    collectives])."""
+
+    def __init__(
+        self, *, name: str, numel: int, device: torch.device,
+        process_group: dist.ProcessGroup, outer_process_group: dist.ProcessGroup | None,
+        mesh_process_group: dist.ProcessGroup | None, collective_impl: str,
+    ) -> None:
+        self.name = name  # the group's, in the debug order check
+        self.numel = numel  # the group's flat size, in the debug order check
+        self.device = device
+        # The inner axis' group: the layout and every collective of the inner schedule.
+        self.process_group = process_group
+        # HSDP: the ranks that hold the same inner shard (None on a 1-D mesh).
+        self.outer_process_group = outer_process_group
+        # The whole mesh, where a plan norms over it (None otherwise).
+        self.mesh_process_group = mesh_process_group
+        self.axis_groups: dict[str, dist.ProcessGroup] = {"shard": process_group}
+        if outer_process_group is not None:
+            self.axis_groups["outer"] = outer_process_group
+        if mesh_process_group is not None:
+            self.axis_groups["mesh"] = mesh_process_group
+        # Which calls carry this group's collectives, and the count of what ran.
+        self.collectives = GroupCollectives(collective_impl)
+        self.streams = comm.streams_for(device)
+        self.debug = os.environ.get("MFSDP_DEBUG_COLLECTIVES", "0") == "1"
+
+    def launch(self, collective: CollectiveLaunch, async_op: bool) -> Pending:
+        """Run ``collective`` over its axis' process group, in the background when ``async_op``
+        (see [Note: asynchronous collectives]); the handle's ``finish()`` waits for it, then
+        runs its ``complete``."""
+        group = self.axis_groups[collective.axis]
+        if self.debug:
+            comm.check_collective_order(
+                group, f"{collective.what} of {self.name} ({self.numel} elements)", self.device
+            )
+        collectives = self.collectives
+
+        def run(a: bool) -> dist.Work | None:
+            if collective.after is not None:
+                collective.after.wait()
+            op, full, part = collective.op, collective.full, collective.part
+            if op is Collective.ALL_REDUCE:
+                return comm.all_reduce_inplace(full, group, a, collectives=collectives)
+            assert part is not None, collective
+            if op is Collective.ALL_GATHER:
+                return comm.all_gather_into(full, part, group, a, collectives=collectives)
+            return comm.reduce_scatter_into(part, full, group, a, collectives=collectives)
+
+        handle = self.streams.run(run, async_op=async_op, reduce=collective.is_reduction)
+        return Pending(handle, collective.complete)

@@ -111,8 +111,8 @@ class FSDPContext:
         (a workspace in the communication dtype, or outer optim's ``window_grad``, which it
         frees) is listed again and finished by the next drain, so at most one unit's are alive
         besides the reduction in flight (the estimator replays this:
-        ``estimator/_replay._Replay``); an all-reduce in place runs on until the final callback, which waits for all of them and
-        installs.
+        ``estimator/_replay._Replay``); an all-reduce in place runs on until the final callback,
+        which waits for all of them and installs.
         Same collectives, same buffers, same arithmetic: only the launch moves earlier."""
         finished: list[FSDPState] = []
         while len(self.reducing) > keep:

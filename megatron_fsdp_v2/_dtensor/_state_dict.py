@@ -54,7 +54,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _registry
-from .._buffers._plan import Collective, CollectiveStep, Extent
+from .._buffers._plan import Extent
 from .._runtime._flat_param_group import FlatParamGroup
 
 __all__ = [
@@ -62,7 +62,6 @@ __all__ = [
     "attach_chunk_metadata",
     "make_picklable",
     "mark_rows",
-    "check_outer_no_shard",
     "dist_param_slots",
     "expected_entries",
     "first_mismatch",
@@ -229,25 +228,6 @@ def strip_metadata(tensors: Any) -> None:
                 )
                 if attr in target.__dict__ and ours:
                     delattr(target, attr)
-
-
-def check_outer_no_shard(group: FlatParamGroup, what: str) -> None:
-    """Checkpoints of a unit on a 2-D (HSDP) mesh are built for outer ``no_shard`` (every
-    replica holds the same inner rows) and outer ``optim`` (every rank holds its own sub-shard
-    rows, see [Note: uneven shards in state dicts]): raise ``NotImplementedError`` for anything
-    else."""
-    if group.mesh.ndim == 1:
-        return
-    outer = getattr(group, "outer_strategy", None)
-    outer_value = getattr(outer, "value", outer)
-    no_shard_steps = ((), (CollectiveStep(Collective.ALL_REDUCE, "outer"),))
-    if getattr(group.plan, "optimizer_placement", None) is Extent.SUB_SHARD:
-        return  # outer optim: each rank's own sub-shard rows
-    if outer_value not in (None, "no_shard") or group.plan.window_steps not in no_shard_steps:
-        raise NotImplementedError(
-            f"{what}: checkpoints of units on a 2-D (HSDP) mesh support "
-            "outer_dp_sharding_strategy='no_shard' and 'optim' only; nothing was read or written"
-        )
 
 
 def is_row_sharded(group: FlatParamGroup) -> bool:

@@ -327,30 +327,3 @@ def test_hsdp_checkpoints_reshard_and_full_state_dicts() -> None:
     with tempfile.TemporaryDirectory() as root:
         run_distributed(_world4_worker, 4, root, timeout_s=240)
         run_distributed(_world3_worker, 3, root, timeout_s=120)
-
-
-def test_outer_strategies_checkpoint_check() -> None:
-    """The checkpoint code accepts 1-D units, outer no_shard and outer optim (sub-shard rows);
-    anything else on a 2-D mesh is refused, no collective involved."""
-    from types import SimpleNamespace
-
-    import pytest
-
-    from megatron_fsdp_v2._buffers._plan import Collective, CollectiveStep, Extent
-    from megatron_fsdp_v2._dtensor._state_dict import check_outer_no_shard
-
-    def fake(ndim: int, steps: tuple, outer: str | None = None,
-             placement: Extent = Extent.SHARD) -> SimpleNamespace:
-        return SimpleNamespace(mesh=SimpleNamespace(ndim=ndim), plan=SimpleNamespace(
-            window_steps=steps, optimizer_placement=placement), outer_strategy=outer)
-
-    no_shard = (CollectiveStep(Collective.ALL_REDUCE, "outer"),)
-    optim = (CollectiveStep(Collective.REDUCE_SCATTER, "outer"),)
-    check_outer_no_shard(fake(1, ()), "x")  # type: ignore[arg-type]
-    check_outer_no_shard(fake(2, ()), "x")  # type: ignore[arg-type]
-    check_outer_no_shard(fake(2, no_shard), "x")  # type: ignore[arg-type]
-    check_outer_no_shard(fake(2, optim, "optim", Extent.SUB_SHARD), "x")  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="'no_shard' and 'optim' only"):
-        check_outer_no_shard(fake(2, optim), "x")  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="'no_shard' and 'optim' only"):
-        check_outer_no_shard(fake(2, no_shard, "optim_grads"), "x")  # type: ignore[arg-type]

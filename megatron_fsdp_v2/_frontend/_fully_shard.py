@@ -176,7 +176,6 @@ def fully_shard(
     ``module`` untouched. An invalid parameter found on some ranks only (with ``check_ranks``)
     is shared in the cross-rank check, so every rank raises the same error promptly.
     """
-
     options = parse_options(
         module, mesh=mesh, sharding_strategy=sharding_strategy,
         reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,

@@ -457,7 +457,7 @@ _META = torch.device("meta")
 
 # ---------------------------------------------------------------------- command line
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+STRATEGIES = tuple(s.value for s in ShardingStrategy)  # every strategy, in code order
 _GIB = float(1 << 30)
 
 

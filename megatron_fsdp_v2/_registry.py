@@ -1,8 +1,8 @@
 """Process-wide bookkeeping of the library, behind typed accessors: which module has which unit
 state, which parameter belongs to which record, the library's process groups and default meshes,
-the ``FSDP<Class>`` classes, the optimizer step hooks and the replaced
-``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm``. Nothing here is created at import
-time; :func:`reset` forgets everything (tests).
+the ``FSDP<Class>`` classes, meta-device units waiting for values, the optimizer step hooks and
+their caches, and the replaced ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm``. Nothing
+here is created at import time; :func:`reset` forgets everything (tests).
 
 Modules and parameters are keyed weakly by identity (``torch.utils.weak.WeakIdKeyDictionary``:
 tensors compare elementwise, so a plain ``WeakKeyDictionary`` cannot hold them), never through
@@ -19,7 +19,9 @@ import torch.nn as nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
+    from ._init._materialize import PendingUnit
     from ._runtime._flat_param_group import FlatParamGroup, ParamRecord
+    from ._runtime._optimizer_local import LocalSwap, ParamPositions
     from ._runtime._state import FSDPState
 
 __all__ = [
@@ -49,6 +51,21 @@ optimizer_hook_handles: list[Any] = []
 zero_grad_wrapper: list[Any] = []
 optimizer_cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 wrap_generation = [0]
+# [Note: local optimizer step] (_optimizer_local.py): the optimizers whose step runs on local
+# tensors right now (or whose step raised half-way), those given the state-dict hook that swaps
+# back, and where each optimizer holds managed parameters (cached: the hook runs every step).
+local_step_swaps: weakref.WeakKeyDictionary[torch.optim.Optimizer, LocalSwap] = (
+    weakref.WeakKeyDictionary()
+)
+local_step_restore_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+local_step_positions: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamPositions] = (
+    weakref.WeakKeyDictionary()
+)
+# Wrapped modules whose meta parameters or buffers have no values yet (see [Note: meta
+# materialization] in _materialize.py).
+pending_meta_units: weakref.WeakKeyDictionary[nn.Module, PendingUnit] = weakref.WeakKeyDictionary()
+# Depth of FSDPModule._apply calls in progress (see [Note: conversions after wrapping]).
+applying_depth = [0]
 # torch.nn.utils.clip_grad_norm_ and get_total_norm as they were before the first wrap replaced
 # them, and the function that puts them back (see [Note: torch clip_grad_norm_ route] in
 # _fsdp2_compat.py).
@@ -108,9 +125,17 @@ def reset() -> None:
     zero_grad_wrapper.clear()
     optimizer_cache.clear()
     wrap_generation[0] = 0
+    local_step_swaps.clear()
+    local_step_restore_hooked.clear()
+    local_step_positions.clear()
+    pending_meta_units.clear()
+    applying_depth[0] = 0
+    meta_buffers[0] = False
     for _, restore in torch_clip_grad_norm:
         restore()
     torch_clip_grad_norm.clear()
     for _, restore in torch_autograd_grad:
         restore()
     torch_autograd_grad.clear()
+    # Saved torch originals of the monkeypatches (_torch_patches/): put back and forgotten here.
+    pass  # TORCH_PATCHES_RESET: the _torch_patches helper replaces this line (uninstall_all)

@@ -43,7 +43,8 @@ from ..api import ResolvedDtypes, ShardingStrategy
 from ._layout import BufferLayout
 
 __all__ = [
-    "BufferPlan", "Collective", "CollectiveStep", "Extent", "GradPath", "Refresh", "make_plan",
+    "BufferPlan", "Collective", "CollectiveStep", "Extent", "GradPath", "Refresh",
+    "layout_world_size", "make_plan", "shards_outer_optim",
 ]
 
 
@@ -167,6 +168,21 @@ class BufferPlan:
         )
 
 
+def shards_outer_optim(outer: ShardingStrategy, outer_size: int) -> bool:
+    """Whether groups on a mesh with ``outer_size`` replicas along the outer axis, under outer
+    strategy ``outer``, follow the outer ``optim`` plan (optimizer state sharded over every rank
+    of the mesh; an outer axis of one replica has nothing to shard)."""
+    return outer is ShardingStrategy.OPTIM and outer_size > 1
+
+
+def layout_world_size(shard_size: int, outer: ShardingStrategy, outer_size: int) -> int:
+    """How many slots a group's layout (``build_layout``) is built over: the ``shard_size``
+    ranks of the inner axis, or under outer ``optim`` the ``outer_size * shard_size``
+    sub-shards, inner shard ``s`` being sub-shards ``[s * R, (s + 1) * R)`` (see [Note: buffer
+    plan])."""
+    return shard_size * outer_size if shards_outer_optim(outer, outer_size) else shard_size
+
+
 def make_plan(
     strategy: ShardingStrategy, dtypes: ResolvedDtypes, layout: BufferLayout, rank: int,
     outer: ShardingStrategy | None = None, outer_rank: int = 0, outer_size: int = 1,
@@ -185,9 +201,11 @@ def make_plan(
         raise ValueError(f"outer sharding strategy {outer.value!r}: use 'no_shard' or 'optim'")
     full = (0, layout.total_numel)
     shard = layout.shard_range(rank)
-    shards_main = strategy is not ShardingStrategy.NO_SHARD
-    shards_grads = strategy in (ShardingStrategy.OPTIM_GRADS, ShardingStrategy.OPTIM_GRADS_PARAMS)
-    gathers = strategy is ShardingStrategy.OPTIM_GRADS_PARAMS
+    # What each strategy shards is ShardingStrategy's table (api.py); the plan turns it into
+    # buffers and collectives.
+    shards_main = strategy.shards_main_weights
+    shards_grads = strategy.shards_grads
+    gathers = strategy.shards_model_weights
     separate = dtypes.main != dtypes.model
     main_extent = Extent.SHARD if shards_main else Extent.FULL
     grad_path = (

@@ -392,5 +392,5 @@ def warn_if_padded(layout: BufferLayout, fqns: list[str], max_padding_ratio: flo
         "more, smaller rows (e.g. store a (1, N) parameter as (N,)), pass it in "
         "ignored_params, or raise max_padding_ratio to accept the padding",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,  # the caller of fully_shard (through _wiring.build_groups)
     )

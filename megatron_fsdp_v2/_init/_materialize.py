@@ -1,5 +1,6 @@
 """Models built on the meta device: parameters materialized into the flat buffers, this rank's
-rows only, and the ``.to()``/``.to_empty()`` conversions of wrapped modules.
+rows only. (The ``.to()``/``.to_empty()`` conversions of wrapped modules, which also end a
+pending materialization, are in ``_conversions.py``.)
 
 [Note: meta materialization]
 ``fully_shard`` accepts a unit whose parameters are on the ``meta`` device. It allocates the
@@ -42,32 +43,16 @@ This is not checked at wrap time on purpose: torchtitan's flow wraps a meta mode
 holds a buffer (``freqs_cis``) no ``reset_parameters`` covers, then calls ``to_empty`` and its
 own init, and never materializes. Anything still on ``meta`` in the pending units after the pass
 (e.g. a meta parameter passed in ``ignored_params``) raises a ``RuntimeError`` naming it.
-
-[Note: conversions after wrapping]
-``nn.Module._apply`` (behind ``.to()``, ``.float()``, ``.cuda()``, ``.to_empty()``...) would
-replace the DTensor parameters that view the flat buffers. ``FSDPModule._apply`` first applies
-the conversion to every managed parameter and classifies the result (``classify``): the same
-object (a no-op ``.to``) changes nothing; a new tensor of the same kind, placements, shape,
-dtype and device (``to_empty(device=<the buffers' device>)``, or any value-only map) is copied
-into this rank's main weights, which are then marked updated (compute weights are refreshed
-before the next forward), and clears a pending meta init: ``to_empty`` means the user
-initializes (torchtitan: ``init_weights()`` writing in place through the DTensor parameters, or
-``checkpoint.load_full_state_dict(..., broadcast_from_rank0=True)``). Anything else (another
-dtype or device) raises ``NotImplementedError`` before anything changed. Non-managed tensors
-(buffers, ignored parameters) go through ``nn.Module._apply`` as usual.
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .. import _registry
 from .._runtime._flat_param_group import FlatParamGroup
@@ -75,22 +60,21 @@ from .._runtime._slots import owned_modules
 from ._init_order import InitCall, plan_init_calls, refuse_unreproducible_inits
 
 __all__ = [
-    "ParamInitFn", "adopt_meta_unit", "classify", "is_pending", "materialize",
-    "materialize_hook", "mark_initialized_by_user",
+    "ParamInitFn", "adopt_meta_unit", "has_meta_state", "materialize", "materialize_hook",
+    "mark_initialized_by_user",
 ]
 
 ParamInitFn = Callable[[nn.Module], None]
 
 
 @dataclass(eq=False)
-class _PendingUnit:
+class PendingUnit:
+    """A wrapped module whose meta parameters or buffers have no values yet (kept in
+    ``_registry.pending_meta_units`` until materialized or initialized by the user)."""
+
     groups: list[FlatParamGroup]
     device: torch.device
     param_init_fn: ParamInitFn | None
-
-
-# Wrapped modules whose meta parameters or buffers have no values yet.
-_pending: weakref.WeakKeyDictionary[nn.Module, _PendingUnit] = weakref.WeakKeyDictionary()
 
 
 def has_meta_state(module: nn.Module) -> bool:
@@ -122,16 +106,12 @@ def adopt_meta_unit(
         for name, param in submodule._parameters.items():
             if param is not None and id(param) in replacement:
                 submodule._parameters[name] = replacement[id(param)]
-    _pending[module] = _PendingUnit(groups, device, param_init_fn)
-
-
-def is_pending(module: nn.Module) -> bool:
-    return module in _pending
+    _registry.pending_meta_units[module] = PendingUnit(groups, device, param_init_fn)
 
 
 def mark_initialized_by_user(module: nn.Module) -> None:
     """``to_empty`` after wrapping: the user initializes ``module``'s unit (no materialization)."""
-    unit = _pending.pop(module, None)
+    unit = _registry.pending_meta_units.pop(module, None)
     if unit is not None:
         for group in unit.groups:
             group.finish_materialization()
@@ -146,12 +126,13 @@ def materialize(root: nn.Module) -> None:
     """Give every pending unit in ``root``'s tree its values (see [Note: meta materialization]
     and [Note: initializers that cover a subtree]). Local: no collective. Cheap when nothing is
     pending."""
-    if not _pending:
+    pending = _registry.pending_meta_units
+    if not pending:
         return
-    units = {id(m): (m, _pending[m]) for m in root.modules() if m in _pending}
+    units = {id(m): (m, pending[m]) for m in root.modules() if m in pending}
     if not units:
         return
-    owner: dict[int, _PendingUnit] = {}
+    owner: dict[int, PendingUnit] = {}
     for module, unit in units.values():
         for _, submodule in owned_modules(module):
             owner[id(submodule)] = unit
@@ -196,7 +177,7 @@ def materialize(root: nn.Module) -> None:
     for module, unit in units.values():
         for group in unit.groups:
             group.finish_materialization()
-        del _pending[module]
+        del _registry.pending_meta_units[module]
         _check_nothing_left(module)
 
 
@@ -224,7 +205,7 @@ def _pending_slots(module: nn.Module, pending_groups: set[int]) -> list[tuple[st
 
 
 def _check_initializer(
-    name: str, module: nn.Module, unit: _PendingUnit, first: tuple[str, str]
+    name: str, module: nn.Module, unit: PendingUnit, first: tuple[str, str]
 ) -> None:
     if unit.param_init_fn is not None or callable(getattr(module, "reset_parameters", None)):
         return
@@ -266,7 +247,7 @@ class _Installed:
 
 
 def _install_module(
-    name: str, module: nn.Module, unit: _PendingUnit, pending_groups: set[int],
+    name: str, module: nn.Module, unit: PendingUnit, pending_groups: set[int],
     installed: list[_Installed],
 ) -> None:
     """Replace ``module``'s meta buffers for good and put fresh full-size tensors in the slots of
@@ -308,7 +289,7 @@ def _share_tied(installed: list[_Installed]) -> None:
             entry.module._parameters[entry.slot] = holder.value  # type: ignore[assignment]
 
 
-def _run_initializer(module: nn.Module, unit: _PendingUnit) -> None:
+def _run_initializer(module: nn.Module, unit: PendingUnit) -> None:
     with torch.no_grad():
         if unit.param_init_fn is not None:
             unit.param_init_fn(module)
@@ -382,57 +363,3 @@ def _describe(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)} on {value.device}"
     return repr(value)
-
-
-# ---------------------------------------------------------------------- conversions (_apply)
-
-_applying = [0]  # depth of FSDPModule._apply calls in progress
-
-
-def applying() -> bool:
-    """Inside a unit's ``_apply``, which already handled every unit below it."""
-    return _applying[0] > 0
-
-
-@contextlib.contextmanager
-def applying_conversion() -> Iterator[None]:
-    _applying[0] += 1
-    try:
-        yield
-    finally:
-        _applying[0] -= 1
-
-
-def classify(fn: Callable[[torch.Tensor], Any], param: nn.Parameter) -> str | None:
-    """What ``fn`` (an ``nn.Module._apply`` conversion) does to the managed DTensor parameter
-    ``param``: ``"same"`` (returns it), ``"copy"`` (a new value of the same kind, placements,
-    shape, dtype and device: its values can be copied into the buffers), or ``None`` (anything
-    else: not supported). See [Note: conversions after wrapping]."""
-    try:
-        out = fn(param)
-    except Exception:  # noqa: BLE001 - any failure means it cannot be applied in place
-        return None
-    if out is param:
-        return "same"
-    local = param._local_tensor  # type: ignore[attr-defined]
-    if (
-        isinstance(out, DTensor)
-        and isinstance(param, DTensor)
-        and out.placements == param.placements
-        and out.device_mesh == param.device_mesh
-        and out.shape == param.shape
-        and out.dtype == param.dtype
-        and out._local_tensor.device == local.device
-        and out._local_tensor.shape == local.shape
-    ):
-        return "copy"
-    return None
-
-
-@torch.no_grad()
-def copy_converted(fn: Callable[[torch.Tensor], Any], group: FlatParamGroup, index: int) -> None:
-    """Apply ``fn`` (classified ``"copy"``) to parameter ``index`` of ``group`` again and write
-    the result into this rank's main weights; the caller marks the group updated."""
-    param = group.records[index].dist_param
-    out = fn(param)
-    param._local_tensor.copy_(out._local_tensor)  # type: ignore[attr-defined]

@@ -30,7 +30,6 @@ it first.
 from __future__ import annotations
 
 import operator
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +39,9 @@ from torch.optim import optimizer as torch_optimizer
 
 from .. import _registry
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "restore", "swap_in_local_tensors"]
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS", "LocalSwap", "ParamPositions", "restore", "swap_in_local_tensors",
+]
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
@@ -51,16 +52,13 @@ _PER_PARAM_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "moment
 
 
 @dataclass
-class _Swap:
+class LocalSwap:
+    """What a local step swapped in one optimizer's lists, to swap back after it."""
+
     # (the param group's list, index, the DTensor parameter, its local tensor)
     params: list[tuple[list[Any], int, DTensor, torch.Tensor]] = field(default_factory=list)
     # id of a local state tensor -> the DTensor state it came from (reused on the way back)
     state_of_local: dict[int, DTensor] = field(default_factory=dict)
-
-
-# Optimizers whose step runs on local tensors right now (or whose step raised half-way).
-_active: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Swap] = weakref.WeakKeyDictionary()
-_restore_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def _only_our_hooks(optimizer: torch.optim.Optimizer) -> bool:
@@ -91,7 +89,7 @@ def _placed_as(value: Any, p: DTensor) -> bool:
 
 
 @dataclass
-class _Positions:
+class ParamPositions:
     """Where an optimizer holds managed DTensor parameters (cached: the hook runs every step)."""
 
     param_count: int
@@ -102,16 +100,11 @@ class _Positions:
     placed_state: dict[int, tuple[Any, ...]] = field(default_factory=dict)
 
 
-_positions: weakref.WeakKeyDictionary[torch.optim.Optimizer, _Positions] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _find_positions(optimizer: torch.optim.Optimizer) -> _Positions | None:
+def _find_positions(optimizer: torch.optim.Optimizer) -> ParamPositions | None:
     """The managed DTensor parameters of ``optimizer`` and where they are (cached while its
     lists hold the same objects); None if it holds a DTensor this library does not manage."""
     param_count = sum(len(g["params"]) for g in optimizer.param_groups)
-    cached = _positions.get(optimizer)
+    cached = _registry.local_step_positions.get(optimizer)
     if (
         cached is not None and cached.param_count == param_count
         and cached.generation == _registry.wrap_generation[0]
@@ -123,11 +116,11 @@ def _find_positions(optimizer: torch.optim.Optimizer) -> _Positions | None:
         for index, p in enumerate(group["params"]):
             if isinstance(p, DTensor):
                 if _registry.record_of(p) is None:
-                    _positions.pop(optimizer, None)
+                    _registry.local_step_positions.pop(optimizer, None)
                     return None
                 entries.append((group["params"], index, p))
-    found = _Positions(param_count, _registry.wrap_generation[0], entries)
-    _positions[optimizer] = found
+    found = ParamPositions(param_count, _registry.wrap_generation[0], entries)
+    _registry.local_step_positions[optimizer] = found
     return found
 
 
@@ -157,7 +150,7 @@ def swap_in_local_tensors(optimizer: torch.optim.Optimizer) -> None:
         swaps.append((params, index, p, p._local_tensor))
     if not swaps:
         return
-    swap = _Swap()
+    swap = LocalSwap()
     for params, index, p, local in swaps:
         grad = p.grad
         local.grad = grad._local_tensor if isinstance(grad, DTensor) else None
@@ -172,17 +165,17 @@ def swap_in_local_tensors(optimizer: torch.optim.Optimizer) -> None:
                 local_state[key] = value
             state[local] = local_state
     swap.params = swaps
-    _active[optimizer] = swap
-    if optimizer not in _restore_hooked:
+    _registry.local_step_swaps[optimizer] = swap
+    if optimizer not in _registry.local_step_restore_hooked:
         optimizer.register_state_dict_pre_hook(restore)
         optimizer.register_load_state_dict_pre_hook(lambda opt, state_dict: restore(opt))
-        _restore_hooked.add(optimizer)
+        _registry.local_step_restore_hooked.add(optimizer)
 
 
 def restore(optimizer: torch.optim.Optimizer) -> None:
     """Undo :func:`swap_in_local_tensors`: the DTensor parameters back in the optimizer's lists,
     its state keyed by them again, with DTensor values (new ones for state the step created)."""
-    swap = _active.pop(optimizer, None)
+    swap = _registry.local_step_swaps.pop(optimizer, None)
     if swap is None:
         return
     state = optimizer.state

@@ -19,7 +19,7 @@ from .. import _registry
 from ._compile import eager_hook
 
 if TYPE_CHECKING:
-    from ._state import FSDPState
+    from ._unit_state import UnitState
 
 __all__ = ["ParamSlots", "owned_modules"]
 
@@ -44,7 +44,7 @@ def owned_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
 class ParamSlots:
     """The parameter slots of one unit's modules."""
 
-    def __init__(self, state: FSDPState, module: nn.Module) -> None:
+    def __init__(self, state: UnitState, module: nn.Module) -> None:
         self._state = state
         faces = {id(r.compute_param): r for g in state.groups for r in g.records}
         compute: dict[int, Registration] = {}

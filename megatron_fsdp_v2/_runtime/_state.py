@@ -1,6 +1,8 @@
-"""Per-unit hook owner (``FSDPState``) and the state its root shares with the whole tree
-(``FSDPContext``). Decides *when* parameter groups unshard, reshard and reduce; never touches
-buffer contents itself.
+"""Per-unit hook owner (``FSDPState``): decides *when* parameter groups unshard, reshard and
+reduce; never touches buffer contents itself. Its training state and the primitives the hooks
+call are ``UnitState`` (``_unit_state.py``); the root's first forward runs ``lazy_init``
+(``_lazy_init.py``), and the state the root shares with the whole tree is ``FSDPContext``
+(``_context.py``).
 
 [Note: hook schedule]
 For a unit ``U`` (a module passed to ``fully_shard``):
@@ -28,7 +30,6 @@ weights gathered for the recompute serve the backward that follows.
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 import torch
@@ -36,39 +37,16 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .. import _registry
 from .._buffers._allocator import BucketAllocator
-from .._buffers._plan import GradPath
-from .._init._materialize import materialize
 from .._profiling import traced
 from ..api import MixedPrecisionPolicy
 from ._compile import eager_hook
-from ._context import FSDPContext, TrainingState
+from ._context import TrainingState
 from ._flat_param_group import FlatParamGroup
-from ._slots import ParamSlots
+from ._lazy_init import lazy_init
+from ._unit_state import UnitState, in_backward
 
 __all__ = ["FSDPState"]
-
-
-def _in_backward() -> bool:
-    """True inside the autograd engine (e.g. an activation-checkpoint recompute)."""
-    return torch._C._current_graph_task_id() != -1
-
-
-def _require_same(named: list[tuple[str, FSDPState]], root: FSDPState, option: str,
-                  why: str) -> None:
-    """Raise ``ValueError`` (at the root's lazy init, before any collective) unless every unit
-    of the tree passed the same ``fully_shard`` ``option``."""
-    wanted = getattr(root, option)
-    differing = [f"'{name or '<root>'}' ({getattr(s, option)})" for name, s in named
-                 if getattr(s, option) != wanted]
-    if differing:
-        raise ValueError(
-            f"fully_shard({option}=...) must be the same for every unit of a model, i.e. the "
-            f"same for every fully_shard call ({why}): the root has {wanted}, units "
-            f"{', '.join(differing)} differ; pass the same value to every fully_shard call of "
-            "this model"
-        )
 
 
 class _RegisterPostBackward(torch.autograd.Function):
@@ -85,58 +63,14 @@ class _RegisterPostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class FSDPState:
-    """Hooks and training state of one unit."""
+class FSDPState(UnitState):
+    """Hooks of one unit (see [Note: hook schedule]) over its training state (``UnitState``)."""
 
     def __init__(
         self, module: nn.Module, groups: list[FlatParamGroup], mp_policy: MixedPrecisionPolicy,
         allocator: BucketAllocator,
     ) -> None:
-        self._module_ref = weakref.ref(module)
-        self.groups = groups
-        self.mp_policy = mp_policy
-        self.allocator = allocator
-        self.ctx: FSDPContext | None = None
-        self.training_state = TrainingState.IDLE
-        self.is_last_backward = True
-        self.pending_post_backward = 0  # forward calls whose post-backward has not run yet
-        self.needs_post_backward = False
-        self.backward_done = False  # post-backward ran in the current backward
-        # [Note: retained graphs] A graph kept with ``retain_graph=True`` runs its backward
-        # hooks again in a later backward: ``registered_calls`` (post-backward registrations of
-        # the forwards that built the graph) re-arms the post-backward then. It restarts at the
-        # first forward after the graph's backward.
-        self.registered_calls = 0
-        self._graph_backwarded = False
-        self._backward_task: int | None = None
-        self.overlap = True  # prefetch gathers and run reductions in the background
-        self.enable_trace_pool = False  # see [Note: trace-planned pool]; all units agree
-        # fully_shard's reduce_bucket_size_mb (see [Note: reduction buckets] in _coalesce.py).
-        self.reduce_bucket_size_mb: float | None = None
-        # fully_shard's refresh_bucket_size_mb (see [Note: refresh buckets]).
-        self.refresh_bucket_size_mb: float | None = None
-        # [Note: keeping gathered weights] ZeRO-3 units free their gathered weights after
-        # forward and after backward. ``reshard_after_forward=False`` keeps them from a forward
-        # (with grad) to its backward; ``reshard_after_backward=False`` keeps them from a
-        # backward that is not the last of its window to the next forward. The last backward
-        # always frees them: the optimizer step that follows would leave them stale. Kept
-        # weights record the main weights' version counters (``_kept_version``) and are
-        # dropped at the next pre-forward if those changed, so a forward never sees stale
-        # weights (also after a forward that no backward followed).
-        self.reshard_after_forward = True
-        self.reshard_after_backward = True
-        self._kept_version: int | None = None
-        # Explicit prefetch targets (FSDP2's set_modules_to_{forward,backward}_prefetch);
-        # None: the neighbor in the recorded forward order (see [Note: prefetch order]).
-        self.forward_prefetch: list[FSDPState] | None = None
-        self.backward_prefetch: list[FSDPState] | None = None
-        self.fqn = type(module).__name__
-        self.owns_nested_units = False  # set by the root's lazy init
-        # Which objects sit in the module's parameter slots, and checks that nobody else put
-        # another one there (see _slots.py).
-        self.slots = ParamSlots(self, module)
-        self._cast_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
-        self._output_dtype = mp_policy.output_dtype
+        super().__init__(module, groups, mp_policy, allocator)
         # Never traced by torch.compile: see [Note: hooks outside compiled regions].
         module.register_forward_pre_hook(
             eager_hook(self._pre_forward), prepend=True, with_kwargs=True
@@ -154,7 +88,7 @@ class FSDPState:
         after the forward's own error has propagated."""
         ctx = self.ctx
         if (
-            ctx is not None and ctx.root is self and not _in_backward()
+            ctx is not None and ctx.root is self and not in_backward()
             and ctx.unrecoverable is None and ctx.step_failed
         ):
             try:
@@ -173,119 +107,7 @@ class FSDPState:
             except RuntimeError:
                 pass
 
-    @property
-    def module(self) -> nn.Module:
-        module = self._module_ref()
-        assert module is not None
-        return module
-
-    def forget_graph(self) -> None:
-        """No backward may run again over the graphs built so far (see [Note: retained graphs])."""
-        self.registered_calls = 0
-        self._graph_backwarded = False
-        self._backward_task = None
-
-    def reset_to_idle(self) -> None:
-        """Between steps: DTensor parameters registered, no backward bookkeeping pending."""
-        self.register_dist_params()
-        self.training_state = TrainingState.IDLE
-        self.pending_post_backward = 0
-        self.needs_post_backward = False
-        self.backward_done = False
-
-    def register_dist_params(self) -> None:
-        self.slots.register_dist_params()
-
-    def register_compute_params(self) -> None:
-        self.slots.register_compute_params()
-        for group in self.groups:
-            group.note_views_exposed()  # see [Note: trace-planned pool]
-
-    # ------------------------------------------------------------------ lazy init
-
-    def _lazy_init(self) -> None:
-        """First forward: this unit is the root of every unit below it."""
-        named = [
-            (name, s) for name, m in self.module.named_modules()
-            if (s := _registry.state_of(m)) is not None
-        ]
-        states = [s for _, s in named]
-        # One allocator and one reduction coalescer serve the whole tree.
-        _require_same(named, self, "enable_trace_pool", "one allocator serves them all")
-        _require_same(named, self, "reduce_bucket_size_mb", "the buckets span units")
-        _require_same(named, self, "refresh_bucket_size_mb", "the buckets span units")
-        ctx = FSDPContext(self, states)
-        # [Note: gradients in place] a unit with units below it arms on the accumulate path only
-        # (prepare_gradients): every proper prefix of a unit's name that names a unit is a parent.
-        names = {name for name, _ in named}
-        parents = {""} if len(named) > 1 else set()
-        for name, _ in named:
-            parts = name.split(".")
-            parents.update(p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in names)
-        for name, state in named:
-            state.fqn = name or "<root>"
-            state.owns_nested_units = name in parents
-            state.ctx = ctx
-            # One allocator for the tree, so the temporary-bucket peak is the tree's peak.
-            ctx.allocator.adopt(state.allocator)
-            state.allocator = ctx.allocator
-            for index, group in enumerate(state.groups):
-                group.allocator = ctx.allocator
-                group.grads.coalescer = ctx.coalescer
-                group.name = f"unit '{state.fqn}' group {index}"
-        # A model built on the meta device gets its values now, in whole-tree module order.
-        materialize(self.module)
-
-    @property
-    def is_root(self) -> bool:
-        return self.ctx is not None and self.ctx.root is self
-
     # ------------------------------------------------------------------ forward
-
-    @traced("mfsdp::unshard")
-    def unshard(self, async_op: bool = False) -> bool:
-        """Start making compute weights available; True if a collective was issued."""
-        issued = False
-        for group in self.groups:
-            issued |= group.ready_compute_weights(async_op)
-        return issued
-
-    def wait_for_unshard(self) -> None:
-        for group in self.groups:
-            group.wait_for_compute_weights()
-
-    def reshard(self) -> bool:
-        freed = False
-        for group in self.groups:
-            if group.holds_weight_work:
-                freed |= group.free_gathered_weights()
-        self._kept_version = None
-        return freed
-
-    def _main_version(self) -> int:
-        return sum(g.dist_param_version() for g in self.groups)
-
-    def keep_gathered(self) -> None:
-        """Keep the gathered weights past a hook that would free them (see [Note: keeping
-        gathered weights])."""
-        if any(g.is_gathered for g in self.groups):
-            self._kept_version = self._main_version()
-
-    @property
-    def keeps_gathered_weights(self) -> bool:
-        """Whether gathered weights are kept past the hook that would have freed them."""
-        return self._kept_version is not None
-
-    def drop_stale_kept_weights(self) -> None:
-        """Before a forward: free kept weights if the main weights changed since they were
-        kept (after a backward; or after a forward that no backward followed)."""
-        if self._kept_version is None:
-            return
-        if self._kept_version != self._main_version() or any(
-            g.needs_refresh for g in self.groups
-        ):
-            self.reshard()
-        self._kept_version = None
 
     def _prefetch_targets(self, step: int) -> list[FSDPState]:
         """Units to prefetch: the explicit list, else the neighbor in the forward order."""
@@ -307,7 +129,7 @@ class FSDPState:
     def _pre_forward(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if _in_backward():  # activation-checkpoint recompute
+        if in_backward():  # activation-checkpoint recompute
             self.unshard()
             self.wait_for_unshard()
             self.register_compute_params()
@@ -321,7 +143,7 @@ class FSDPState:
                 return self._register_post_backward(args, kwargs)
             return None
         if self.ctx is None:
-            self._lazy_init()
+            lazy_init(self)
         assert self.ctx is not None
         ctx = self.ctx
         if self.is_root:
@@ -418,10 +240,6 @@ class FSDPState:
         self.registered_calls += 1
         return tree_unflatten(flat, spec)
 
-    def _keeps_weights_for_backward(self) -> bool:
-        """``reshard_after_forward=False`` and a backward will come for this unit."""
-        return not self.reshard_after_forward and self.needs_post_backward
-
     def _cast_output(self, output: Any) -> Any:
         dtype = self._output_dtype
         if dtype is None:
@@ -434,7 +252,7 @@ class FSDPState:
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         self.register_dist_params()
         output = self._cast_output(output)
-        if _in_backward():
+        if in_backward():
             return output
         ctx = self.ctx
         assert ctx is not None
@@ -513,16 +331,6 @@ class FSDPState:
         # forward hooks) must see compute parameters, not DTensors.
         self.register_compute_params()
         self.prepare_gradients()
-
-    def prepare_gradients(self) -> None:
-        """Before this unit's parameters receive gradients: let autograd write them into the
-        flat buffers (see [Note: gradients in place] in ``_grad_staging.py``, which says why a unit
-        with units nested below it does so only on the accumulate path)."""
-        for group in self.groups:
-            accumulates = group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE
-            if self.owns_nested_units and not accumulates:
-                continue
-            group.grads.prepare_backward()
 
     def post_backward(self) -> None:
         """Called by ``_RegisterPostBackward``: runs once every forward call has its gradients."""

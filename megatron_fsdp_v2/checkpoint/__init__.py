@@ -50,7 +50,6 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
 
-from .. import _registry
 from .._runtime._optimizer_hooks import install_state_dict_hooks
 from .._runtime._state_dict_checks import expected_entries, first_mismatch
 from .._runtime._state_dict_hooks import mark_all_loaded
@@ -61,7 +60,6 @@ from ._checks import (
     OPTIM_KEY,
     check_against_metadata,
     check_optim_state_dict,
-    check_outer_no_shard,
 )
 from ._checksums import verify_checksums
 from ._files import atomic_save, interrupted_commit_hint, local_dir
@@ -102,17 +100,6 @@ def _check_options(options: _dsd.StateDictOptions | None, api: str) -> _dsd.Stat
     return options
 
 
-def _check_hsdp(model: nn.Module, api: str) -> None:
-    """Units on a 2-D (HSDP) mesh checkpoint with outer ``no_shard`` or ``optim`` only (see
-    ``_checks.check_outer_no_shard``): refuse anything else before any collective (the same
-    decision on every rank: it depends on wrap-time state only)."""
-    for module in model.modules():
-        state = _registry.state_of(module)
-        if state is not None:
-            for group in state.groups:
-                check_outer_no_shard(group, f"megatron_fsdp_v2.checkpoint.{api}")
-
-
 # ---------------------------------------------------------------------- sharded state dicts
 
 def _hook_optimizers(optims: tuple[torch.optim.Optimizer, ...]) -> None:
@@ -147,7 +134,6 @@ def get_state_dict(
     ``_optimizer_hooks.py``) do the marking, so torch's own ``get_state_dict`` gives the same
     result; this adds only the option and HSDP checks.
     """
-    _check_hsdp(model, "get_state_dict")
     options = _check_options(options, "get_state_dict")
     optims = _as_tuple(optimizers)
     if not optims:
@@ -173,7 +159,6 @@ def set_state_dict(
     Afterwards every unit refreshes its compute weights from the loaded main weights before the
     next forward. Returns ``(missing_keys, unexpected_keys)`` like torch.
     """
-    _check_hsdp(model, "set_state_dict")
     options = _check_options(options, "set_state_dict")
     optims = _as_tuple(optimizers)
     found = {
@@ -240,7 +225,6 @@ def save(
     ``CheckpointException`` turned into a ``RuntimeError``. Assumes that every rank sees the
     same filesystem, as a later load does.
     """
-    _check_hsdp(model, "save")
     # DCP's coordination group: the caller's, else the units' group if it covers the job
     # (see [Note: checkpoint collectives] in _group.py).
     group = _group.dcp_group(model, process_group)
@@ -287,7 +271,6 @@ def load(
     DCP's ``CheckpointException``). Every rank of ``process_group`` (default: all) calls it;
     the checks, DCP and the agreement use the same group as :func:`save`.
     """
-    _check_hsdp(model, "load")
     group = _group.dcp_group(model, process_group)  # as in save
     root = local_dir(checkpoint_id, storage_reader)
     _group.check_same_path(root if root is not None else checkpoint_id, group, "checkpoint.load")
@@ -340,7 +323,6 @@ def get_full_state_dict(
     completes each inner shard from its sub-shards) and "the first rank" is the whole mesh's
     lowest rank.
     """
-    _check_hsdp(model, "get_full_state_dict")
     keep = not rank0_only or _group.rank_and_size(_group.model_group(model))[0] == 0
     return _full.full_state_dict(model, keep=keep, cpu_offload=cpu_offload)
 
@@ -369,7 +351,6 @@ def load_full_state_dict(
     the first mismatching key on every rank before anything is written. The next forward uses
     the loaded weights. Returns ``(missing_keys, unexpected_keys)``.
     """
-    _check_hsdp(model, "load_full_state_dict")
     expected = expected_entries(model)
     group = _group.model_group(model)
     rank, size = _group.rank_and_size(group)

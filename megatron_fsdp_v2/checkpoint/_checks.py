@@ -18,34 +18,12 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from .._buffers._plan import Collective, CollectiveStep, Extent
-from .._runtime._flat_param_group import FlatParamGroup
-
 __all__ = ["MODEL_KEY", "OPTIM_KEY", "check_against_metadata", "check_optim_state_dict",
-           "check_outer_no_shard", "optim_entries"]
+           "optim_entries"]
 
 # Top-level keys of what checkpoint.save writes.
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
-
-
-def check_outer_no_shard(group: FlatParamGroup, what: str) -> None:
-    """Checkpoints of a unit on a 2-D (HSDP) mesh are built for outer ``no_shard`` (every
-    replica holds the same inner rows) and outer ``optim`` (every rank holds its own sub-shard
-    rows, see [Note: uneven shards in state dicts]): raise ``NotImplementedError`` for anything
-    else."""
-    if group.mesh.ndim == 1:
-        return
-    outer = getattr(group, "outer_strategy", None)
-    outer_value = getattr(outer, "value", outer)
-    no_shard_steps = ((), (CollectiveStep(Collective.ALL_REDUCE, "outer"),))
-    if getattr(group.plan, "optimizer_placement", None) is Extent.SUB_SHARD:
-        return  # outer optim: each rank's own sub-shard rows
-    if outer_value not in (None, "no_shard") or group.plan.window_steps not in no_shard_steps:
-        raise NotImplementedError(
-            f"{what}: checkpoints of units on a 2-D (HSDP) mesh support "
-            "outer_dp_sharding_strategy='no_shard' and 'optim' only; nothing was read or written"
-        )
 
 
 def optim_entries(osd: dict[str, Any]) -> Iterable[tuple[str, str, dict[str, Any], str]]:

@@ -14,12 +14,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..api import MixedPrecisionPolicy
+from ..api import MixedPrecisionPolicy, ShardingStrategy
 from ._estimate import Estimate, estimate
 
 __all__ = ["STRATEGIES", "main", "table"]
 
-STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+STRATEGIES = tuple(s.value for s in ShardingStrategy)  # every strategy, in code order
 _GIB = float(1 << 30)
 
 

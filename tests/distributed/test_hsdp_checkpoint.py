@@ -23,9 +23,9 @@ from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import record_of
 from megatron_fsdp_v2.checkpoint._group import dcp_group, model_group
+from megatron_fsdp_v2.testing import run_distributed
 
 from _models import OddMLP, TinyGPT, agree, lm_loss, mlp_loss, step_mean_loss
-from _pool import RankPools
 
 GLOBAL_BATCH = 12  # divisible by 3 and 4
 RTOL, ATOL = 1e-6, 1e-7
@@ -319,38 +319,11 @@ def _world3_worker(rank: int, world: int, root: str) -> None:
     _consume(rank, world, root, "O_lm", "optim", hsdp=False)
 
 
-def test_hsdp_checkpoints_reshard_and_full_state_dicts(ranks: RankPools) -> None:
+def test_hsdp_checkpoints_reshard_and_full_state_dicts() -> None:
     """World 4: state dicts, chunk offsets and full export/import on 2x2 HSDP; checkpoints
     saved on 2x2 and on a 1-D mesh; the 1-D ones resumed on 2x2 and each 2x2 one on 2x2.
     World 3: the 2x2 checkpoints resumed on a 1-D mesh of 3 ranks. Resumed runs reproduce the
     uninterrupted losses and final parameters."""
     with tempfile.TemporaryDirectory() as root:
-        ranks.run(_world4_worker, 4, root, timeout_s=240)
-        ranks.run(_world3_worker, 3, root, timeout_s=120)
-
-
-def test_outer_strategies_checkpoint_check() -> None:
-    """The checkpoint code accepts 1-D units, outer no_shard and outer optim (sub-shard rows);
-    anything else on a 2-D mesh is refused, no collective involved."""
-    from types import SimpleNamespace
-
-    import pytest
-
-    from megatron_fsdp_v2._buffers._plan import Collective, CollectiveStep, Extent
-    from megatron_fsdp_v2.checkpoint._checks import check_outer_no_shard
-
-    def fake(ndim: int, steps: tuple, outer: str | None = None,
-             placement: Extent = Extent.SHARD) -> SimpleNamespace:
-        return SimpleNamespace(mesh=SimpleNamespace(ndim=ndim), plan=SimpleNamespace(
-            window_steps=steps, optimizer_placement=placement), outer_strategy=outer)
-
-    no_shard = (CollectiveStep(Collective.ALL_REDUCE, "outer"),)
-    optim = (CollectiveStep(Collective.REDUCE_SCATTER, "outer"),)
-    check_outer_no_shard(fake(1, ()), "x")  # type: ignore[arg-type]
-    check_outer_no_shard(fake(2, ()), "x")  # type: ignore[arg-type]
-    check_outer_no_shard(fake(2, no_shard), "x")  # type: ignore[arg-type]
-    check_outer_no_shard(fake(2, optim, "optim", Extent.SUB_SHARD), "x")  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="'no_shard' and 'optim' only"):
-        check_outer_no_shard(fake(2, optim), "x")  # type: ignore[arg-type]
-    with pytest.raises(NotImplementedError, match="'no_shard' and 'optim' only"):
-        check_outer_no_shard(fake(2, no_shard, "optim_grads"), "x")  # type: ignore[arg-type]
+        run_distributed(_world4_worker, 4, root, timeout_s=240)
+        run_distributed(_world3_worker, 3, root, timeout_s=120)

@@ -1,0 +1,174 @@
+"""``fully_shard``'s wiring steps for one call, after its validation: the unit's process groups,
+its flat parameter groups, the broadcast of its buffers, and the installation of the unit (its
+parameters bound to the flat buffers, its ``FSDPState``, its hooks and its ``FSDP<Class>``).
+Only :func:`install_unit` changes the module; everything before it can still raise and leave the
+module untouched."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from .. import _registry
+from .._buffers._allocator import BucketAllocator
+from .._buffers._layout import build_layout, split_for_padding
+from .._comm._collectives import broadcast_from_first
+from .._comm._comm_groups import comm_group, mesh_comm_group
+from .._dtensor import _state_dict
+from .._dtensor._redistribute import register_mesh
+from .._init import _materialize
+from .._runtime import _autograd_guard
+from .._runtime._flat_param_group import FlatParamGroup, mesh_device
+from .._runtime._optimizer_hooks import note_wrap
+from .._runtime._slots import owned_modules
+from .._runtime._state import FSDPState
+from . import _fsdp2_compat
+from ._fsdp_module import fsdp_class
+from ._wrap_checks import warn_if_padded
+from ._wrap_options import Axes, LocalUnit, WrapOptions
+
+__all__ = ["UnitProcessGroups", "broadcast_buffers", "build_groups", "install_unit",
+           "make_process_groups"]
+
+
+@dataclass(frozen=True)
+class UnitProcessGroups:
+    """The process groups of one unit, with ``fully_shard``'s timeout (see ``_comm_groups.py``)."""
+
+    inner: dist.ProcessGroup
+    """The inner (shard) axis: the strategy's collectives."""
+    outer: dist.ProcessGroup | None
+    """HSDP's outer (replicate) axis; ``None`` on a 1-D mesh."""
+    mesh: dist.ProcessGroup | None
+    """Every rank of the mesh, for gradient norms under HSDP outer ``optim`` (each rank holds a
+    distinct sub-shard: one all-reduce, not one per axis); ``None`` otherwise."""
+
+    def checked_axes(self, options: WrapOptions) -> Axes:
+        """(1-D mesh, its group) of each mesh axis, inner first: the cross-rank check's axes."""
+        axes: Axes = [(options.axes.inner, self.inner)]
+        if options.axes.outer is not None:
+            axes.append((options.axes.outer, self.outer))
+        return axes
+
+
+def make_process_groups(options: WrapOptions, unit: LocalUnit) -> UnitProcessGroups:
+    """Create (once per mesh and timeout) the unit's groups, inner axis first. When that fails
+    and this rank's own check had failed (e.g. a mesh of another device type, never
+    initialized), the check's error is the one raised."""
+    axes = options.axes
+    try:
+        inner = comm_group(axes.inner, options.timeout)
+        outer = comm_group(axes.outer, options.timeout, "outer") if axes.outer is not None else None
+        mesh = mesh_comm_group(options.mesh, options.timeout) if options.outer_optim else None
+    except Exception:
+        if unit.error is not None:
+            raise unit.error from None
+        raise
+    return UnitProcessGroups(inner, outer, mesh)
+
+
+def build_groups(
+    module: nn.Module, options: WrapOptions, unit: LocalUnit, groups: UnitProcessGroups
+) -> tuple[list[FlatParamGroup], BucketAllocator]:
+    """The unit's flat parameter groups: its parameters grouped by (device, dtype,
+    requires_grad) in first-seen order, each split where row alignment would pad it by more than
+    ``max_padding_ratio``. Buffers are allocated; the module is not changed yet."""
+    managed = unit.managed
+    world_size = options.layout_world_size
+    by_kind: dict[tuple[Any, ...], list[int]] = {}
+    for i, m in enumerate(managed):
+        by_kind.setdefault((m.param.device, m.param.dtype, m.param.requires_grad), []).append(i)
+    allocator = BucketAllocator()
+    flat_groups: list[FlatParamGroup] = []
+    for members in by_kind.values():
+        shapes = [managed[i].param.shape for i in members]
+        for split in split_for_padding(shapes, world_size, options.max_padding_ratio):
+            indices = [members[j] for j in split]
+            layout = build_layout([managed[i].param.shape for i in indices], world_size)
+            fqns = [managed[i].fqn for i in indices]
+            warn_if_padded(layout, fqns, options.max_padding_ratio)
+            flat_groups.append(
+                FlatParamGroup(
+                    group_id=(id(module), len(flat_groups)),
+                    params=[managed[i].param for i in indices],
+                    fqns=fqns,
+                    layout=layout,
+                    mesh=options.mesh,
+                    process_group=groups.inner,
+                    outer_process_group=groups.outer,
+                    mesh_process_group=groups.mesh,
+                    strategy=options.strategy,
+                    outer_strategy=options.outer_strategy,
+                    dtypes=unit.dtypes[indices[0]],
+                    grad_pre_scale=options.grad_pre_scale,
+                    allocator=allocator,
+                    sync_from_rank0=options.sync_module_states,
+                    collective_impl=options.collective_impl,
+                )
+            )
+    return flat_groups, allocator
+
+
+def broadcast_buffers(module: nn.Module, groups: UnitProcessGroups) -> None:
+    """``sync_module_states``: buffers of this unit (not of wrapped children, which did their
+    own) from the mesh's first rank, as DDP does with module states. Outer axis first, then the
+    inner one: every rank gets mesh rank (0, 0)'s buffers."""
+    for axis_group in (groups.outer, groups.inner):
+        if axis_group is None or dist.get_world_size(axis_group) <= 1:
+            continue
+        for _, submodule in owned_modules(module):
+            for buffer in submodule._buffers.values():
+                # A meta buffer has no value yet; every rank materializes it alike.
+                if buffer is not None and buffer.numel() > 0 and buffer.device.type != "meta":
+                    broadcast_from_first(buffer, axis_group)
+
+
+def install_unit(
+    module: nn.Module, options: WrapOptions, unit: LocalUnit,
+    flat_groups: list[FlatParamGroup], allocator: BucketAllocator,
+) -> FSDPState:
+    """Make ``module`` a unit: bind its parameters to the groups' buffers, register its state,
+    records and hooks, change its class to ``FSDP<Class>``, and install the process-wide hooks
+    on the first wrap. Every group is built: only now is the module changed."""
+    if unit.meta_init:
+        _materialize.adopt_meta_unit(
+            module, flat_groups, mesh_device(options.mesh), options.param_init_fn
+        )
+    owner = f"{type(module).__name__} at 0x{id(module):x}"
+    for group in flat_groups:
+        group.bind()
+        group.owner = owner
+        _registry.register_records(group.records)
+    state = FSDPState(module, flat_groups, options.mp_policy, allocator)
+    state.overlap = options.overlap
+    state.reduce_bucket_size_mb = options.reduce_bucket_size_mb
+    state.refresh_bucket_size_mb = options.refresh_bucket_size_mb
+    state.reshard_after_forward = options.reshard_after_forward
+    state.enable_trace_pool = options.enable_trace_pool
+    _registry.set_state(module, state)
+    # DTensor redistribution of uneven shards.
+    register_mesh(options.mesh, outer_optim=options.outer_optim)
+    state.register_dist_params()
+    module.register_load_state_dict_post_hook(_mark_loaded)
+    # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.
+    module.register_state_dict_post_hook(_state_dict.state_dict_post_hook)
+    module.register_load_state_dict_pre_hook(_state_dict.load_state_dict_pre_hook)
+    if unit.meta_init:  # values before anything reads or writes them (see _materialize.py)
+        module.register_state_dict_pre_hook(_materialize.materialize_hook)
+        module.register_load_state_dict_pre_hook(_materialize.materialize_hook)
+    module.__class__ = fsdp_class(type(module))
+    note_wrap()  # optimizer step hooks (first wrap); optimizers cached before are checked again
+    _fsdp2_compat.route_torch_clip_grad_norm()  # see [Note: torch clip_grad_norm_ route]
+    _autograd_guard.install()  # see [Note: autograd.grad with respect to parameters]
+    return state
+
+
+def _mark_loaded(module: nn.Module, incompatible_keys: Any) -> None:
+    """A checkpoint load wrote the main weights: refresh compute weights before the next use."""
+    state = _registry.state_of(module)
+    if state is not None:
+        for group in state.groups:
+            group.mark_main_weights_updated()

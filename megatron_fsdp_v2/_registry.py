@@ -114,3 +114,6 @@ def reset() -> None:
     for _, restore in torch_autograd_grad:
         restore()
     torch_autograd_grad.clear()
+    from . import _torch_patches  # the layer above; imported here only to undo its patches
+
+    _torch_patches.uninstall_all()

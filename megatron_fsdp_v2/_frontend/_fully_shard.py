@@ -12,16 +12,15 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .. import _registry
+from .. import _registry, _torch_patches
 from .._buffers._allocator import BucketAllocator
 from .._buffers._layout import build_layout, split_for_padding
 from .._comm._collective_impl import CollectiveCount, merge_counts, parse_collective_impl
 from .._comm._collectives import broadcast_from_first
 from .._comm._comm_groups import DEFAULT_TIMEOUT, comm_group, mesh_comm_group
 from .._dtensor import _state_dict
-from .._dtensor._redistribute import register_mesh
+from .._dtensor._uneven_meshes import register_mesh
 from .._init import _materialize
-from .._runtime import _autograd_guard
 from .._runtime._coalesce import validate_bucket_size
 from .._runtime._context import TrainingState
 from .._runtime._flat_param_group import FlatParamGroup, mesh_device
@@ -496,6 +495,7 @@ def fully_shard(
     ``module`` untouched. An invalid parameter found on some ranks only (with ``check_ranks``)
     is shared in the cross-rank check, so every rank raises the same error promptly.
     """
+    _torch_patches.check_torch_version()  # before anything changes (see design.md)
     _fsdp2_compat.check_modules_argument(module)
     check_module(module)
     if isinstance(module, FSDPModule) or _registry.state_of(module) is not None:
@@ -646,6 +646,7 @@ def fully_shard(
     state.enable_trace_pool = enable_trace_pool
     _registry.set_state(module, state)
     register_mesh(mesh, outer_optim=outer_optim)  # DTensor redistribution of uneven shards
+    _torch_patches.install_all()  # once; see _torch_patches/__init__.py for the list
     state.register_dist_params()
     module.register_load_state_dict_post_hook(_mark_loaded)
     # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.
@@ -656,8 +657,6 @@ def fully_shard(
         module.register_load_state_dict_pre_hook(_materialize.materialize_hook)
     module.__class__ = _fsdp_class(type(module))
     note_wrap()  # optimizer step hooks (first wrap); optimizers cached before are checked again
-    _fsdp2_compat.route_torch_clip_grad_norm()  # see [Note: torch clip_grad_norm_ route]
-    _autograd_guard.install()  # see [Note: autograd.grad with respect to parameters]
     return module  # type: ignore[return-value]
 
 

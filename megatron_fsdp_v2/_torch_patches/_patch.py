@@ -77,8 +77,15 @@ class Patch:
         check_torch_version()
         plan = self._plan()  # reads torch's current objects; nothing is changed yet
         applied = [(slot, slot.get(), replacement) for slot, replacement in plan]
-        for slot, _, replacement in applied:
-            slot.set(replacement)
+        done: list[tuple[Slot, Any, Any]] = []
+        try:
+            for slot, original, replacement in applied:
+                slot.set(replacement)
+                done.append((slot, original, replacement))
+        except BaseException:
+            for slot, original, _ in reversed(done):  # all or nothing
+                slot.set(original)
+            raise
         self._applied = applied
 
     def uninstall(self) -> None:

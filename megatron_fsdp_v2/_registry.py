@@ -1,8 +1,8 @@
 """Process-wide bookkeeping of the library, behind typed accessors: which module has which unit
 state, which parameter belongs to which record, the library's process groups and default meshes,
 the ``FSDP<Class>`` classes, meta-device units waiting for values, the optimizer step hooks and
-their caches, and the replaced ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm``. Nothing
-here is created at import time; :func:`reset` forgets everything (tests).
+their caches. Nothing here is created at import time; :func:`reset` forgets everything (tests)
+and undoes the patches of torch (``_torch_patches/``: each patch keeps the originals it saved).
 
 Modules and parameters are keyed weakly by identity (``torch.utils.weak.WeakIdKeyDictionary``:
 tensors compare elementwise, so a plain ``WeakKeyDictionary`` cannot hold them), never through
@@ -46,9 +46,6 @@ fsdp_classes: dict[type, type] = {}
 # The handles of the optimizer step hooks, once installed, the per-optimizer cache of the groups
 # it updates, and the number of wraps so far (a cached entry older than the last wrap is stale).
 optimizer_hook_handles: list[Any] = []
-# The handle that puts torch.optim.Optimizer.zero_grad back (see [Note: gradients known without a
-# host read] in _zeroed_grads.py), once wrapped.
-zero_grad_wrapper: list[Any] = []
 optimizer_cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 wrap_generation = [0]
 # [Note: local optimizer step] (_optimizer_local.py): the optimizers whose step runs on local
@@ -66,13 +63,6 @@ local_step_positions: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamPosi
 pending_meta_units: weakref.WeakKeyDictionary[nn.Module, PendingUnit] = weakref.WeakKeyDictionary()
 # Depth of FSDPModule._apply calls in progress (see [Note: conversions after wrapping]).
 applying_depth = [0]
-# torch.nn.utils.clip_grad_norm_ and get_total_norm as they were before the first wrap replaced
-# them, and the function that puts them back (see [Note: torch clip_grad_norm_ route] in
-# _fsdp2_compat.py).
-torch_clip_grad_norm: list[tuple[Any, Any]] = []
-# torch.autograd.grad before the first wrap guarded it, and the function that puts it back (see
-# [Note: autograd.grad with respect to parameters] in _autograd_guard.py).
-torch_autograd_grad: list[tuple[Any, Any]] = []
 # [Note: meta buffers] True only inside ``estimate`` (``_estimate.meta_buffers()``): the flat
 # buffers of groups built from meta parameters go on the meta device instead of the mesh's, so
 # wrapping allocates no storage and ``memory_bytes`` still reads numel * element_size.
@@ -120,9 +110,6 @@ def reset() -> None:
     for handle in optimizer_hook_handles:
         handle.remove()
     optimizer_hook_handles.clear()
-    for handle in zero_grad_wrapper:
-        handle.remove()
-    zero_grad_wrapper.clear()
     optimizer_cache.clear()
     wrap_generation[0] = 0
     local_step_swaps.clear()
@@ -131,11 +118,6 @@ def reset() -> None:
     pending_meta_units.clear()
     applying_depth[0] = 0
     meta_buffers[0] = False
-    for _, restore in torch_clip_grad_norm:
-        restore()
-    torch_clip_grad_norm.clear()
-    for _, restore in torch_autograd_grad:
-        restore()
-    torch_autograd_grad.clear()
-    # Saved torch originals of the monkeypatches (_torch_patches/): put back and forgotten here.
-    pass  # TORCH_PATCHES_RESET: the _torch_patches helper replaces this line (uninstall_all)
+    from . import _torch_patches  # the layer above; imported here only to undo its patches
+
+    _torch_patches.uninstall_all()

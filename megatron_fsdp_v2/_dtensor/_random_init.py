@@ -19,7 +19,8 @@ equal, bitwise, those of the same init on the unsharded model with the same seed
 rank's generator advances alike. This rank's row offset comes from one small all-gather of the
 ranks' row counts per sharded mesh dimension (the spec does not carry it). The cost is one
 temporary full-size tensor per call, at init time. DTensors on other meshes, or with a
-``Partial`` placement, take DTensor's own path.
+``Partial`` placement, take DTensor's own path. The handler is registered in DTensor's op table
+for the in-place random ops by ``_torch_patches/_random_ops.py``.
 """
 
 from __future__ import annotations
@@ -29,33 +30,10 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import Shard
 
-from ._redistribute import _gather_sizes, _mesh_kind
+from ._uneven_gather import gather_sizes
+from ._uneven_meshes import mesh_kind
 
-__all__ = ["install"]
-
-_aten = torch.ops.aten
-_RANDOM_INPLACE_OPS = (
-    _aten.normal_.default,
-    _aten.uniform_.default,
-    _aten.bernoulli_.float,
-    _aten.exponential_.default,
-    _aten.log_normal_.default,
-    _aten.cauchy_.default,
-    _aten.geometric_.default,
-    _aten.random_.default,
-    getattr(_aten.random_, "from"),  # a Python keyword
-    _aten.random_.to,
-)
-
-
-def install() -> None:
-    """Register the handler for every in-place random op DTensor has no handler of its own for.
-    Idempotent."""
-    from torch.distributed.tensor import DTensor
-
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    for op in _RANDOM_INPLACE_OPS:
-        handlers.setdefault(op, _random_handler)
+__all__ = ["random_op"]
 
 
 def _is_ours(dtensor: Any) -> bool:
@@ -64,7 +42,7 @@ def _is_ours(dtensor: Any) -> bool:
 
     return (
         isinstance(dtensor, DTensor)
-        and _mesh_kind(dtensor.device_mesh) is not None
+        and mesh_kind(dtensor.device_mesh) is not None
         and all(p.is_shard() or p.is_replicate() for p in dtensor.placements)
     )
 
@@ -92,30 +70,23 @@ def _row_offset(dtensor: Any, sharded: list[tuple[int, int]]) -> int:
         )
     if len(sharded) == 1:
         k = sharded[0][0]
-        sizes = [row[0] for row in _gather_sizes([local.shape[dim]], local.device, mesh, k)]
+        sizes = [row[0] for row in gather_sizes([local.shape[dim]], local.device, mesh, k)]
         return sum(sizes[: mesh.get_local_rank(k)])
     (outer, _), (inner, _) = sharded
     # Sizes along the outer dimension at this inner rank, then those rows along the inner one:
     # table[s][r] is the size of sub-shard s * R + r.
-    by_outer = [row[0] for row in _gather_sizes([local.shape[dim]], local.device, mesh, outer)]
-    table = _gather_sizes(by_outer, local.device, mesh, inner)
+    by_outer = [row[0] for row in gather_sizes([local.shape[dim]], local.device, mesh, outer)]
+    table = gather_sizes(by_outer, local.device, mesh, inner)
     r, s = mesh.get_local_rank(outer), mesh.get_local_rank(inner)
     return sum(sum(row) for row in table[:s]) + sum(table[s][:r])
 
 
-def _random_handler(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """``dtensor.<random op>_(...)`` (see [Note: random init of uneven shards])."""
-    from torch.distributed.tensor import DTensor
-
+def random_op(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``dtensor.<random op>_(...)`` (see [Note: random init of uneven shards]), or
+    ``NotImplemented`` for DTensor's own path (not on a registered mesh, or ``Partial``)."""
     target = args[0]
     if not _is_ours(target):
-        # DTensor's own path: take the handler out for the nested dispatch.
-        handlers = DTensor._op_dispatcher._custom_op_handlers
-        del handlers[op_call]
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            handlers[op_call] = _random_handler
+        return NotImplemented
     local = target._local_tensor
     sharded = _sharded_dims(target)
     offset = _row_offset(target, sharded) if sharded else 0

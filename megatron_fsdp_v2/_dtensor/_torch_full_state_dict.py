@@ -1,7 +1,8 @@
 """torch's full-state-dict loads into fully_shard models: ``set_model_state_dict`` /
 ``set_optimizer_state_dict`` with ``StateDictOptions(full_state_dict=True)``, with or without
 ``broadcast_from_rank0`` (torchtitan's seed checkpoint). Installed with the other torch
-interceptions (``_redistribute.install``); entries on other meshes take torch's path untouched.
+patches (``_torch_patches/_full_state_dict.py`` wraps torch's two functions with the two here);
+entries on other meshes take torch's path untouched.
 
 [Note: torch's full-state-dict loads]
 torch cuts each full tensor to the target DTensor's layout itself, before any module or
@@ -40,37 +41,14 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from .. import _registry
-from . import _state_dict as _sd
+from . import _chunk_metadata as _sd
+from ._uneven_meshes import mesh_is_registered
 
-__all__ = ["install"]
-
-_originals: dict[str, Callable[..., None]] = {}
-
-
-def install() -> None:
-    """Wrap torch's two cutting functions (see the note), where torch has them; once."""
-    if _originals:
-        return
-    try:
-        from torch.distributed import _state_dict_utils as utils
-        from torch.distributed.checkpoint import state_dict as dsd
-    except ImportError:
-        return
-    for name, wrapper in (("_distribute_state_dict", _distribute_state_dict),
-                          ("_distribute_tensors", _distribute_tensors)):
-        original = getattr(utils, name, None)
-        if original is None:
-            continue
-        _originals[name] = original
-        for module in (utils, dsd):
-            if getattr(module, name, None) is original:
-                setattr(module, name, wrapper)
+__all__ = ["distribute_state_dict", "distribute_tensors"]
 
 
 def _our_rows(target: Any) -> tuple[int, int] | None:
     """The global rows ``target`` holds if it is one of our row-sharded DTensors, else None."""
-    from ._redistribute import mesh_is_registered
-
     if not isinstance(target, DTensor) or not mesh_is_registered(target.device_mesh):
         return None
     if not any(isinstance(p, Shard) for p in target.placements):
@@ -96,10 +74,11 @@ def _own_rows(target: DTensor, full: torch.Tensor, rows: tuple[int, int],
     return out
 
 
-def _distribute_state_dict(full_state_dict: dict[str, Any], local_state_dict: dict[str, Any],
-                           device: torch.device, pg: Any = None) -> None:
-    """torch's ``_distribute_state_dict`` (every rank holds the full dict), our entries cut at
-    our rows without a collective."""
+def distribute_state_dict(torch_fn: Callable[..., None], full_state_dict: dict[str, Any],
+                          local_state_dict: dict[str, Any], device: torch.device,
+                          pg: Any = None) -> None:
+    """torch's ``_distribute_state_dict`` (``torch_fn``; every rank holds the full dict), our
+    entries cut at our rows without a collective."""
     ours: dict[str, DTensor] = {}
     for key, value in full_state_dict.items():
         if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -107,14 +86,14 @@ def _distribute_state_dict(full_state_dict: dict[str, Any], local_state_dict: di
             if rows is not None:
                 ours[key] = _own_rows(local_state_dict[key], value, rows, device)
     rest = {k: v for k, v in full_state_dict.items() if k not in ours}
-    _originals["_distribute_state_dict"](rest, local_state_dict, device, pg)
+    torch_fn(rest, local_state_dict, device, pg)
     local_state_dict.update(ours)
 
 
-def _distribute_tensors(local_state_dict: dict[str, Any], keys: list[str],
-                        device: torch.device, pg: Any = None) -> None:
-    """torch's ``_distribute_tensors`` (after a broadcast: each entry is ``(target, full)``),
-    our entries cut at our rows."""
+def distribute_tensors(torch_fn: Callable[..., None], local_state_dict: dict[str, Any],
+                       keys: list[str], device: torch.device, pg: Any = None) -> None:
+    """torch's ``_distribute_tensors`` (``torch_fn``; after a broadcast each entry is
+    ``(target, full)``), our entries cut at our rows."""
     rest = []
     for key in keys:
         entry = local_state_dict.get(key)
@@ -127,4 +106,4 @@ def _distribute_tensors(local_state_dict: dict[str, Any], keys: list[str],
             continue
         local_state_dict[key] = _own_rows(entry[0], entry[1], rows, device)
     if rest:
-        _originals["_distribute_tensors"](local_state_dict, rest, device, pg)
+        torch_fn(local_state_dict, rest, device, pg)

@@ -19,15 +19,11 @@ Each FSDP2 argument either maps onto this library with FSDP2's semantics or is r
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.utils as _nn_utils
-import torch.nn.utils.clip_grad as _clip_grad
 
 from .. import _registry
 from ..api import MixedPrecisionPolicy, ShardingStrategy
@@ -37,7 +33,8 @@ __all__ = [
     "check_offload_policy",
     "convert_mp_policy",
     "parse_reshard_after_forward",
-    "route_torch_clip_grad_norm",
+    "routed_clip_grad_norm_",
+    "routed_get_total_norm",
 ]
 
 
@@ -126,7 +123,8 @@ def check_modules_argument(module: object) -> None:
 # not use it) has None there, so ranks stack different numbers of partial norms and the
 # all-reduce DTensor issues mismatches (gloo aborts, NCCL hangs or mixes data). So the first
 # fully_shard call replaces ``torch.nn.utils.clip_grad_norm_`` (both the ``torch.nn.utils``
-# and ``torch.nn.utils.clip_grad`` attributes) with a wrapper that sends a parameter list
+# and ``torch.nn.utils.clip_grad`` attributes; ``_torch_patches/_clip_grad.py``, which
+# ``_registry.reset`` undoes) with a wrapper (:func:`routed_clip_grad_norm_`) that sends a list
 # holding any fully_shard parameter to ``megatron_fsdp_v2.clip_grad_norm_`` with every argument
 # as given (any p-norm, ``error_if_nonfinite``, ``foreach``; its collectives depend on the
 # parameters only, see [Note: clipping collectives]) and anything else to torch's function
@@ -147,22 +145,16 @@ def check_modules_argument(module: object) -> None:
 # only plain tensors goes to torch's. A name bound before the first fully_shard call (``from
 # torch.nn.utils import clip_grad_norm_``) keeps torch's function.
 
-def _torch_function(index: int, fallback: Any) -> Any:
-    """torch's function ``index`` (0: clip_grad_norm_, 1: get_total_norm) as it was before the
-    route; after ``_registry.reset()`` the restored attribute itself."""
-    if _registry.torch_clip_grad_norm:
-        return _registry.torch_clip_grad_norm[0][0][index]
-    return fallback
-
-
-def _routed_clip_grad_norm_(
-    parameters: Iterable[torch.Tensor] | torch.Tensor, max_norm: float,
-    norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None,
+def routed_clip_grad_norm_(
+    torch_fn: Callable[..., torch.Tensor], parameters: Iterable[torch.Tensor] | torch.Tensor,
+    max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
 ) -> torch.Tensor:
+    """``clip_grad_norm_`` by the route of the note: ours for a list holding a fully_shard
+    parameter, ``torch_fn`` (torch's function) otherwise."""
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if not any(_registry.record_of(p) is not None for p in params):
-        original = _torch_function(0, _clip_grad.clip_grad_norm_)
-        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return torch_fn(params, max_norm, norm_type, error_if_nonfinite, foreach)
     from ..utils import clip_grad_norm_  # utils depends on the package's lower layers only
 
     return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
@@ -174,7 +166,7 @@ def _is_library_gradient_list(tensors: list[torch.Tensor]) -> bool:
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
     from .._comm._comm_groups import library_comm_groups
-    from .._dtensor._redistribute import mesh_is_registered
+    from .._dtensor._uneven_meshes import mesh_is_registered
 
     dtensors = [t for t in tensors if isinstance(t, DTensor)]
     if any(
@@ -189,48 +181,15 @@ def _is_library_gradient_list(tensors: list[torch.Tensor]) -> bool:
         library_comm_groups())
 
 
-def _routed_get_total_norm(
-    tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0,
-    error_if_nonfinite: bool = False, foreach: bool | None = None,
+def routed_get_total_norm(
+    torch_fn: Callable[..., torch.Tensor], tensors: Iterable[torch.Tensor] | torch.Tensor,
+    norm_type: float = 2.0, error_if_nonfinite: bool = False, foreach: bool | None = None,
 ) -> torch.Tensor:
+    """``get_total_norm`` by the route of the note: ours for our gradient lists, ``torch_fn``
+    (torch's function) otherwise."""
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     if not _is_library_gradient_list(tensors):
-        original = _torch_function(1, _nn_utils.get_total_norm)
-        return original(tensors, norm_type, error_if_nonfinite, foreach)
+        return torch_fn(tensors, norm_type, error_if_nonfinite, foreach)
     from ..utils import get_total_norm
 
     return get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
-
-
-def route_torch_clip_grad_norm() -> None:
-    """Install the route of [Note: torch clip_grad_norm_ route] (once; ``_registry.reset``
-    puts torch's functions back)."""
-    if _registry.torch_clip_grad_norm:
-        return
-    original = _clip_grad.clip_grad_norm_
-    original_total = getattr(_nn_utils, "get_total_norm", None)
-    routed: Any = functools.wraps(original)(_routed_clip_grad_norm_)
-    routed.__doc__ = (
-        f"{original.__doc__ or ''}\n\n    megatron_fsdp_v2: a list holding fully_shard "
-        "parameters is handled by megatron_fsdp_v2.clip_grad_norm_ (same arguments).\n"
-    )
-    replaced: list[tuple[Any, str, Any, Any]] = [
-        (module, "clip_grad_norm_", original, routed) for module in (_clip_grad, _nn_utils)
-        if getattr(module, "clip_grad_norm_", None) is original
-    ]
-    if original_total is not None:
-        routed_total: Any = functools.wraps(original_total)(_routed_get_total_norm)
-        routed_total.__doc__ = (
-            f"{original_total.__doc__ or ''}\n\n    megatron_fsdp_v2: gradients of "
-            "fully_shard parameters are handled by megatron_fsdp_v2.utils.get_total_norm.\n"
-        )
-        replaced.append((_nn_utils, "get_total_norm", original_total, routed_total))
-
-    def restore() -> None:
-        for module, name, torch_fn, ours in replaced:
-            if getattr(module, name, None) is ours:
-                setattr(module, name, torch_fn)
-
-    for module, name, _, ours in replaced:
-        setattr(module, name, ours)
-    _registry.torch_clip_grad_norm.append(((original, original_total), restore))

@@ -13,6 +13,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from .. import _torch_patches
 from .._comm._comm_groups import DEFAULT_TIMEOUT
 from .._runtime._memory import MemoryReport, memory_report
 from ..api import MixedPrecisionPolicy, ShardingStrategy
@@ -176,6 +177,7 @@ def fully_shard(
     ``module`` untouched. An invalid parameter found on some ranks only (with ``check_ranks``)
     is shared in the cross-rank check, so every rank raises the same error promptly.
     """
+    _torch_patches.check_torch_version()  # before anything changes (see design.md)
     options = parse_options(
         module, mesh=mesh, sharding_strategy=sharding_strategy,
         reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,

@@ -12,20 +12,18 @@ from typing import Any
 import torch.distributed as dist
 import torch.nn as nn
 
-from .. import _registry
+from .. import _registry, _torch_patches
 from .._buffers._allocator import BucketAllocator
 from .._buffers._layout import build_layout, split_for_padding
 from .._comm._collectives import broadcast_from_first
 from .._comm._comm_groups import comm_group, mesh_comm_group
-from .._dtensor import _state_dict
-from .._dtensor._redistribute import register_mesh
+from .._dtensor._uneven_meshes import register_mesh
 from .._init import _materialize
-from .._runtime import _autograd_guard
+from .._runtime import _state_dict_hooks
 from .._runtime._flat_param_group import FlatParamGroup, mesh_device
 from .._runtime._optimizer_hooks import note_wrap
 from .._runtime._slots import owned_modules
 from .._runtime._state import FSDPState
-from . import _fsdp2_compat
 from ._fsdp_module import fsdp_class
 from ._wrap_checks import warn_if_padded
 from ._wrap_options import Axes, LocalUnit, WrapOptions
@@ -151,18 +149,17 @@ def install_unit(
     _registry.set_state(module, state)
     # DTensor redistribution of uneven shards.
     register_mesh(options.mesh, outer_optim=options.outer_optim)
+    _torch_patches.install_all()  # once; see _torch_patches/__init__.py for the list
     state.register_dist_params()
     module.register_load_state_dict_post_hook(_mark_loaded)
     # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.
-    module.register_state_dict_post_hook(_state_dict.state_dict_post_hook)
-    module.register_load_state_dict_pre_hook(_state_dict.load_state_dict_pre_hook)
+    module.register_state_dict_post_hook(_state_dict_hooks.state_dict_post_hook)
+    module.register_load_state_dict_pre_hook(_state_dict_hooks.load_state_dict_pre_hook)
     if unit.meta_init:  # values before anything reads or writes them (see _materialize.py)
         module.register_state_dict_pre_hook(_materialize.materialize_hook)
         module.register_load_state_dict_pre_hook(_materialize.materialize_hook)
     module.__class__ = fsdp_class(type(module))
     note_wrap()  # optimizer step hooks (first wrap); optimizers cached before are checked again
-    _fsdp2_compat.route_torch_clip_grad_norm()  # see [Note: torch clip_grad_norm_ route]
-    _autograd_guard.install()  # see [Note: autograd.grad with respect to parameters]
     return state
 
 

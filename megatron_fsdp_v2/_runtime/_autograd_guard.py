@@ -11,7 +11,8 @@ the post-accumulate-grad hooks that reduce and shard gradients never fire, and t
 be this rank's unreduced, unsharded gradient (and the unit would wait for a backward that does
 not come). The library's gradients exist only through ``.backward()``.
 
-So the first ``fully_shard`` wraps ``torch.autograd.grad`` (``_registry.reset`` restores it):
+So the first ``fully_shard`` wraps ``torch.autograd.grad`` with :func:`guarded_grad`
+(``_torch_patches/_autograd_grad.py``; ``_registry.reset`` restores it):
 when ``inputs`` holds a parameter managed by a unit (either object), it raises
 ``RuntimeError`` naming the parameter and the fix before anything runs; any other call goes to
 torch's function unchanged. The decision depends on ``inputs`` only, so every rank (running the
@@ -23,7 +24,7 @@ behavior.
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ import torch.autograd
 
 from .. import _registry
 
-__all__ = ["install"]
+__all__ = ["guarded_grad"]
 
 
 def _tensors_of(inputs: Any) -> tuple[Any, list[Any]]:
@@ -44,7 +45,9 @@ def _tensors_of(inputs: Any) -> tuple[Any, list[Any]]:
     return inputs, list(inputs)
 
 
-def _guarded_grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+def guarded_grad(torch_fn: Callable[..., Any], outputs: Any, inputs: Any, *args: Any,
+                 **kwargs: Any) -> Any:
+    """``torch.autograd.grad`` (``torch_fn``), refused with respect to managed parameters."""
     inputs, values = _tensors_of(inputs)
     managed = [
         f"'{record.fqn}' of {record.group.owner}"
@@ -62,19 +65,5 @@ def _guarded_grad(outputs: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
             "read p.grad (a DTensor holding this rank's rows), or take torch.autograd.grad "
             "with respect to tensors that are not parameters (inputs, activations) only"
         )
-    return _registry.torch_autograd_grad[0][0](outputs, inputs, *args, **kwargs)
+    return torch_fn(outputs, inputs, *args, **kwargs)
 
-
-def install() -> None:
-    """Wrap ``torch.autograd.grad`` (see the note), once; ``_registry.reset`` restores it."""
-    if _registry.torch_autograd_grad:
-        return
-    original = torch.autograd.grad
-    guarded: Any = functools.wraps(original)(_guarded_grad)
-
-    def restore() -> None:
-        if torch.autograd.grad is guarded:
-            torch.autograd.grad = original
-
-    torch.autograd.grad = guarded
-    _registry.torch_autograd_grad.append((original, restore))

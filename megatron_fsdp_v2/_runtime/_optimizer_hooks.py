@@ -6,10 +6,10 @@ which would be updated as stale copies that never see a gradient), reduce gradie
 no backward marked last, and mark the groups the optimizer holds for the refresh of their
 compute weights (see [Note: replicated-buffer refresh]), and let an elementwise optimizer step on
 the local tensors (see [Note: local optimizer step]); after it, swap the DTensors back and mark
-the groups again. ``torch.optim.Optimizer.zero_grad`` is wrapped alongside: after
-``zero_grad(set_to_none=False)`` it tells each group which installed gradients the optimizer
-zeroed, so no value is read back to learn it (see [Note: gradients known without a host read]
-in ``_zeroed_grads.py``).
+the groups again. ``torch.optim.Optimizer.zero_grad`` is wrapped alongside (with
+:func:`zero_grad`, by ``_torch_patches/_zero_grad.py``): after ``zero_grad(set_to_none=False)``
+it tells each group which installed gradients the optimizer zeroed, so no value is read back
+to learn it (see [Note: gradients known without a host read] in ``_zeroed_grads.py``).
 
 The first time they see an optimizer that holds managed parameters they also give it
 ``state_dict`` / ``load_state_dict`` post-hooks (``_state_dict_hooks.optimizer_*``), so that
@@ -23,8 +23,8 @@ state from a plain ``load_state_dict`` and never stepped).
 
 from __future__ import annotations
 
-import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,7 @@ from ._state_dict_hooks import (
     optimizer_state_dict_post_hook,
 )
 
-__all__ = ["install_optimizer_hooks", "install_state_dict_hooks", "note_wrap"]
+__all__ = ["install_optimizer_hooks", "install_state_dict_hooks", "note_wrap", "zero_grad"]
 
 # Optimizers given the state-dict hooks (once each; the hooks die with the optimizer).
 _state_dict_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
@@ -62,37 +62,16 @@ def install_optimizer_hooks() -> None:
             register_optimizer_step_pre_hook(_optimizer_pre_step),
             register_optimizer_step_post_hook(_optimizer_post_step),
         ])
-    if not _registry.zero_grad_wrapper:
-        _registry.zero_grad_wrapper.append(_wrap_zero_grad())
 
 
-class _Restore:
-    """A handle whose ``remove()`` puts torch's ``Optimizer.zero_grad`` back (``_registry.reset``),
-    unless someone replaced the wrapper since."""
-
-    def __init__(self, original: Any, wrapper: Any) -> None:
-        self._original, self._wrapper = original, wrapper
-
-    def remove(self) -> None:
-        if torch.optim.Optimizer.zero_grad is self._wrapper:
-            torch.optim.Optimizer.zero_grad = self._original  # type: ignore[method-assign]
-
-
-def _wrap_zero_grad() -> _Restore:
-    """Wrap ``torch.optim.Optimizer.zero_grad`` so that ``zero_grad(set_to_none=False)`` marks the
+def zero_grad(torch_fn: Callable[[torch.optim.Optimizer, bool], None],
+              optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    """``optimizer.zero_grad`` (torch's ``torch_fn``); after ``set_to_none=False`` it marks the
     installed gradients it zeroed (see [Note: gradients known without a host read])."""
-    original = torch.optim.Optimizer.zero_grad
-
-    @functools.wraps(original)
-    @torch._disable_dynamo  # as torch's own: host-side bookkeeping, nothing to compile
-    def zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        original(self, set_to_none)
-        if not set_to_none:
-            for group, indices in _optimizer_groups(self).members:
-                group.grads.note_zeroed_in_place(indices)
-
-    torch.optim.Optimizer.zero_grad = zero_grad  # type: ignore[method-assign]
-    return _Restore(original, zero_grad)
+    torch_fn(optimizer, set_to_none)
+    if not set_to_none:
+        for group, indices in _optimizer_groups(optimizer).members:
+            group.grads.note_zeroed_in_place(indices)
 
 
 @dataclass

@@ -1,0 +1,57 @@
+"""The check in front of torch's full optimizer state dict (``get_optimizer_state_dict`` with
+``full_state_dict=True``; installed by ``_torch_patches/_optim_state_dict.py``): torch gathers
+each state tensor rank by rank, in the order of each rank's own ``optimizer.state``, and a
+rank whose shard of a parameter is empty has no gradient, hence no state, for it, so the ranks
+would pair different tensors. Refused on every rank, before any gather."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _registry
+from ._uneven_gather import ALTERNATIVE
+
+__all__ = ["check_full_optim_state_dict"]
+
+
+def check_full_optim_state_dict(optimizers: Any, info: Any) -> None:
+    """Raise on every rank when a full optimizer state dict would pair different tensors (one
+    small all-reduce per library process group); nothing for other state dicts."""
+    if getattr(info, "full_state_dict", False) and getattr(info, "handle_optim", True):
+        for optimizer in optimizers:
+            _check_states_everywhere(optimizer)
+
+
+def _check_states_everywhere(optimizer: torch.optim.Optimizer) -> None:
+    """Raise on every rank when some rank lacks state for a sharded parameter others have."""
+    from .._buffers._plan import Extent
+
+    # Per process group over which the parameters' shards differ: (name, has state), device.
+    by_group: dict[Any, tuple[list[tuple[str, bool]], torch.device]] = {}
+    for param_group in optimizer.param_groups:
+        for param in param_group["params"]:
+            record = _registry.record_of(param)
+            if record is None or record.group.plan.optimizer_placement is Extent.FULL:
+                continue
+            entries, _ = by_group.setdefault(
+                record.group.norm_process_group, ([], record.group.device)
+            )
+            entries.append((record.fqn, bool(optimizer.state.get(param))))
+    for group, (entries, device) in by_group.items():
+        flags = torch.tensor([int(has) for _, has in entries], dtype=torch.int64, device=device)
+        lowest, highest = flags.clone(), flags.clone()
+        dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+        uneven = [name for (name, _), lo, hi in zip(entries, lowest.tolist(), highest.tolist())
+                  if lo != hi]
+        if uneven:
+            raise NotImplementedError(
+                f"get_optimizer_state_dict(full_state_dict=True): optimizer state of "
+                f"{uneven[:3]}{' ...' if len(uneven) > 3 else ''} exists on some ranks only "
+                "(a fully_shard rank whose shard of a parameter is empty has no gradient and "
+                "no optimizer state for it), so torch would gather different tensors together; "
+                f"nothing was gathered. {ALTERNATIVE}"
+            )

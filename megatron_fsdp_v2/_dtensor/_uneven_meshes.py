@@ -1,0 +1,36 @@
+"""The meshes ``fully_shard`` shards over, whose ``Shard`` DTensors may hold uneven row ranges
+(see [Note: uneven redistribution] in ``_redistribute.py``). Every DTensor interception of the
+library asks :func:`mesh_kind` first and leaves DTensors on other meshes to torch."""
+
+from __future__ import annotations
+
+from torch.distributed.device_mesh import DeviceMesh
+
+from .. import _registry
+
+__all__ = ["mesh_is_registered", "mesh_kind", "register_mesh"]
+
+
+def register_mesh(mesh: DeviceMesh, *, outer_optim: bool) -> None:
+    """Mark ``mesh`` as one whose ``Shard`` DTensors may hold uneven row ranges; ``outer_optim``:
+    a 2-D mesh whose units shard over both dimensions in inner-first order. The torch patches
+    that read this are installed by ``fully_shard`` (``_torch_patches.install_all``)."""
+    for entry in _registry.uneven_meshes:
+        if entry[0] is mesh:
+            entry[1] = entry[1] or outer_optim
+            return
+    _registry.uneven_meshes.append([mesh, outer_optim])
+
+
+def mesh_is_registered(mesh: DeviceMesh) -> bool:
+    """Whether ``fully_shard`` shards over ``mesh`` (its ``Shard`` DTensors may be uneven)."""
+    return mesh_kind(mesh) is not None
+
+
+def mesh_kind(mesh: DeviceMesh) -> bool | None:
+    """``None``: not registered; else whether it is an outer-optim mesh."""
+    found: bool | None = None
+    for registered, outer_optim in _registry.uneven_meshes:
+        if registered is mesh or registered == mesh:
+            found = bool(found) or outer_optim
+    return found

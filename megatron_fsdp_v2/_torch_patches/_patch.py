@@ -1,0 +1,101 @@
+"""The mechanics every patch of torch shares: find the places in torch that hold the objects to
+replace, save the originals, rebind, and put the exact originals back.
+
+A :class:`Slot` is one place: an attribute of a module or class (read from its ``__dict__``, so a
+``staticmethod`` comes back as the same ``staticmethod`` object), or one entry of a dict (DTensor's
+op table), possibly absent. A :class:`Patch` is a named set of slots with their replacements,
+built by a ``plan`` function from the objects torch holds at install time; installing applies
+the plan once, uninstalling restores every slot whose value is still the replacement (a slot
+someone else rebound since keeps their object; torch's own entry of a table is never touched).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ._version_gate import check_torch_version
+
+__all__ = ["MISSING", "Patch", "Slot"]
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()  # a table entry or attribute that did not exist before the patch
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One place holding an object: ``owner.<key>`` (module or class), or ``owner[key]``
+    (``owner`` a dict)."""
+
+    owner: Any
+    key: Any
+
+    def get(self) -> Any:
+        if isinstance(self.owner, dict):
+            return self.owner.get(self.key, MISSING)
+        return vars(self.owner).get(self.key, MISSING)
+
+    def set(self, value: Any) -> None:
+        if isinstance(self.owner, dict):
+            if value is MISSING:
+                self.owner.pop(self.key, None)
+            else:
+                self.owner[self.key] = value
+        elif value is MISSING:
+            delattr(self.owner, self.key)
+        else:
+            setattr(self.owner, self.key, value)
+
+
+# What a plan returns: each slot with the object to put there.
+Plan = list[tuple[Slot, Any]]
+
+
+class Patch:
+    """One patch of torch: ``install`` (idempotent, behind the torch-version gate),
+    ``uninstall`` (idempotent; the exact original objects come back) and ``is_installed``."""
+
+    def __init__(self, name: str, reason: str, plan: Callable[[], Plan]) -> None:
+        self.name, self.reason, self._plan = name, reason, plan
+        self._applied: list[tuple[Slot, Any, Any]] | None = None  # slot, original, replacement
+
+    def __repr__(self) -> str:
+        return f"Patch({self.name!r}, installed={self.is_installed()})"
+
+    def is_installed(self) -> bool:
+        return self._applied is not None
+
+    def install(self) -> None:
+        if self._applied is not None:
+            return
+        check_torch_version()
+        plan = self._plan()  # reads torch's current objects; nothing is changed yet
+        applied = [(slot, slot.get(), replacement) for slot, replacement in plan]
+        done: list[tuple[Slot, Any, Any]] = []
+        try:
+            for slot, original, replacement in applied:
+                slot.set(replacement)
+                done.append((slot, original, replacement))
+        except BaseException:
+            for slot, original, _ in reversed(done):  # all or nothing
+                slot.set(original)
+            raise
+        self._applied = applied
+
+    def uninstall(self) -> None:
+        if self._applied is None:
+            return
+        for slot, original, replacement in reversed(self._applied):
+            if slot.get() is replacement:
+                slot.set(original)
+        self._applied = None
+
+    def originals(self) -> list[tuple[Slot, Any]]:
+        """The slots this patch rebound and what they held before (empty when not installed)."""
+        return [(slot, original) for slot, original, _ in self._applied or []]

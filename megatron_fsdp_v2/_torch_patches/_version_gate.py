@@ -1,0 +1,51 @@
+"""The torch versions the patches were written against, and the gate every ``install`` passes
+first: the patches rebind private torch functions and op-table entries whose names, signatures
+and call sites change between torch releases, so on another version they could fail, or worse,
+be silently skipped or wrong."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+__all__ = ["ALLOW_UNTESTED_ENV", "TESTED_TORCH", "check_torch_version"]
+
+# Major.minor releases whose private torch code the patches were read against (2.14.x).
+TESTED_TORCH: tuple[str, ...] = ("2.14",)
+ALLOW_UNTESTED_ENV = "MEGATRON_FSDP_ALLOW_UNTESTED_TORCH"
+
+_warned: list[str] = []
+
+
+def _release(version: str) -> str:
+    """``major.minor`` of a torch version string (``"2.14.1+cu130"`` -> ``"2.14"``)."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def check_torch_version() -> None:
+    """Nothing on a tested torch; else ``RuntimeError`` naming the fix, unless the user opted in
+    with ``MEGATRON_FSDP_ALLOW_UNTESTED_TORCH=1`` (then one warning per process)."""
+    running = str(torch.__version__)
+    if _release(running) in TESTED_TORCH:
+        return
+    tested = ", ".join(f"{r}.x" for r in TESTED_TORCH)
+    if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
+        if running not in _warned:
+            _warned.append(running)
+            warnings.warn(
+                f"megatron_fsdp_v2 is patching torch {running}, which it was not tested with "
+                f"(tested: torch {tested}), because {ALLOW_UNTESTED_ENV}=1: DTensor paths, "
+                "state dicts and random init of fully_shard parameters may be wrong",
+                RuntimeWarning, stacklevel=3,
+            )
+        return
+    raise RuntimeError(
+        f"megatron_fsdp_v2.fully_shard patches private torch internals (DTensor "
+        f"redistribution, op handlers, state-dict helpers; see design.md, 'Patches of torch') "
+        f"that were written and tested against torch {tested}, but this is torch {running}; "
+        f"nothing was patched. Install a tested torch (e.g. pip install 'torch=="
+        f"{TESTED_TORCH[-1]}.*'), or set {ALLOW_UNTESTED_ENV}=1 to patch this version anyway, "
+        "at your own risk"
+    )

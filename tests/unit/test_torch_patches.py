@@ -1,0 +1,262 @@
+"""Every patch of torch lives in ``megatron_fsdp_v2/_torch_patches`` and is undone exactly: the
+first ``fully_shard`` replaces the torch objects listed here, ``_registry.reset`` (and
+``uninstall_all``) puts the very same objects back, installing twice changes nothing, an untested
+torch version is refused before anything changes, and no other module of the package assigns to
+a torch module, class or op table."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import megatron_fsdp_v2
+from megatron_fsdp_v2.testing import run_distributed
+
+PACKAGE = Path(megatron_fsdp_v2.__file__).parent
+PATCHES_DIR = PACKAGE / "_torch_patches"
+_ABSENT = "<absent>"
+
+
+def _torch_objects() -> dict[str, Any]:
+    """Every torch object the library patches, read straight from torch (not from the patch
+    modules, so a patch that forgets one of its slots still shows here)."""
+    import torch.distributed.checkpoint.state_dict as dsd
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_grad
+    from torch.distributed import _state_dict_utils as utils
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dispatch import OpDispatcher
+
+    found: dict[str, Any] = {}
+    for name in ("_redistribute", "_api", "_dispatch", "experimental._tp_transform"):
+        module = importlib.import_module(f"torch.distributed.tensor.{name}")
+        found[f"{name}.redistribute_local_tensor"] = vars(module)["redistribute_local_tensor"]
+    found["OpDispatcher.redistribute_local_args"] = vars(OpDispatcher)["redistribute_local_args"]
+    aten = torch.ops.aten
+    table = DTensor._op_dispatcher._custom_op_handlers
+    for op in (aten.copy_.default, aten.normal_.default, aten.uniform_.default,
+               aten.bernoulli_.float, aten.exponential_.default, aten.log_normal_.default,
+               aten.cauchy_.default, aten.geometric_.default, aten.random_.default,
+               getattr(aten.random_, "from"), aten.random_.to):
+        found[f"op table {op}"] = table.get(op, _ABSENT)
+    found["dsd._get_optim_state_dict"] = dsd._get_optim_state_dict
+    for name in ("_distribute_state_dict", "_distribute_tensors"):
+        found[f"_state_dict_utils.{name}"] = vars(utils)[name]
+        if name in vars(dsd):  # imported by name there (_distribute_state_dict on 2.14)
+            found[f"dsd.{name}"] = vars(dsd)[name]
+    found["clip_grad.clip_grad_norm_"] = clip_grad.clip_grad_norm_
+    found["nn.utils.clip_grad_norm_"] = nn_utils.clip_grad_norm_
+    found["nn.utils.get_total_norm"] = nn_utils.get_total_norm
+    found["Optimizer.zero_grad"] = vars(torch.optim.Optimizer)["zero_grad"]
+    found["torch.autograd.grad"] = torch.autograd.grad
+    return found
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    return [k for k in a if a[k] is not b[k]]
+
+
+def _patch_lifecycle_worker(rank: int, world_size: int) -> list[str]:
+    """Problems found (empty: all good)."""
+    import torch.nn as nn
+
+    from megatron_fsdp_v2 import _registry, _torch_patches, fully_shard
+
+    problems: list[str] = []
+    original = _torch_objects()
+    fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
+    patched = _torch_objects()
+    problems += [f"not patched by fully_shard: {k}" for k in original
+                 if patched[k] is original[k]]
+    problems += [f"{p.name} not installed" for p in _torch_patches.PATCHES
+                 if not p.is_installed()]
+    fully_shard(nn.Linear(4, 4))  # a second wrap installs nothing new
+    _torch_patches.install_all()
+    problems += [f"reinstall replaced {k}" for k in _same(patched, _torch_objects())]
+    _registry.reset()
+    problems += [f"reset left {k} patched" for k in _same(original, _torch_objects())]
+    problems += [f"{p.name} installed after reset" for p in _torch_patches.PATCHES
+                 if p.is_installed()]
+    _torch_patches.uninstall_all()  # idempotent
+    problems += [f"second uninstall changed {k}" for k in _same(original, _torch_objects())]
+    _torch_patches.install_all()
+    again = _torch_objects()
+    problems += [f"not patched by install_all: {k}" for k in original
+                 if again[k] is original[k]]
+    _torch_patches.uninstall_all()
+    problems += [f"uninstall_all left {k} patched" for k in _same(original, _torch_objects())]
+    return problems
+
+
+def test_fully_shard_patches_and_reset_restores_the_originals() -> None:
+    assert run_distributed(_patch_lifecycle_worker, 1, timeout_s=120) == [[]]
+
+
+def test_import_patches_nothing() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import tests.unit.test_torch_patches as t\n"
+        "before = t._torch_objects()\n"
+        "import megatron_fsdp_v2, megatron_fsdp_v2._torch_patches\n"
+        "assert not t._same(before, t._torch_objects())\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+
+
+def test_version_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.nn as nn
+
+    from megatron_fsdp_v2 import _torch_patches, fully_shard
+
+    monkeypatch.delenv(_torch_patches.ALLOW_UNTESTED_ENV, raising=False)
+    original = _torch_objects()
+    monkeypatch.setattr(torch, "__version__", "2.15.0+cu130")
+    with pytest.raises(RuntimeError) as error:
+        _torch_patches.install_all()
+    message = str(error.value)
+    for part in ("2.15.0+cu130", "2.14.x", "MEGATRON_FSDP_ALLOW_UNTESTED_TORCH=1", "torch=="):
+        assert part in message, (part, message)
+    with pytest.raises(RuntimeError, match="2.15.0"):
+        _torch_patches.PATCHES[0].install()
+    model = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError, match="2.15.0"):  # before any process group is needed
+        fully_shard(model)
+    assert type(model) is nn.Linear
+    assert not _same(original, _torch_objects())
+    assert not any(p.is_installed() for p in _torch_patches.PATCHES)
+
+    monkeypatch.setenv(_torch_patches.ALLOW_UNTESTED_ENV, "1")
+    try:
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            _torch_patches.install_all()
+        assert all(p.is_installed() for p in _torch_patches.PATCHES)
+    finally:
+        _torch_patches.uninstall_all()
+    assert not _same(original, _torch_objects())
+
+    monkeypatch.delenv(_torch_patches.ALLOW_UNTESTED_ENV)
+    monkeypatch.setattr(torch, "__version__", "2.14.0a0+git1234")
+    _torch_patches.check_torch_version()  # any 2.14 build passes
+
+
+# --- no patch of torch outside _torch_patches ------------------------------------------------
+
+def _root_name(node: ast.AST) -> str | None:
+    """``a`` of ``a.b.c``, ``a.b[0]``, ``a``; None for anything else (a call, a literal)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _torch_assignments(source: str, filename: str) -> list[str]:
+    """Statements of ``source`` that assign, delete or ``setattr``/``delattr``/``__setitem__``
+    into an object reached from a name bound to torch: imported from torch, or bound in this
+    file to an attribute path, a ``getattr`` or an ``importlib.import_module`` of such a name
+    (a tensor computed by a call is not one). Conservative: names only, per file."""
+    tree = ast.parse(source, filename)
+    bound: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            bound.update((a.asname or a.name).split(".")[0] for a in node.names
+                         if a.name.split(".")[0] == "torch")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+            bound.update(a.asname or a.name for a in node.names)
+    bound.add("importlib")
+
+    def from_torch(value: ast.AST) -> bool:
+        if isinstance(value, ast.Call):
+            func = value.func
+            if isinstance(func, ast.Name) and func.id == "getattr" and value.args:
+                return from_torch(value.args[0])
+            return isinstance(func, ast.Attribute) and func.attr == "import_module"
+        if isinstance(value, (ast.Tuple, ast.List)):
+            return any(from_torch(e) for e in value.elts)
+        return _root_name(value) in bound
+
+    changed = True
+    while changed:  # aliases of aliases
+        changed = False
+        for node in ast.walk(tree):
+            pairs: list[tuple[ast.AST, ast.AST]] = []
+            if isinstance(node, ast.Assign):
+                pairs = [(t, node.value) for t in node.targets]
+            elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)) and node.value is not None:
+                pairs = [(node.target, node.value)]
+            elif isinstance(node, (ast.For, ast.comprehension)):
+                pairs = [(node.target, node.iter)]
+            for target, value in pairs:
+                names = [target] if isinstance(target, ast.Name) else (
+                    list(target.elts) if isinstance(target, (ast.Tuple, ast.List)) else [])
+                for name in names:
+                    if (isinstance(name, ast.Name) and name.id not in bound
+                            and from_torch(value)):
+                        bound.add(name.id)
+                        changed = True
+
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            if (isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args
+                    and from_torch(node.args[0])):
+                found.append(f"{filename}:{node.lineno}: {func.id}")
+            if (isinstance(func, ast.Attribute)
+                    and func.attr in ("__setitem__", "__delitem__", "pop", "update",
+                                      "setdefault", "clear", "popitem")
+                    and from_torch(func.value)):
+                found.append(f"{filename}:{node.lineno}: .{func.attr}")
+            if isinstance(func, ast.Attribute) and func.attr == "_custom_op_handlers":
+                found.append(f"{filename}:{node.lineno}: DTensor op table")
+        if isinstance(node, ast.Attribute) and node.attr == "_custom_op_handlers":
+            found.append(f"{filename}:{node.lineno}: DTensor op table")
+        for target in targets:
+            flat = target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]
+            for t in flat:
+                if isinstance(t, (ast.Attribute, ast.Subscript)) and from_torch(t.value):
+                    found.append(f"{filename}:{node.lineno}: {ast.unparse(t)}")
+    return found
+
+
+def test_no_torch_patch_outside_the_patches_package() -> None:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if PATCHES_DIR in path.parents:
+            continue
+        found += _torch_assignments(path.read_text(), str(path.relative_to(PACKAGE)))
+    assert not found, "torch patched outside _torch_patches/:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("snippet", [
+    "import torch\ntorch.autograd.grad = len\n",
+    "import torch.nn.utils as u\nu.clip_grad_norm_ = len\n",
+    "from torch.optim import Optimizer\nOptimizer.zero_grad = len\n",
+    "from torch.distributed.tensor import DTensor\n"
+    "h = DTensor._op_dispatcher\nh.x[1] = 2\n",
+    "import importlib\nm = importlib.import_module('torch.x')\nsetattr(m, 'f', len)\n",
+    "from torch.distributed.checkpoint import state_dict as dsd\n"
+    "for m in (dsd,):\n    del m.f\n",
+])
+def test_the_scan_finds_patches(snippet: str) -> None:
+    assert _torch_assignments(snippet, "snippet.py")
+
+
+def test_the_scan_ignores_tensor_writes() -> None:
+    snippet = ("import torch\nx = torch.zeros(3)\nx[0] = 1\nx.grad = None\n"
+               "def f(p):\n    p.data = torch.ones(1)\n")
+    assert not _torch_assignments(snippet, "snippet.py")

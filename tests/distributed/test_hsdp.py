@@ -196,9 +196,9 @@ def _counts_worker(rank: int, world: int, strategy: str) -> None:
     all_reduce_ranks: list[tuple[int, ...]] = []
     original = collectives.all_reduce_inplace
 
-    def recording(buffer, group, async_op=False):  # type: ignore[no-untyped-def]
+    def recording(buffer, group, async_op=False, **kwargs):  # type: ignore[no-untyped-def]
         all_reduce_ranks.append(tuple(dist.get_process_group_ranks(group)))
-        return original(buffer, group, async_op)
+        return original(buffer, group, async_op, **kwargs)
 
     collectives.all_reduce_inplace = recording
     try:

@@ -91,19 +91,19 @@ def collectives_checked(seen: Misaligned) -> Iterator[None]:
     """Record the tensors of every flat-buffer collective while the block runs."""
     originals = comm.all_gather_into, comm.reduce_scatter_into, comm.all_reduce_inplace
 
-    def all_gather_into(output: torch.Tensor, shard: torch.Tensor, *a: Any) -> Any:
+    def all_gather_into(output: torch.Tensor, shard: torch.Tensor, *a: Any, **kw: Any) -> Any:
         seen.check("all-gather input", shard)
         seen.check_slots("all-gather output", output, shard.numel())
-        return originals[0](output, shard, *a)
+        return originals[0](output, shard, *a, **kw)
 
-    def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, *a: Any) -> Any:
+    def reduce_scatter_into(output: torch.Tensor, full: torch.Tensor, *a: Any, **kw: Any) -> Any:
         seen.check("reduce-scatter output", output)
         seen.check_slots("reduce-scatter input", full, output.numel())
-        return originals[1](output, full, *a)
+        return originals[1](output, full, *a, **kw)
 
-    def all_reduce_inplace(buffer: torch.Tensor, *a: Any) -> Any:
+    def all_reduce_inplace(buffer: torch.Tensor, *a: Any, **kw: Any) -> Any:
         seen.check("all-reduce buffer", buffer)
-        return originals[2](buffer, *a)
+        return originals[2](buffer, *a, **kw)
 
     comm.all_gather_into = all_gather_into  # type: ignore[assignment]
     comm.reduce_scatter_into = reduce_scatter_into  # type: ignore[assignment]

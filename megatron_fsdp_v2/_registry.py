@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ._runtime._state import FSDPState
 
 __all__ = [
-    "record_of", "register_records", "reset", "set_state", "state_of", "group_of",
+    "group_of", "owned_modules", "record_of", "register_records", "reset", "set_state", "state_of",
 ]
 
 _states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Module -> FSDPState
@@ -55,6 +55,8 @@ local_step_swaps: weakref.WeakKeyDictionary[torch.optim.Optimizer, LocalSwap] = 
     weakref.WeakKeyDictionary()
 )
 local_step_restore_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+# The optimizers given the state-dict hooks that mark managed states (_optimizer_hooks.py).
+optimizer_state_dict_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 local_step_positions: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamPositions] = (
     weakref.WeakKeyDictionary()
 )
@@ -114,6 +116,7 @@ def reset() -> None:
     wrap_generation[0] = 0
     local_step_swaps.clear()
     local_step_restore_hooked.clear()
+    optimizer_state_dict_hooked.clear()
     local_step_positions.clear()
     pending_meta_units.clear()
     applying_depth[0] = 0
@@ -121,3 +124,17 @@ def reset() -> None:
     from . import _torch_patches  # the layer above; imported here only to undo its patches
 
     _torch_patches.uninstall_all()
+
+
+def owned_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module`` and its submodules, minus wrapped children and everything below them."""
+    owned: list[tuple[str, nn.Module]] = []
+    wrapped: list[str] = []
+    for prefix, submodule in module.named_modules():
+        if any(prefix.startswith(w + ".") for w in wrapped):
+            continue
+        if submodule is not module and state_of(submodule) is not None:
+            wrapped.append(prefix)
+            continue
+        owned.append((prefix, submodule))
+    return owned

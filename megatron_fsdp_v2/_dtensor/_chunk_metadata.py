@@ -42,7 +42,7 @@ DCP, which detaches tensors before serializing them, writes none either.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -54,7 +54,9 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from torch.distributed.tensor import DTensor, Shard
 
 from .._buffers._plan import Extent
-from .._runtime._flat_param_group import FlatParamGroup
+
+if TYPE_CHECKING:
+    from .._runtime._flat_param_group import FlatParamGroup
 
 __all__ = [
     "ROWS_ATTR",

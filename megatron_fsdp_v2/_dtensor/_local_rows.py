@@ -7,15 +7,17 @@ holds, and the conversion of a state-dict entry into the parameter's exact layou
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _registry
-from .._runtime._flat_param_group import FlatParamGroup
 from ._chunk_metadata import ROWS_ATTR, is_row_sharded, mark_rows
+
+if TYPE_CHECKING:
+    from .._runtime._flat_param_group import FlatParamGroup
 
 __all__ = ["convert_for_load", "dist_param_slots", "local_rows_dtensor", "param_slot"]
 

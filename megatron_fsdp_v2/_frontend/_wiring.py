@@ -22,7 +22,6 @@ from .._init import _materialize
 from .._runtime import _state_dict_hooks
 from .._runtime._flat_param_group import FlatParamGroup, mesh_device
 from .._runtime._optimizer_hooks import note_wrap
-from .._runtime._slots import owned_modules
 from .._runtime._state import FSDPState
 from ._fsdp_module import fsdp_class
 from ._wrap_checks import warn_if_padded
@@ -117,7 +116,7 @@ def broadcast_buffers(module: nn.Module, groups: UnitProcessGroups) -> None:
     for axis_group in (groups.outer, groups.inner):
         if axis_group is None or dist.get_world_size(axis_group) <= 1:
             continue
-        for _, submodule in owned_modules(module):
+        for _, submodule in _registry.owned_modules(module):
             for buffer in submodule._buffers.values():
                 # A meta buffer has no value yet; every rank materializes it alike.
                 if buffer is not None and buffer.numel() > 0 and buffer.device.type != "meta":

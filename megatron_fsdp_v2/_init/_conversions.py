@@ -26,10 +26,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .. import _registry
-from .._runtime._flat_param_group import FlatParamGroup
 from ._materialize import mark_initialized_by_user
 
 if TYPE_CHECKING:
+    from .._runtime._flat_param_group import FlatParamGroup
     from .._runtime._state import FSDPState
 
 __all__ = ["applying", "apply_to_units", "classify", "copy_converted"]

@@ -49,15 +49,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 from .. import _registry
-from .._runtime._flat_param_group import FlatParamGroup
-from .._runtime._slots import owned_modules
 from ._init_order import InitCall, plan_init_calls, refuse_unreproducible_inits
+
+if TYPE_CHECKING:
+    from .._runtime._flat_param_group import FlatParamGroup
 
 __all__ = [
     "ParamInitFn", "adopt_meta_unit", "has_meta_state", "materialize", "materialize_hook",
@@ -81,7 +82,7 @@ def has_meta_state(module: nn.Module) -> bool:
     """Whether the unit ``module`` would own a meta parameter or buffer."""
     return any(
         t is not None and t.device.type == "meta"
-        for _, m in owned_modules(module)
+        for _, m in _registry.owned_modules(module)
         for t in (*m._parameters.values(), *m._buffers.values())
     )
 
@@ -102,7 +103,7 @@ def adopt_meta_unit(
         for record, original in zip(group.records, group.original_params):
             replacement[id(original)] = record.compute_param
         group.original_params = []  # drop the meta parameters
-    for _, submodule in owned_modules(module):
+    for _, submodule in _registry.owned_modules(module):
         for name, param in submodule._parameters.items():
             if param is not None and id(param) in replacement:
                 submodule._parameters[name] = replacement[id(param)]
@@ -134,7 +135,7 @@ def materialize(root: nn.Module) -> None:
         return
     owner: dict[int, PendingUnit] = {}
     for module, unit in units.values():
-        for _, submodule in owned_modules(module):
+        for _, submodule in _registry.owned_modules(module):
             owner[id(submodule)] = unit
     pending_groups = {id(g) for _, unit in units.values() for g in unit.groups if g.pending_init}
     slots_of: dict[int, list[tuple[str, str]]] = {}
@@ -342,7 +343,7 @@ def _commit(installed: list[_Installed], written: set[int]) -> None:
 
 
 def _check_nothing_left(module: nn.Module) -> None:
-    for prefix, submodule in owned_modules(module):
+    for prefix, submodule in _registry.owned_modules(module):
         for kind, tensors in (("parameter", submodule._parameters), ("buffer", submodule._buffers)):
             for slot, t in tensors.items():
                 if t is not None and t.device.type == "meta":

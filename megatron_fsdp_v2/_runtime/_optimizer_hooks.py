@@ -23,7 +23,6 @@ state from a plain ``load_state_dict`` and never stepped).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,7 +46,6 @@ from ._state_dict_hooks import (
 __all__ = ["install_optimizer_hooks", "install_state_dict_hooks", "note_wrap", "zero_grad"]
 
 # Optimizers given the state-dict hooks (once each; the hooks die with the optimizer).
-_state_dict_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def note_wrap() -> None:
@@ -119,11 +117,11 @@ def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
 def install_state_dict_hooks(optimizer: torch.optim.Optimizer) -> None:
     """Give ``optimizer`` the state-dict post-hooks that mark its managed states for DCP and
     unmark what it adopts on load (no-ops for parameters no unit manages); once."""
-    if optimizer in _state_dict_hooked:
+    if optimizer in _registry.optimizer_state_dict_hooked:
         return
     optimizer.register_state_dict_post_hook(optimizer_state_dict_post_hook)
     optimizer.register_load_state_dict_post_hook(optimizer_load_state_dict_post_hook)
-    _state_dict_hooked.add(optimizer)
+    _registry.optimizer_state_dict_hooked.add(optimizer)
 
 
 @traced("mfsdp::optimizer_pre_step")

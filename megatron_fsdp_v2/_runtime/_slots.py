@@ -21,24 +21,12 @@ from ._compile import eager_hook
 if TYPE_CHECKING:
     from ._unit_state import UnitState
 
-__all__ = ["ParamSlots", "owned_modules"]
+__all__ = ["ParamSlots"]
 
 # (a module's ``_parameters`` dict, {slot name: parameter to put there})
 Registration = tuple[dict[str, Any], dict[str, Any]]
 
 
-def owned_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``module`` and its submodules, minus wrapped children and everything below them."""
-    owned: list[tuple[str, nn.Module]] = []
-    wrapped: list[str] = []
-    for prefix, submodule in module.named_modules():
-        if any(prefix.startswith(w + ".") for w in wrapped):
-            continue
-        if submodule is not module and _registry.state_of(submodule) is not None:
-            wrapped.append(prefix)
-            continue
-        owned.append((prefix, submodule))
-    return owned
 
 
 class ParamSlots:
@@ -63,7 +51,7 @@ class ParamSlots:
         self.compute_registered = False
         # Every slot of the owned modules as wrapping left it (managed parameters as their
         # DTensor parameters), to compare with.
-        owned = owned_modules(module)
+        owned = _registry.owned_modules(module)
         self._expected = [
             (prefix, submodule._parameters,
              {name: faces[id(p)].dist_param if id(p) in faces else p

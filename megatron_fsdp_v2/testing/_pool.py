@@ -12,7 +12,10 @@ Failures are reported the same way everywhere: a rank's traceback fails the task
 done within ``timeout_s`` (a deadlock, a crashed peer) fail it too; after the first error the
 others get ``grace_s`` to report. A failed pool is closed (its processes killed) and never
 given another task, so a failing case cannot leave a broken process group or stale state to
-later cases. Results are collected before any rank is told to exit: gloo sometimes aborts in
+later cases. Every task starts from the library state of a fresh process (``_registry.reset()``
+first: no units, cached process groups or patches of torch left by an earlier task), so cases
+that share ranks cannot see each other's wraps; a case that needs state across steps keeps it in
+one task. Results are collected before any rank is told to exit: gloo sometimes aborts in
 process teardown, and a result already in hand must not be lost to that.
 """
 
@@ -64,6 +67,7 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
             if task is None:
                 break
             task_id, fn, args, kwargs = task
+            _fresh_library_state()
             results.put((task_id, rank, "ok", fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
             results.put((task_id, rank, "error", traceback.format_exc()))
@@ -74,6 +78,13 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown (seconds with torch loaded); nothing is pending
+
+
+def _fresh_library_state() -> None:
+    """Forget what earlier tasks left in the library (see [Note: rank pools])."""
+    from .. import _registry  # noqa: PLC0415 - the package is imported by the task's module
+
+    _registry.reset()
 
 
 class RankPool:

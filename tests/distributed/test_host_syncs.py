@@ -31,6 +31,8 @@ from _pool import RankPools
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TIMEOUT_S = 240.0
 LIBRARY = os.path.dirname(os.path.abspath(megatron_fsdp_v2.__file__)) + os.sep
+# The rank pool that runs this test's workers lives in the package too; it is not the library.
+HARNESS = os.path.join(LIBRARY, "testing") + os.sep
 aten = torch.ops.aten
 # Ops whose result is a Python value computed from tensor data (metadata queries are not).
 _VALUE_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default,
@@ -40,7 +42,7 @@ _VALUE_OPS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.eq
 def _library_frame() -> str | None:
     """The innermost frame of the calling stack inside the library (None: none)."""
     for frame in reversed(traceback.extract_stack()[:-2]):
-        if frame.filename.startswith(LIBRARY):
+        if frame.filename.startswith(LIBRARY) and not frame.filename.startswith(HARNESS):
             return f"{os.path.relpath(frame.filename, LIBRARY)}:{frame.lineno} {frame.name}"
     return None
 

@@ -12,10 +12,12 @@ Failures are reported the same way everywhere: a rank's traceback fails the task
 done within ``timeout_s`` (a deadlock, a crashed peer) fail it too; after the first error the
 others get ``grace_s`` to report. A failed pool is closed (its processes killed) and never
 given another task, so a failing case cannot leave a broken process group or stale state to
-later cases. Every task starts from the library state of a fresh process (``_registry.reset()``
-first: no units, cached process groups or patches of torch left by an earlier task), so cases
-that share ranks cannot see each other's wraps; a case that needs state across steps keeps it in
-one task. Results are collected before any rank is told to exit: gloo sometimes aborts in
+later cases. A task from another module than the task before it starts from the library state of
+a fresh process (``_registry.reset()`` first: no units, cached process groups or patches of torch
+left by another test file), so files that share ranks cannot see each other's wraps; the cases of
+one file share the library's cached process groups (creating a gloo group per case would cost
+seconds each and leave thousands of idle groups behind), as they did when every file had its own
+pool. Results are collected before any rank is told to exit: gloo sometimes aborts in
 process teardown, and a result already in hand must not be lost to that.
 """
 
@@ -60,6 +62,7 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
     except BaseException:  # noqa: BLE001 - report it as the first task's failure
         results.put((None, rank, "error", traceback.format_exc()))
         return
+    last_module: str | None = None
     while True:
         task_id = None
         try:
@@ -67,7 +70,9 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
             if task is None:
                 break
             task_id, fn, args, kwargs = task
-            _fresh_library_state()
+            if fn.__module__ != last_module:
+                _fresh_library_state()
+                last_module = fn.__module__
             results.put((task_id, rank, "ok", fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
             results.put((task_id, rank, "error", traceback.format_exc()))
@@ -81,7 +86,7 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
 
 
 def _fresh_library_state() -> None:
-    """Forget what earlier tasks left in the library (see [Note: rank pools])."""
+    """Forget what another test file's tasks left in the library (see [Note: rank pools])."""
     from .. import _registry  # noqa: PLC0415 - the package is imported by the task's module
 
     _registry.reset()

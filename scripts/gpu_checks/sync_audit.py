@@ -151,15 +151,15 @@ def _audit(strategy: str, config: c.Config, device: torch.device, set_to_none: b
 
 def _inject_sync() -> None:
     """Self-test: a host sync inside the library's step (what the audit exists to catch)."""
-    from megatron_fsdp_v2._runtime import _flat_param_group
+    from megatron_fsdp_v2._runtime import _issuer
 
-    original = _flat_param_group.FlatParamGroup.issue
+    original = _issuer.GroupIssuer.launch
 
-    def issue(self, *a, **k):  # type: ignore[no-untyped-def]
-        bool(self.model_weight.any())
-        return original(self, *a, **k)
+    def launch(self, collective, *a, **k):  # type: ignore[no-untyped-def]
+        bool(collective.full.any())
+        return original(self, collective, *a, **k)
 
-    _flat_param_group.FlatParamGroup.issue = issue  # type: ignore[method-assign]
+    _issuer.GroupIssuer.launch = launch  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

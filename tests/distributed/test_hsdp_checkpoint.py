@@ -16,6 +16,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _checkpoint import local_batch, new_optimizer
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -27,7 +28,6 @@ from megatron_fsdp_v2.testing import run_distributed
 
 from _models import OddMLP, TinyGPT, agree, lm_loss, mlp_loss, step_mean_loss
 
-GLOBAL_BATCH = 12  # divisible by 3 and 4
 RTOL, ATOL = 1e-6, 1e-7
 
 
@@ -50,20 +50,6 @@ def wrap(model: torch.nn.Module, strategy: str, hsdp: bool, outer: str = "no_sha
     for block in getattr(model, "blocks", []):
         fully_shard(block, sharding_strategy=strategy, **kw)
     return fully_shard(model, sharding_strategy=strategy, **kw)
-
-
-def new_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-
-
-def local_batch(kind: str, step: int, rank: int, world: int):
-    g = torch.Generator().manual_seed(1000 + step)
-    n = GLOBAL_BATCH // world
-    rows = slice(rank * n, (rank + 1) * n)
-    if kind == "lm":
-        return torch.randint(0, 37, (GLOBAL_BATCH, 9), generator=g)[rows]
-    x, y = torch.randn(GLOBAL_BATCH, 15, generator=g), torch.randn(GLOBAL_BATCH, 3, generator=g)
-    return x[rows], y[rows]
 
 
 def train(model, opt, kind: str, steps: range, rank: int, world: int) -> list[float]:

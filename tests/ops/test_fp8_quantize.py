@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _flat_buffer import DEVICES
 from _fp8 import (
-    DEVICES,
     FP8,
     SCALES,
     SHAPES,

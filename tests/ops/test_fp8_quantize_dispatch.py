@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 import torch
+from _flat_buffer import DEVICES
 from _fp8 import (
-    DEVICES,
     _garbage_fp8,
     _ops,
     _run_and_check,

@@ -19,13 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _comm_counts import CollectiveCounts
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
 from megatron_fsdp_v2._comm import _collective_impl as impl
 from megatron_fsdp_v2._registry import state_of
 
+from _comm_counts import CollectiveCounts
 from _models import OddMLP, TinyGPT, lm_loss, make_batches, mlp_loss
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]

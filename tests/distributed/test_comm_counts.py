@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 from _collective_impl import STRATEGIES, TIMEOUT_S, Variant, _check, _substitute_all, _train
-from _comm_counts import CollectiveCounts
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
+from _comm_counts import CollectiveCounts
 from _pool import RankPools
 
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)

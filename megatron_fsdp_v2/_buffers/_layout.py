@@ -31,15 +31,15 @@ the next group's buffer there).
 
 ``ALIGN_NUMEL`` is counted in *elements*, not bytes, because one layout serves every buffer of a
 group and their dtypes differ (fp32 main weights and grads, bf16 model weights, bf16 or fp32
-reduce-scatter buckets; fp8 model weights later). 16 elements are 16 bytes for the smallest
+reduce-scatter scratch buffers; fp8 model weights later). 16 elements are 16 bytes for the smallest
 element (1 byte) and more for the others, so every item start, every rank's slot start and every
 buffer length is 16-byte aligned in every role, whatever dtypes the group uses, and adding a
 role never changes the layout (a role's own buffer base is a fresh allocation: aligned). Row
 sizes that are multiples of 16 (transformer widths) make ``lcm(row, 16) == row``: nothing
 changes for them; a 1-D parameter costs at most 15 elements of gap; an odd row size ``R`` makes
 the shard multiple ``16 * R`` (a longer tail, see design.md section 2). Every other view at an
-element offset of a flat buffer or bucket sits at a sum of these multiples and stays aligned:
-slots and columns of the coalesced reduction and refresh buckets (``_coalesce.py``,
+element offset of a flat buffer or scratch buffer sits at a sum of these multiples and stays
+aligned: slots and columns of the coalesced reduction and refresh buckets (``_coalesce.py``,
 ``_refresh_buckets.py``: multiples of ``shard_numel`` and of buffer lengths), and each trace-pool
 bucket starts at an ``ARENA_ALIGNMENT``-byte offset of its arena (``_trace_pool.py``).
 ``tests/distributed/test_alignment.py`` checks the pointers of every role and slot.

@@ -8,10 +8,10 @@ equivalent that measured faster on the group's backend, chosen by :func:`choose`
 :data:`RULES` (one table, per backend, by buffer bytes and group size). An equivalent must need
 no new full-size temporary and give bitwise the same result:
 
-* reduce-scatter as an in-place all-reduce of the input bucket that already exists, this rank's
-  slot of it then being the result (copied into a separate output, a shard-sized copy). Only
-  the slot is read afterwards: the rest of the input bucket is never read after a reduction
-  (a temporary bucket, or ``main_grad`` outside the optimizer-facing part). Bitwise the same on
+* reduce-scatter as an in-place all-reduce of the input scratch buffer that already exists, this
+  rank's slot of it then being the result (copied into a separate output, a shard-sized copy). Only
+  the slot is read afterwards: the rest of the input scratch buffer is never read after a reduction
+  (a scratch buffer, or ``main_grad`` outside the optimizer-facing part). Bitwise the same on
   gloo where measured: ``benchmarks/bench_collectives.py --check-bitwise`` compares the two at
   every size and group size the rules substitute, and the tests repeat that check at 3 and 4
   ranks.

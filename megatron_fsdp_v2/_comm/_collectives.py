@@ -185,7 +185,7 @@ def check_collective_order(group: ProcessGroup, description: str, device: torch.
     ``description``; on a mismatch every rank raises, naming what each rank issues.
 
     Without the check, ranks that run different units (data-dependent control flow) pair up
-    unrelated collectives: equal-sized buckets silently exchange the wrong data, others abort.
+    unrelated collectives: equal-sized buffers silently exchange the wrong data, others abort.
     """
     digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:7], "little")
     mine = torch.tensor([digest], dtype=torch.int64, device=device)

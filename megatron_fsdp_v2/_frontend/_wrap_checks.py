@@ -369,14 +369,14 @@ def check_ranks_agree(
 
 # ---------------------------------------------------------------------- padding
 
-# Below this many padding elements a bucket is not worth a warning (tiny groups, e.g. a bias
+# Below this many padding elements a flat group is not worth a warning (tiny groups, e.g. a bias
 # smaller than the world size, always pad by a large ratio and a few elements).
 _PADDING_WARNING_MIN_ELEMENTS = 1 << 16
 
 
 def warn_if_padded(layout: BufferLayout, fqns: list[str], max_padding_ratio: float) -> None:
-    """Warn, naming the parameter, when a bucket pads by more than ``max_padding_ratio`` (a
-    parameter whose rows are so large that splitting buckets cannot help, e.g. (1, 100000))."""
+    """Warn, naming the parameter, when a flat group pads by more than ``max_padding_ratio``
+    (a parameter whose rows are so large that splitting groups cannot help, e.g. (1, 100000))."""
     if (
         layout.padding_ratio <= max_padding_ratio
         or layout.padding_numel < _PADDING_WARNING_MIN_ELEMENTS
@@ -386,7 +386,7 @@ def warn_if_padded(layout: BufferLayout, fqns: list[str], max_padding_ratio: flo
     item = layout.items[worst]
     warnings.warn(
         f"fully_shard: parameter '{fqns[worst]}' of shape {tuple(item.shape)} has rows of "
-        f"{item.row_numel} elements and no shard boundary may cut a row, so its bucket is "
+        f"{item.row_numel} elements and no shard boundary may cut a row, so its flat group is "
         f"padded by {layout.padding_ratio:.0%} ({layout.padding_numel} elements) at world size "
         f"{layout.world_size}, although max_padding_ratio is {max_padding_ratio:g}. Give it "
         "more, smaller rows (e.g. store a (1, N) parameter as (N,)), pass it in "

@@ -321,11 +321,12 @@ def check_mesh_agrees(lines: list[str], axes: Axes) -> None:
 
 
 def check_ranks_agree(
-    lines: list[str], mesh: DeviceMesh, group: dist.ProcessGroup | None = None
+    lines: list[str], mesh: DeviceMesh, process_group: dist.ProcessGroup | None = None
 ) -> None:
-    """One 8-byte all-gather of a digest over ``group`` (default: the mesh's); on a mismatch,
-    name the first differing line, or raise the error a rank reported instead of its lines."""
-    group = group if group is not None else mesh.get_group()
+    """One 8-byte all-gather of a digest over ``process_group`` (default: the mesh's); on a
+    mismatch, name the first differing line, or raise the error a rank reported instead of its
+    lines."""
+    process_group = process_group if process_group is not None else mesh.get_group()
     world = mesh.size()
     if world == 1:
         return
@@ -337,11 +338,11 @@ def check_ranks_agree(
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     everyone = torch.empty(world, dtype=torch.int64, device=device)
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather_single(everyone, mine, group=group)
+    all_gather_single(everyone, mine, group=process_group)
     if bool((everyone == mine).all()):
         return
     all_lines: list[list[str] | None] = [None] * world
-    dist.all_gather_object(all_lines, lines, group=group)
+    dist.all_gather_object(all_lines, lines, group=process_group)
     for rank, other in enumerate(all_lines):
         if other and other[0].startswith(_ERROR_MARKER):
             kind, _, message = other[0][len(_ERROR_MARKER):].partition(": ")

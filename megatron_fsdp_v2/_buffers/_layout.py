@@ -41,7 +41,7 @@ the shard multiple ``16 * R`` (a longer tail, see design.md section 2). Every ot
 element offset of a flat buffer or scratch buffer sits at a sum of these multiples and stays
 aligned: slots and columns of the coalesced reduction and refresh buckets (``_coalesce.py``,
 ``_refresh_buckets.py``: multiples of ``shard_numel`` and of buffer lengths), and each trace-pool
-bucket starts at an ``ARENA_ALIGNMENT``-byte offset of its arena (``_trace_pool.py``).
+scratch buffer starts at an ``ARENA_ALIGNMENT``-byte offset of its arena (``_trace_pool.py``).
 ``tests/distributed/test_alignment.py`` checks the pointers of every role and slot.
 
 Parameters are placed in order of decreasing row size (1-D parameters, whose rows are single
@@ -52,7 +52,9 @@ The cost is padding: alignment gaps plus the tail that rounds the buffer up to
 ``world_size * shard_multiple``. When heterogeneous row sizes make ``row_lcm`` large enough that
 the padding exceeds ``max_padding_ratio``, :func:`split_for_padding` splits the group into
 several groups with compatible row sizes; each is an independent set of flat buffers with its
-own collectives. ("Bucket" is reserved for temporary buffers, ``_allocator.py``.)
+own collectives. (They are flat groups, not buckets: a bucket is a run of consecutive groups whose
+collectives are coalesced into one, ``_coalesce.py``; the allocator's temporary buffers are scratch
+buffers, ``_allocator.py``.)
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@
 A :class:`RankPool` starts ``world_size`` processes, joins them in one process group, and then
 runs tasks on them one at a time: ``fn(rank, world_size, *args, **kwargs)`` on every rank, the
 per-rank results returned in rank order. Starting ranks costs time (a process group; and the
-imports, paid once per session by the fork server, see the Note below), so a sweep split into one test id per case runs all its cases on the same ranks
-(:class:`RankPools`, the ``ranks`` fixture of ``tests/distributed``); a one-off call
+imports, paid once per session by the fork server, see the Note below), so a sweep split into
+one test id per case runs all its cases on the same ranks (:class:`RankPools`, the ``ranks``
+fixture of ``tests/distributed``); a one-off call
 (:func:`~megatron_fsdp_v2.testing.run_distributed`) is a pool that runs one task and closes.
 
 Failures are reported the same way everywhere: a rank's traceback fails the task, and ranks not

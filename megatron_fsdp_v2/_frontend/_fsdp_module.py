@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .. import _registry
 from .._comm._collective_impl import CollectiveCount, merge_counts
@@ -19,11 +21,12 @@ from .._runtime._context import TrainingState
 from .._runtime._state import FSDPState
 from ..api import ShardingStrategy
 from . import _fsdp2_compat
+from ._fsdp2_surface import FSDP2Surface
 
 __all__ = ["FSDPModule", "UnshardHandle", "fsdp_class"]
 
 
-class UnshardHandle:
+class UnshardHandle(TorchUnshardHandle):
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` blocks until gathered."""
 
     def __init__(self, state: FSDPState | None) -> None:
@@ -35,8 +38,11 @@ class UnshardHandle:
             self._state = None
 
 
-class FSDPModule:
-    """Mixin added to the class of every module passed to :func:`fully_shard`."""
+class FSDPModule(FSDP2Surface):
+    """Mixin added to the class of every module passed to :func:`fully_shard`. A subclass of
+    ``torch.distributed.fsdp.FSDPModule`` (scripts written for FSDP2 find our units by
+    ``isinstance``); every method of torch's class is overridden here or in
+    :class:`~._fsdp2_surface.FSDP2Surface` (see [Note: FSDP2's methods on flat buffers])."""
 
     def _mfsdp_states(self) -> list[FSDPState]:
         """States of this unit and every unit below it."""
@@ -262,7 +268,11 @@ class FSDPModule:
         caller initializes). Any other change (dtype, device) raises ``NotImplementedError``
         before anything changes. Buffers and ignored parameters convert as usual."""
         assert isinstance(self, nn.Module)
-        module_apply = functools.partial(super()._apply, fn, recurse)  # type: ignore[misc]
+        # The original class's _apply, past torch's FSDPModule._apply (FSDP2's, which would
+        # reach FSDP2 state this module does not have).
+        module_apply = functools.partial(
+            super(TorchFSDPModule, self)._apply, fn, recurse  # type: ignore[misc]
+        )
         if _conversions.applying():  # a unit above handles this subtree's parameters
             return module_apply()
         return _conversions.apply_to_units(self, self._unit_states(recurse), fn, module_apply)

@@ -143,7 +143,7 @@ class FSDPModule(FSDP2Surface):
             states.append(state)
         return states
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """FSDP2's method: at this unit's pre-forward, start the all-gathers of ``modules``
         (instead of the next unit in the recorded forward order). Their own forwards then find
         the weights gathered. An empty list prefetches nothing. Applies with ``overlap=True``
@@ -153,7 +153,7 @@ class FSDPModule(FSDP2Surface):
         assert state is not None
         state.forward_prefetch = states
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """FSDP2's method: at this unit's pre-backward, start the all-gathers of ``modules``
         (instead of the previous unit in the recorded forward order), for those whose
         backward has not run yet. Same conditions as
@@ -271,7 +271,7 @@ class FSDPModule(FSDP2Surface):
         # The original class's _apply, past torch's FSDPModule._apply (FSDP2's, which would
         # reach FSDP2 state this module does not have).
         module_apply = functools.partial(
-            super(TorchFSDPModule, self)._apply, fn, recurse  # type: ignore[misc]
+            super(TorchFSDPModule, self)._apply, fn, recurse
         )
         if _conversions.applying():  # a unit above handles this subtree's parameters
             return module_apply()

@@ -142,3 +142,69 @@ def divide_factor_worker(rank: int, world: int, strategy: str, case: str,
         name: {"losses": r["losses"], "errors": _param_errors(r["model"], ref)}
         for name, r in results.items()
     }
+
+
+# ---------------------------------------------------------------------- experts on a sub-mesh
+
+class ExpertNet(nn.Module):
+    """Dense input and output layers around one expert (this rank's expert-parallel index
+    decides which; the reference holds all of them, see :func:`expert_worker`)."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 8)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(experts)
+        )
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, expert: int = 0) -> torch.Tensor:
+        return self.out(self.experts[expert](self.inp(x)))
+
+
+def expert_worker(rank: int, world: int, strategy: str) -> dict[str, Any]:
+    """torchtitan's expert pattern on a (ep=2, edp=world/2) mesh, without the all-to-all: each
+    rank routes its batch to its ep index's expert, which is wrapped on the edp sub-mesh with
+    ``set_gradient_divide_factor(world)`` (its gradient, like the dense layers', is the mean
+    over every rank's loss); the dense layers are a unit on the whole mesh. Ours and FSDP2
+    against one process that holds both experts."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("ep", "edp"))
+    ep = mesh.get_local_rank("ep")
+    flat = init_device_mesh("cpu", (world,))
+    g = torch.Generator().manual_seed(9)
+    batches = [[(torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g))
+                for _ in range(world)] for _ in range(STEPS)]
+    ep_of = [r // (world // 2) for r in range(world)]
+    torch.manual_seed(0)
+    ref = ExpertNet(2)
+    out: dict[str, Any] = {}
+    for name in ("ours", "fsdp2"):
+        model = ExpertNet(1)
+        model.inp.load_state_dict(ref.inp.state_dict())
+        model.out.load_state_dict(ref.out.state_dict())
+        model.experts[0].load_state_dict(ref.experts[ep].state_dict())
+        wrap: Any = fully_shard if name == "ours" else torch_fully_shard
+        kw = {"sharding_strategy": strategy} if name == "ours" else {}
+        wrap(model.experts[0], mesh=mesh["edp"], **kw)
+        wrap(model, mesh=flat, **kw)
+        model.experts[0].set_gradient_divide_factor(float(world))  # type: ignore[operator]
+        if name == "fsdp2":  # gloo: no PREMUL_SUM (see the module docstring)
+            model.experts[0].set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        for per_rank in batches:
+            x, y = per_rank[rank]
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = model
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for per_rank in batches:
+        for r, (x, y) in enumerate(per_rank):
+            (torch.nn.functional.mse_loss(ref(x, ep_of[r]), y) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    # Compare this rank's expert with the reference's expert of its ep index.
+    ref_view = ExpertNet(1)
+    ref_view.inp, ref_view.out = ref.inp, ref.out
+    ref_view.experts[0] = ref.experts[ep]
+    return {name: _param_errors(m, ref_view) for name, m in out.items()}

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _divide_factor import divide_factor_worker
+from _divide_factor import divide_factor_worker, expert_worker
 from _fsdp2_api import TIMEOUT_S, _net
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -91,3 +91,12 @@ def _errors_worker(rank: int, world: int) -> list[str]:
 def test_divide_factor_bad_input(ranks: RankPools) -> None:
     for rank, found in enumerate(ranks.run(_errors_worker, 2, timeout_s=TIMEOUT_S)):
         assert not found, f"rank {rank}: {found}"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_experts_on_a_sub_mesh_with_divide_factor(ranks: RankPools, strategy: str) -> None:
+    """torchtitan's experts: a unit on the expert-data-parallel sub-mesh whose gradient is
+    divided by the world size (the mean over every rank's loss), dense units on the whole mesh."""
+    for rank, r in enumerate(ranks.run(expert_worker, 4, strategy, timeout_s=TIMEOUT_S)):
+        for name, errors in r.items():
+            assert not errors, f"rank {rank} {name}: " + "\n".join(errors[:4])

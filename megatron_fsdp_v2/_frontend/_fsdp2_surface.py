@@ -92,7 +92,7 @@ REFUSED: dict[str, str] = {
     "_get_fsdp_state": (
         "this module was wrapped by megatron_fsdp_v2.fully_shard and has no FSDP2 state; use "
         "its FSDPModule methods (torch helpers that reach FSDP2's internals, e.g. "
-        "register_fsdp_forward_method, share_comm_ctx or pipelining's FSDP path, do not apply)"
+        "register_fsdp_forward_method or share_comm_ctx, do not apply)"
     ),
 }
 

@@ -88,11 +88,15 @@ class FSDPModule(FSDP2Surface):
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """FSDP2's name for :meth:`set_is_last_backward`: ``False`` defers synchronization to a
-        later backward. ``recurse=False`` applies to this unit only."""
+        later backward. ``recurse=False`` applies to this unit only. ``True`` also turns
+        :meth:`set_requires_all_reduce` (HSDP's outer reduction) back on, as in FSDP2 (``False``
+        needs not: the window stays open anyway)."""
         states = self._mfsdp_states() if recurse else [_registry.state_of(self)]  # type: ignore[arg-type]
         for state in states:
             if state is not None:
                 state.is_last_backward = bool(requires_gradient_sync)
+                if requires_gradient_sync:
+                    state.requires_all_reduce = True
 
     def _unit_states(self, recurse: bool) -> list[FSDPState]:
         if recurse:

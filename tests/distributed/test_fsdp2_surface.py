@@ -9,6 +9,7 @@ until it is implemented or refused here. ``set_requires_all_reduce`` on HSDP and
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -121,15 +122,19 @@ def test_surface_on_wrapped_modules(ranks: RankPools) -> None:
         assert not found, f"rank {rank}: {found}"
 
 
-def _requires_all_reduce_worker(rank: int, world: int, outer: str) -> dict[str, Any]:
+def _requires_all_reduce_worker(rank: int, world: int, outer: str,
+                                reenable: str) -> dict[str, Any]:
     """HSDP 2x2, 3 micro-batches: the first two with ``set_requires_all_reduce(False)``, the
-    last with ``True``; every rank its own data, the reference averages over all of them."""
+    last with ``set_requires_all_reduce(True)`` or ``set_requires_gradient_sync(True)`` (which
+    turns the all-reduce back on too, in FSDP2); every rank its own data, the reference
+    averages over all of them."""
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     g = torch.Generator().manual_seed(3)
     batches = [[[(torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g))
                  for _ in range(world)] for _ in range(3)] for _ in range(2)]
     out: dict[str, Any] = {}
     calls: dict[str, int] = {}
+    unclosed: list[str] = []
     ref = None
     for name in ("ours", "fsdp2", "ours_unmarked"):
         model, ref = _net()
@@ -141,10 +146,17 @@ def _requires_all_reduce_worker(rank: int, world: int, outer: str) -> dict[str, 
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for parts in batches:
             for i, per_rank in enumerate(parts):
+                last = i == len(parts) - 1
                 if name != "ours_unmarked":
-                    model.set_requires_all_reduce(i == len(parts) - 1)
+                    if last and reenable == "gradient_sync":
+                        model.set_requires_gradient_sync(True)
+                    else:
+                        model.set_requires_all_reduce(last)
                 _loss(model, per_rank[rank]).backward()
-            opt.step()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                opt.step()  # warns if no backward closed the window
+            unclosed += [f"{name}: {w.message}" for w in seen if "never" in str(w.message)]
             opt.zero_grad()
         out[name] = model
         if name != "fsdp2":
@@ -158,12 +170,14 @@ def _requires_all_reduce_worker(rank: int, world: int, outer: str) -> dict[str, 
                 (_loss(ref, batch) / world).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    return {"calls": fewer, **{name: _param_errors(m, ref) for name, m in out.items()}}
+    errors = {name: _param_errors(m, ref) for name, m in out.items()}
+    return {"calls": fewer, "unclosed": unclosed, **errors}
 
 
+@pytest.mark.parametrize("reenable", ["requires_all_reduce", "gradient_sync"])
 @pytest.mark.parametrize("outer", ["no_shard", "optim"])
-def test_requires_all_reduce_hsdp(ranks: RankPools, outer: str) -> None:
-    results = ranks.run(_requires_all_reduce_worker, 4, outer, timeout_s=TIMEOUT_S)
+def test_requires_all_reduce_hsdp(ranks: RankPools, outer: str, reenable: str) -> None:
+    results = ranks.run(_requires_all_reduce_worker, 4, outer, reenable, timeout_s=TIMEOUT_S)
     for rank, r in enumerate(results):
         for name, errors in r.items():
             assert not errors, f"rank {rank} {name}: " + "\n".join(errors[:4])

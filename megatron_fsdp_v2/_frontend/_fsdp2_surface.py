@@ -9,8 +9,9 @@ alternative. ``REFUSED`` lists the refused ones and why; the rest of the mixin i
 torch's methods reach FSDP2's internals (``_get_fsdp_state()._fsdp_param_groups``), which our
 modules do not have; inheriting one unchanged would fail deep inside torch (or, worse, set an
 attribute nothing reads). So each is overridden here or in ``_fsdp_module.py``, and
-``tests/distributed/test_fsdp2_surface.py`` enumerates ``vars(torch FSDPModule)`` so that a method a
-newer torch adds fails the test until it is classified. What maps onto a flat-buffer design:
+``tests/distributed/test_fsdp2_surface.py`` enumerates ``vars(torch FSDPModule)`` so that a
+method a newer torch adds fails the test until it is classified. What maps onto a flat-buffer
+design:
 
 * gradient scaling: every reduction here is a ``SUM`` of gradients multiplied *before* the
   collective by the group's ``grad_pre_scale`` (fused into the staging copy), so

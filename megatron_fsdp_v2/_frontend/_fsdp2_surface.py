@@ -82,8 +82,8 @@ REFUSED: dict[str, str] = {
         "(see GroupIssuer); overlap comes from fully_shard(overlap=True)"
     ),
     "set_unshard_in_backward": (
-        "a ZeRO-3 unit's backward always gathers its weights (False is not supported; True is "
-        "the default and accepted); wrap such a unit with sharding_strategy='optim_grads' so "
+        "a ZeRO-3 unit's backward always gathers its weights (False is not supported there; True "
+        "is the default and accepted); wrap such a unit with sharding_strategy='optim_grads' so "
         "its weights stay replicated and its backward gathers nothing"
     ),
     "_set_unshard_async_op": (
@@ -250,9 +250,13 @@ class FSDP2Surface(TorchFSDPModule):
         raise refuse("set_separate_reduce_scatter_group")
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """FSDP2's method. ``True`` (the default) is accepted; so is ``False`` for a unit whose
+        weights stay replicated (``no_shard``/``optim``/``optim_grads``: its backward gathers
+        nothing anyway). A ZeRO-3 unit's backward always gathers: ``False`` is refused there."""
         if _check_bool("unshard_in_backward", unshard_in_backward):
-            return  # the default: the backward gathers what it needs
-        raise refuse("set_unshard_in_backward")
+            return
+        if any(g.strategy.shards_model_weights for g in self._own_state().groups):
+            raise refuse("set_unshard_in_backward")
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         raise refuse("_set_unshard_async_op")

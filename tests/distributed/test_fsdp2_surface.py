@@ -85,6 +85,9 @@ def _surface_worker(rank: int, world: int) -> list[str]:
             if REFUSED[name] not in str(e) or name not in str(e):
                 found.append(f"{name}: message {e}")
     model.set_unshard_in_backward(True)  # FSDP2's default: accepted
+    replicated = nn.Linear(3, 3)
+    fully_shard(replicated, mesh=mesh, sharding_strategy="optim_grads")
+    replicated.set_unshard_in_backward(False)  # type: ignore[operator]  # nothing to gather
     model.set_reduce_scatter_unused_params(True)
     model.set_reduce_scatter_unused_params(False, recurse=False)
     model.set_force_sum_reduction_for_comms(True)

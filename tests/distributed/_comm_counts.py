@@ -10,11 +10,9 @@ runs). ``CollectiveCounts`` is the same dispatch-level observer with only the co
 set of collective ops (read from a ``CommDebugMode`` instance, so a torch upgrade that adds one
 adds it here), the same native-to-legacy functional-collective key mapping, and the same
 ``NotImplemented`` for DTensor arguments so DTensor's own collectives are seen after it
-desugars. Unlike ``CommDebugMode`` its ``__torch_dispatch__`` is not wrapped to keep dynamo
-out (a per-op cost): do not count a region that runs ``torch.compile``. It stays a witness
-independent of the library (it counts what reached the dispatcher, not what the library says
-it issued); ``test_comm_counts.py`` checks that both modes count the same on training runs of
-every strategy, HSDP and substituted collectives.
+desugars. It stays a witness independent of the library (it counts what reached the
+dispatcher, not what the library says it issued); ``test_comm_counts.py`` checks that both
+modes count the same on training runs of every strategy, HSDP and substituted collectives.
 """
 
 from __future__ import annotations
@@ -53,20 +51,13 @@ class CollectiveCounts(TorchDispatchMode):
         kwargs = kwargs or {}
         if isinstance(func, torch._ops.HigherOrderOperator):
             return func(*args, **kwargs)
-        if DTensor in types:
+        if any(t == DTensor for t in types):
             return NotImplemented  # DTensor desugars first; its collectives come back here
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         if packet in _COUNTED:
             self.comm_counts[_KEY.get(packet, packet)] += 1
         return out
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # TorchDispatchMode wraps __torch_dispatch__ in torch._disable_dynamo, two Python
-        # frames and an eval-frame swap per dispatched op (a tenth of a tiny training step).
-        # Nothing is compiled under these counts, so there is no dynamo frame to skip.
-        return False
 
     def get_comm_counts(self) -> dict[Any, int]:
         return self.comm_counts

@@ -81,16 +81,17 @@ def build_groups(
     allocator = BucketAllocator()
     flat_groups: list[FlatParamGroup] = []
     for members in by_kind.values():
-        shapes = [managed[i].param.shape for i in members]
+        shapes = [managed[i].local.shape for i in members]
         for split in split_for_padding(shapes, world_size, options.max_padding_ratio):
             indices = [members[j] for j in split]
-            layout = build_layout([managed[i].param.shape for i in indices], world_size)
+            layout = build_layout([managed[i].local.shape for i in indices], world_size)
             fqns = [managed[i].fqn for i in indices]
             warn_if_padded(layout, fqns, options.max_padding_ratio)
             flat_groups.append(
                 FlatParamGroup(
                     group_id=(id(module), len(flat_groups)),
                     params=[managed[i].param for i in indices],
+                    tp_faces=[managed[i].tp for i in indices],
                     fqns=fqns,
                     layout=layout,
                     mesh=options.mesh,
@@ -148,6 +149,9 @@ def install_unit(
     _registry.set_state(module, state)
     # DTensor redistribution of uneven shards.
     register_mesh(options.mesh, outer_optim=options.outer_optim)
+    for face in (f for group in flat_groups for f in group.tp_faces if f is not None):
+        register_mesh(face.dist_mesh, outer_optim=options.outer_optim,
+                      tp_dims=tuple(range(face.dp_ndim, face.dist_mesh.ndim)))
     _torch_patches.install_all()  # once; see _torch_patches/__init__.py for the list
     state.register_dist_params()
     module.register_load_state_dict_post_hook(_mark_loaded)

@@ -126,6 +126,9 @@ class FlatParamGroup(ComputeWeights):
         then hold its TP-local tensor; see [Note: 2-D parameters])."""
         self.layout = layout
         self.tp_faces = list(tp_faces) if tp_faces is not None else [None] * len(params)
+        # Per parameter: where clip_grad_norm_ all-reduces a tensor-parallel parameter's
+        # gradient norm when TP shards it too (set by fully_shard's wiring; None: the group's).
+        self.tp_norm_groups: list[dist.ProcessGroup | None] = [None] * len(params)
         self.mesh = mesh  # the optimizer-facing DTensors live on it (all of its dims)
         inner = mesh.ndim - 1
         self.rank = mesh.get_local_rank(inner)

@@ -22,12 +22,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2 import clip_grad_norm_, fully_shard
 
 from _models import all_ranks_ok
 
 # Odd TP-local row counts (vocab 26 -> 13, ffn 22 -> 11 per TP rank): uneven rows over dp.
 VOCAB, DIM, FFN, SEQ, LAYERS = 26, 16, 22, 4, 2
+CLIP = 0.5  # below the gradient norms of these steps: clipping changes the update
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
@@ -117,12 +118,13 @@ def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def train(model: nn.Module, data: torch.Tensor, dp_rank: int | None, *,
           mark: bool = False, lr: float = 1e-2,
-          clip: Callable[[nn.Module], object] | None = None) -> list[float]:
+          clip: Callable[[nn.Module], torch.Tensor] | None = None) -> list[float]:
     """AdamW steps over ``data``; ``dp_rank`` None: the single-process reference on the global
-    batch. Returns the losses (each the mean over the global batch)."""
+    batch. Returns the losses (each the mean over the global batch), followed by the gradient
+    norms ``clip`` returned, if any."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     micro = data.shape[1]
-    losses = []
+    losses, norms = [], []
     for step in range(data.shape[0]):
         total = torch.zeros(())
         for i in range(micro):
@@ -133,14 +135,23 @@ def train(model: nn.Module, data: torch.Tensor, dp_rank: int | None, *,
             loss.backward()
             total += loss.detach()
         if clip is not None:
-            clip(model)
+            norms.append(float(clip(model)))
         opt.step()
         opt.zero_grad()
         if dp_rank is not None:  # the mean over dp ranks (tp ranks hold the same loss)
             dist.all_reduce(total)
             total /= dist.get_world_size()
         losses.append(total.item())
-    return losses
+    return losses + norms
+
+
+def clip_ours(model: nn.Module) -> torch.Tensor:
+    return clip_grad_norm_(model.parameters(), CLIP)
+
+
+def clip_torch(model: nn.Module) -> torch.Tensor:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def full_values(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 ``fully_shard`` on ``mesh["dp"]`` (see [Note: 2-D parameters] in ``_dtensor/_tp_params.py``).
 
 Parity with single-process training (losses, ``full_tensor()`` of every parameter, torch's full
-state dict) for every strategy, 2 micro-batches, uneven rows over dp, with FSDP2
+state dict; gradient norms of clip_grad_norm_ over the whole model) for every strategy, 2
+micro-batches, uneven rows over dp, with FSDP2
 (``torch.distributed.fsdp.fully_shard``) trained on the same script as a control; the placements
 of the optimizer-facing parameters; and the errors for meshes that cannot be composed."""
 
@@ -25,6 +26,8 @@ from _tp_common import (
     apply_tp,
     batches,
     build_model,
+    clip_ours,
+    clip_torch,
     compare,
     compare_losses,
     dp_tp_mesh,
@@ -43,17 +46,17 @@ def _parity_worker(rank: int, world: int, strategy: str) -> None:
     dp_rank = mesh.get_local_rank("dp")
     data = batches(steps=3, micro=2, dp=2)
     ref = build_model()
-    ref_losses = train(ref, data, None)
+    ref_losses = train(ref, data, None, clip=clip_torch)
     want = full_values(ref)
 
     ours = wrap_ours(apply_tp(build_model(), mesh["tp"]), mesh["dp"], strategy)
-    losses = train(ours, data, dp_rank, mark=True)
+    losses = train(ours, data, dp_rank, mark=True, clip=clip_ours)
     compare_losses(f"{strategy}: fully_shard x TP", losses, ref_losses)
     compare(f"{strategy}: full_tensor()", full_values(ours), want)
     compare(f"{strategy}: torch full state dict", torch_full_state_dict(ours), want)
 
     control = wrap_fsdp2(apply_tp(build_model(), mesh["tp"]), mesh["dp"])
-    control_losses = train(control, data, dp_rank)
+    control_losses = train(control, data, dp_rank, clip=clip_torch)
     compare_losses(f"{strategy}: FSDP2 x TP (control)", control_losses, ref_losses)
     compare(f"{strategy}: FSDP2 full_tensor() (control)", full_values(control), want)
     compare_losses(f"{strategy}: fully_shard vs FSDP2", losses, control_losses)

@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _registry
 from .._buffers._layout import BufferLayout
-from ..api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 from .._dtensor._tp_params import TPFace, tp_face_of
+from ..api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 from ._param_classes import check_param_class
 
 __all__ = [

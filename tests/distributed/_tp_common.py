@@ -130,7 +130,8 @@ def train(model: nn.Module, data: torch.Tensor, dp_rank: int | None, *,
         for i in range(micro):
             if mark:
                 model.set_is_last_backward(i == micro - 1)  # type: ignore[operator]
-            tokens = data[step, i].reshape(-1, SEQ + 1) if dp_rank is None else data[step, i, dp_rank]
+            tokens = (data[step, i].reshape(-1, SEQ + 1) if dp_rank is None
+                      else data[step, i, dp_rank])
             loss = loss_of(model, tokens) / micro
             loss.backward()
             total += loss.detach()

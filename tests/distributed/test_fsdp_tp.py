@@ -12,15 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-from torch.distributed.tensor.placement_types import _StridedShard
-
-from megatron_fsdp_v2 import fully_shard
-
-from _models import check_all_ranks
-from _pool import RankPools
 from _tp_common import (
     STRATEGIES,
     apply_tp,
@@ -37,6 +28,15 @@ from _tp_common import (
     wrap_fsdp2,
     wrap_ours,
 )
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from megatron_fsdp_v2 import fully_shard
+
+from _models import check_all_ranks
+from _pool import RankPools
 
 TIMEOUT_S = 400
 

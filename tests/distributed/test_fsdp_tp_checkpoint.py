@@ -15,11 +15,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.state_dict as dsd
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-
-from megatron_fsdp_v2 import checkpoint as mckpt
-
-from _pool import RankPools
 from _tp_common import (
     SEQ,
     apply_tp,
@@ -32,6 +27,11 @@ from _tp_common import (
     loss_of,
     wrap_ours,
 )
+from torch.distributed.device_mesh import init_device_mesh
+
+from megatron_fsdp_v2 import checkpoint as mckpt
+
+from _pool import RankPools
 
 TIMEOUT_S = 400
 STEPS, SAVED_AT, MOVED_AT = 4, 2, 3  # save after 2 steps, move back after 3

@@ -17,14 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
-
-from megatron_fsdp_v2._registry import state_of
-
-from _models import check_all_ranks
-from _pool import RankPools
 from _tp_common import (
     STRATEGIES,
     apply_tp,
@@ -36,6 +28,14 @@ from _tp_common import (
     wrap_fsdp2,
     wrap_ours,
 )
+from torch.distributed.distributed_c10d import _resolve_process_group
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
+
+from megatron_fsdp_v2._registry import state_of
+
+from _models import check_all_ranks
+from _pool import RankPools
 
 TIMEOUT_S = 400
 MICRO = 2

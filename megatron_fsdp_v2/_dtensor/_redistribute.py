@@ -180,12 +180,12 @@ def _redistribute_2d(
     ]
     if not sharded or not mesh._is_current_rank_part_of_mesh():
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
-    if len(sharded) > 1:
+    if len(sharded) > 1 and not (sharded == [0, 1] and mesh_kind(mesh)):
         raise NotImplementedError(
-            f"{what}: fully_shard's sub-shards over two data-parallel mesh dimensions "
-            f"(outer_dp_sharding_strategy='optim') with tensor parallelism; {ALTERNATIVE}"
+            f"{what}: a DTensor sharded over two data-parallel mesh dimensions that are not "
+            f"an HSDP outer-optim unit's; {ALTERNATIVE}"
         )
-    i = sharded[0]
+    i = sharded[-1]
     if source[i] == target[i] and all(
         s == t or (s.is_partial() and t.is_replicate()) for s, t in zip(source, target)
     ):
@@ -200,11 +200,18 @@ def _redistribute_2d(
             "and their gather needs the sizes of every rank at run time; redistribute "
             f"outside the compiled region, or {ALTERNATIVE}"
         )
-    replicated = source[:i] + (Replicate(),) + source[i + 1 :]
+    replicated = tuple(Replicate() if j in sharded else p for j, p in enumerate(source))
     # The gathered tensor is this rank's TP-local tensor: check its size, not the global one.
     tp_local_shape, _ = compute_local_shape_and_global_offset(current_spec.shape, mesh,
                                                               replicated)
     dim = cast(Any, source[i]).dim % local_tensor.dim()
+    if len(sharded) > 1:
+        # HSDP outer optim: rank (r, s) holds sub-shard s * R + r of the TP-local rows (inner
+        # first, see design.md §9), so the outer gather rebuilds inner shard s, the inner one
+        # the rest. The only DTensors sharded over both dp dims of a dp x TP mesh are the
+        # unit's own (and derived ones); the same spec from distribute_tensor on this 3-D mesh
+        # would mean outer first and is read in this order too.
+        local_tensor = gather_shard(local_tensor, mesh, 0, dim, None, what)
     gathered = gather_shard(local_tensor, mesh, i, dim, tuple(tp_local_shape), what)
     if replicated == target:
         return gathered

@@ -123,6 +123,12 @@ def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh) -> TPFace | N
                 "Replicate() (tensor parallelism), not Partial or strided ones (torch's "
                 "fully_shard already applied?): pass it in ignored_params"
             )
+    if tp_mesh == dp_mesh:
+        raise ValueError(
+            f"{what}: the data-parallel mesh itself (e.g. from distribute_tensor or torch's "
+            "fully_shard), which fully_shard would shard over a second time; pass it in "
+            f"ignored_params, or distribute it over a tensor-parallel mesh instead. {_RULE}"
+        )
     if tp_mesh.mesh_dim_names is None or dp_mesh.mesh_dim_names is None:
         raise ValueError(f"{what}; both meshes need dimension names. {_RULE}")
     shared = set(tp_mesh.mesh_dim_names) & set(dp_mesh.mesh_dim_names)

@@ -6,7 +6,6 @@ gradient norms, ``full_tensor()`` of every parameter, torch's full state dict)."
 from __future__ import annotations
 
 import pytest
-import torch
 from _tp_common import (
     apply_tp,
     batches,

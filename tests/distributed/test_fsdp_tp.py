@@ -5,12 +5,14 @@ Parity with single-process training (losses, ``full_tensor()`` of every paramete
 state dict; gradient norms of clip_grad_norm_ over the whole model) for every strategy, 2
 micro-batches, uneven rows over dp, with FSDP2
 (``torch.distributed.fsdp.fully_shard``) trained on the same script as a control; the placements
-of the optimizer-facing parameters; and the errors for meshes that cannot be composed."""
+of the optimizer-facing parameters; torch's full-state-dict loads; and the errors for meshes
+that cannot be composed."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed.checkpoint.state_dict as dsd
 import torch.nn as nn
 from _tp_common import (
     STRATEGIES,
@@ -34,6 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2._registry import record_of
 
 from _models import check_all_ranks
 from _pool import RankPools
@@ -89,20 +92,47 @@ def _placements_worker(rank: int, world: int, strategy: str) -> None:
 
     def look(module: nn.Module, args: object) -> None:
         w = module.weight
+        record = record_of(w)
+        bound = record.group._bound_to if record is not None else None
         seen.append((type(w).__name__, tuple(getattr(w, "placements", ())),
                      getattr(getattr(w, "device_mesh", None), "mesh_dim_names", None),
-                     tuple(w.to_local().shape) if isinstance(w, DTensor) else None))
+                     tuple(w.to_local().shape) if isinstance(w, DTensor) else None,
+                     # zero-copy: the local tensor views the unsharded model-weight buffer
+                     bound is not None and isinstance(w, DTensor) and (
+                         w.to_local().untyped_storage().data_ptr()
+                         == bound.untyped_storage().data_ptr())))
 
     hook = model.blocks[0].up.register_forward_pre_hook(look)
     model(torch.zeros(2, 4, dtype=torch.long))
     hook.remove()
-    want_seen = [("DTensor", (Shard(0),), ("tp",), (11, 16))]
+    want_seen = [("DTensor", (Shard(0),), ("tp",), (11, 16), True)]
     check_all_ranks(seen == want_seen, f"{strategy}: compute parameter {seen}, want {want_seen}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_placements(ranks: RankPools, strategy: str) -> None:
     ranks.run(_placements_worker, 4, strategy, timeout_s=TIMEOUT_S)
+
+
+def _load_full_worker(rank: int, world: int, strategy: str, broadcast: bool) -> None:
+    """torch's set_model_state_dict(full_state_dict=True) cuts each full tensor at the TP
+    offsets, then at this rank's dp rows."""
+    mesh = dp_tp_mesh()
+    model = wrap_ours(apply_tp(build_model(seed=5), mesh["tp"]), mesh["dp"], strategy)
+    want = full_values(build_model())
+    sd = {k: v.clone() for k, v in build_model().state_dict().items()}
+    if broadcast and rank != 0:
+        sd = {}
+    dsd.set_model_state_dict(model, sd, options=dsd.StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=broadcast))
+    compare(f"{strategy} broadcast={broadcast}: loaded full state dict", full_values(model),
+            want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("broadcast", [False, True])
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_load_full_state_dict(ranks: RankPools, strategy: str, broadcast: bool) -> None:
+    ranks.run(_load_full_worker, 4, strategy, broadcast, timeout_s=TIMEOUT_S)
 
 
 def _errors_worker(rank: int, world: int) -> None:
@@ -112,9 +142,11 @@ def _errors_worker(rank: int, world: int) -> None:
     # A TP mesh from another root mesh than the dp mesh.
     m = parallelize_module(nn.Linear(4, 4), other["b"], ColwiseParallel())
     cases.append(("other root", m, mesh["dp"], "not a sub-mesh of the same root mesh"))
-    # The dp mesh and the TP mesh overlap (the same axis twice).
+    # The dp mesh and the TP mesh overlap (the same axis twice), or are the same mesh.
     m = parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
-    cases.append(("same axis", m, mesh["tp"], "shares mesh dimension(s) ['tp']"))
+    cases.append(("same axis", m, mesh, "shares mesh dimension(s) ['tp']"))
+    m = parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel())
+    cases.append(("same mesh", m, mesh["tp"], "the data-parallel mesh itself"))
     # A DTensor that is not Shard/Replicate (Partial).
     from torch.distributed.tensor import Partial
 

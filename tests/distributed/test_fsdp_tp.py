@@ -107,6 +107,21 @@ def _placements_worker(rank: int, world: int, strategy: str) -> None:
     hook.remove()
     want_seen = [("DTensor", (Shard(0),), ("tp",), (11, 16), True)]
     check_all_ranks(seen == want_seen, f"{strategy}: compute parameter {seen}, want {want_seen}")
+    # A col-wise embedding (TP shards dim 1), and random init refused clearly on dp x tp.
+    torch.manual_seed(3)
+    emb = nn.Embedding(7, 4)
+    full = emb.weight.detach().clone()
+    parallelize_module(emb, mesh["tp"], ColwiseParallel())
+    fully_shard(emb, mesh=mesh["dp"], sharding_strategy=strategy)
+    w = emb.weight
+    ok = tuple(w.placements) == (dp, Shard(1)) and torch.equal(w.full_tensor(), full)
+    check_all_ranks(ok, f"{strategy}: col-wise embedding {w.placements}")
+    try:
+        torch.nn.init.normal_(model.blocks[0].up.weight)
+        err = "no error"
+    except NotImplementedError as e:
+        err = "" if "tensor-parallel mesh" in str(e) else str(e)
+    check_all_ranks(not err, f"{strategy}: random init on dp x tp: {err}")
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

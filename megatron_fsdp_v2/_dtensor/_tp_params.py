@@ -90,6 +90,12 @@ class TPFace:
         )
         return dp + self.tp_placements
 
+    def dist_dtensor(self, local: torch.Tensor, dp_placements: tuple[Placement, ...]) -> DTensor:
+        """``local`` (this rank's rows of the TP-local tensor in a main-weight-span buffer) as
+        the optimizer-facing DTensor on the dp x TP mesh."""
+        return DTensor.from_local(local, self.dist_mesh, self.dist_placements(dp_placements),
+                                  run_check=False, shape=self.shape, stride=self.stride)
+
     def tp_offsets(self) -> tuple[int, ...]:
         """Where this rank's TP-local tensor starts in the full tensor (DTensor's own offsets:
         TP's shards are ``torch.chunk`` pieces)."""
@@ -150,6 +156,12 @@ def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh) -> TPFace | N
     except RuntimeError as error:
         raise ValueError(f"{what}, which cannot be combined with the data-parallel mesh "
                          f"{dp_mesh} ({error}). {_RULE}") from None
+    if param.device.type == "meta":
+        raise NotImplementedError(
+            f"{what}, on the meta device: fully_shard composes with tensor parallelism for "
+            "materialized models; call module.to_empty(device=...) and initialize before "
+            "fully_shard"
+        )
     shape = param.shape
     return TPFace(tp_mesh, tuple(param.placements), shape, _contiguous_stride(shape), dist_mesh)
 

@@ -189,13 +189,7 @@ def collect_managed_params(
                     "Also wrap children before their parents: a parent's unit already manages "
                     "its children's parameters"
                 )
-            tp = tp_face_of(fqn, param, mesh)
-            if tp is not None and param.device.type == "meta":
-                raise NotImplementedError(
-                    f"parameter '{fqn}' is a tensor-parallel DTensor on the meta device: "
-                    "fully_shard composes with tensor parallelism for materialized models; "
-                    "call module.to_empty(device=...) and initialize before fully_shard"
-                )
+            tp = tp_face_of(fqn, param, mesh)  # None for a plain tensor; raises if unusable
             check_param_class(fqn, param if tp is None else param._local_tensor)
             _check_dense_gradients(submodule, name, fqn)
             managed.append(ManagedParam(fqn, param, tp))

@@ -126,8 +126,7 @@ class FlatParamGroup(ComputeWeights):
         then hold its TP-local tensor; see [Note: 2-D parameters])."""
         self.layout = layout
         self.tp_faces = list(tp_faces) if tp_faces is not None else [None] * len(params)
-        # Per parameter: where clip_grad_norm_ all-reduces a tensor-parallel parameter's
-        # gradient norm when TP shards it too (set by fully_shard's wiring; None: the group's).
+        # Per parameter: where clip_grad_norm_ reduces a TP-sharded gradient's norm (wiring).
         self.tp_norm_groups: list[dist.ProcessGroup | None] = [None] * len(params)
         self.mesh = mesh  # the optimizer-facing DTensors live on it (all of its dims)
         inner = mesh.ndim - 1
@@ -357,10 +356,7 @@ class FlatParamGroup(ComputeWeights):
         on the dp x TP mesh (see [Note: 2-D parameters])."""
         face = self.tp_faces[index]
         if face is not None:
-            return DTensor.from_local(
-                local, face.dist_mesh, face.dist_placements(self._placements), run_check=False,
-                shape=face.shape, stride=face.stride,
-            )
+            return face.dist_dtensor(local, self._placements)
         shape = self.layout.items[index].shape
         return DTensor.from_local(
             local, self.mesh, self._placements, run_check=False, shape=shape,

@@ -178,7 +178,14 @@ def _redistribute_2d(
         i for i, p in enumerate(source)
         if i not in tp_dims and is_shard_like(p) and mesh.size(i) > 1
     ]
-    if not sharded or not mesh._is_current_rank_part_of_mesh():
+    # A plain dp Shard(d) next to a TP Shard(d) is DTensor's nested meaning (dp chunk first,
+    # e.g. distribute_tensor on the root mesh), never a unit's (those are _StridedShard): torch's.
+    ndim = max(len(current_spec.shape), 1)
+    tp_shard_dims = {cast(Any, source[j]).dim % ndim for j in tp_dims if source[j].is_shard()}
+    if not sharded or not mesh._is_current_rank_part_of_mesh() or any(
+        source[j].is_shard() and cast(Any, source[j]).dim % ndim in tp_shard_dims
+        for j in sharded
+    ):
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
     if len(sharded) > 1 and not (sharded == [0, 1] and mesh_kind(mesh)):
         raise NotImplementedError(

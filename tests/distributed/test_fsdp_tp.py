@@ -31,7 +31,7 @@ from _tp_common import (
     wrap_ours,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
@@ -107,6 +107,10 @@ def _placements_worker(rank: int, world: int, strategy: str) -> None:
     hook.remove()
     want_seen = [("DTensor", (Shard(0),), ("tp",), (11, 16), True)]
     check_all_ranks(seen == want_seen, f"{strategy}: compute parameter {seen}, want {want_seen}")
+    # A user's DTensor on the same (registered) dp x tp mesh keeps DTensor's meaning.
+    x = torch.arange(48.0).view(12, 4)
+    nested = distribute_tensor(x, mesh, [Shard(0), Shard(0)])
+    check_all_ranks(torch.equal(nested.full_tensor(), x), f"{strategy}: (Shard(0), Shard(0))")
     # A col-wise embedding (TP shards dim 1), and random init refused clearly on dp x tp.
     torch.manual_seed(3)
     emb = nn.Embedding(7, 4)

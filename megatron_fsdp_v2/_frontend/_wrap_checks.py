@@ -190,7 +190,7 @@ def collect_managed_params(
                     "tensors only: pass it in ignored_params, or wrap the module before "
                     "distributing its parameters otherwise"
                 )
-            check_param_class(fqn, param)
+            check_param_class(fqn, param, mesh.ndim)
             _check_dense_gradients(submodule, name, fqn)
             managed.append(ManagedParam(fqn, param))
     for m in managed:

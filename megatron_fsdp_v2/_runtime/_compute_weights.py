@@ -19,6 +19,7 @@ from ._issuer import GroupIssuer, Pending
 
 if TYPE_CHECKING:
     from ._flat_param_group import ParamRecord
+    from ._subclass_gather import ExtensionGather
     from ._grads import GroupGrads
     from ._refresh_buckets import RefreshBucket
 
@@ -40,6 +41,7 @@ class ComputeWeights:
     model_weight: torch.Tensor
     main_weight: torch.Tensor
     refresh_bucket: RefreshBucket | None
+    extension: ExtensionGather | None
     views_generation: int
     _views_bound: bool
     _bound_to: torch.Tensor | None
@@ -55,7 +57,14 @@ class ComputeWeights:
         """Make the compute parameters zero-copy views of the unsharded weights, which releases
         their original storage. A group that gathers has no unsharded bucket until its first
         gather (so wrapping never holds a full-size copy): until then they hold an empty
-        placeholder."""
+        placeholder. Parameters with all-gather extensions: see ``_subclass_gather.py``."""
+        if self.extension is not None:
+            if self.plan.keeps_model_weight:  # no_shard: full precision, cast per forward
+                self.extension.bind_full_precision(self.model_weight)
+            else:  # rebuilt from the gathered inputs at the first gather or refresh
+                for index, record in enumerate(self.records):
+                    record.compute_param = self.extension.placeholder(index)
+            return
         if not self.plan.gathers_weights:
             self._bind_compute_views(self.model_weight)
             return
@@ -89,6 +98,10 @@ class ComputeWeights:
         was replaced or released is freed; the next gather binds them again. Likewise the
         gradient aliases cached over a temporary bucket (any group)."""
         self.grads.forget_temporary_aliases()
+        if self.extension is not None:
+            if self.plan.gathers_weights and not self._gathered:
+                self.extension.forget_compute_params()
+            return
         if not self.plan.gathers_weights or self._gathered or not self._views_bound:
             return
         self.bind()
@@ -136,6 +149,11 @@ class ComputeWeights:
     def _gather(self, async_op: bool) -> bool:
         if self._gathered:
             return False
+        if self.extension is not None:
+            self._weights_stale = False
+            self._pending_weights = self.extension.gather_temporary(async_op)
+            self._gathered = True
+            return True
         refresh: Pending | None = None
         cast_at_gather = self.plan.refresh is Refresh.CAST_AT_GATHER
         if self._weights_stale:
@@ -168,6 +186,10 @@ class ComputeWeights:
     def _refresh(self, async_op: bool) -> bool:
         if not self._weights_stale:
             return False
+        if self.extension is not None and not self.plan.keeps_model_weight:
+            self._weights_stale = False
+            self._pending_weights = self.extension.refresh_persistent(async_op)
+            return True
         bucket = self.refresh_bucket
         if bucket is not None:  # issuing it makes this group fresh (take_refresh)
             return bucket.coalescer.issue_through(bucket, async_op)
@@ -196,7 +218,10 @@ class ComputeWeights:
         self.wait_for_compute_weights()
         if not self._gathered:
             return False
-        self.allocator.free(self.temporary_key("unsharded_model_weight"))
+        if self.extension is not None:
+            self.extension.free_temporary()
+        else:
+            self.allocator.free(self.temporary_key("unsharded_model_weight"))
         self._gathered = False
         return True
 

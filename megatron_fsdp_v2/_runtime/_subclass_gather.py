@@ -104,6 +104,14 @@ class ExtensionGather:
         self.original_ids = [id(p) for p in params]
         self.owners: list[nn.Module | None] = [None] * len(params)  # set by fully_shard
         self.mp_policy: Any = None
+        # Whether some rank's shard holds no row of parameter i (see _check_empty_shards).
+        layout = group.layout
+        self._empty_somewhere = [
+            any(lo == hi for lo, hi in (
+                layout.local_item_range(i, *layout.shard_range(r))
+                for r in range(layout.world_size)))
+            for i in range(len(params))
+        ] if group.plan.main_weight_span != (0, layout.total_numel) else [False] * len(params)
         self._persistent: list[torch.Tensor] = []  # optim/optim_grads: the gathered inputs
         self._viewed: list[torch.Tensor] | None = None  # the buffers compute params view
 
@@ -143,6 +151,23 @@ class ExtensionGather:
 
     # ------------------------------------------------------------------ the protocol
 
+    def _check_empty_shards(self) -> None:
+        """torchao float8 without a precomputed scale computes the weight's amax in
+        ``fsdp_pre_all_gather`` and all-reduces it there: a rank holding no row of the weight
+        cannot (the max of nothing raises on that rank while the others wait in the
+        all-reduce). The layout and the scales are the same on every rank, so every rank raises
+        here instead, before any collective."""
+        for flag, record in zip(self._empty_somewhere, self.group.records):
+            local = record.dist_param._local_tensor  # type: ignore[attr-defined]
+            if flag and getattr(local, "_precomputed_scale", 0) is None:
+                raise RuntimeError(
+                    f"parameter '{record.fqn}' of {self.group.name}: some rank's shard holds no "
+                    "row of it, so torchao cannot compute its float8 scale dynamically in "
+                    "fsdp_pre_all_gather; call torchao's precompute_float8_dynamic_scale_for_"
+                    "fsdp(model) after fully_shard (before the first forward) as well as after "
+                    "every optimizer step"
+                )
+
     def _pre_all_gather(self, record: ParamRecord) -> tuple[tuple[torch.Tensor, ...], Any]:
         local = record.dist_param._local_tensor  # type: ignore[attr-defined]
         group = self.group
@@ -171,6 +196,7 @@ class ExtensionGather:
         slot of the input buffers (``buffer_for(k, dtype)``: full-size flat buffer ``k``)."""
         group = self.group
         span = group.plan.main_weight_span
+        self._check_empty_shards()
         calls = [self._pre_all_gather(r) for r in group.records]
         count = {len(inputs) for inputs, _ in calls}
         dtypes = {tuple(t.dtype for t in inputs) for inputs, _ in calls}

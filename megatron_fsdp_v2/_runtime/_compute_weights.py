@@ -19,9 +19,9 @@ from ._issuer import GroupIssuer, Pending
 
 if TYPE_CHECKING:
     from ._flat_param_group import ParamRecord
-    from ._subclass_gather import ExtensionGather
     from ._grads import GroupGrads
     from ._refresh_buckets import RefreshBucket
+    from ._subclass_gather import ExtensionGather
 
 __all__ = ["ComputeWeights"]
 

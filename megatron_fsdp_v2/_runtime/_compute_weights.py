@@ -151,7 +151,7 @@ class ComputeWeights:
             return False
         if self.extension is not None:
             self._weights_stale = False
-            self._pending_weights = self.extension.gather_temporary(async_op)
+            self._pending_weights = self.extension.gather_scratch(async_op)
             self._gathered = True
             return True
         refresh: Pending | None = None
@@ -219,7 +219,7 @@ class ComputeWeights:
         if not self._gathered:
             return False
         if self.extension is not None:
-            self.extension.free_temporary()
+            self.extension.free_scratch()
         else:
             self.allocator.free(self.temporary_key("unsharded_model_weight"))
         self._gathered = False

@@ -28,7 +28,7 @@ same storage as before). Here:
   is issued as ``uint8`` (gloo cannot move it; the bytes are the same).
 * The gathered outputs of a parameter are zero-copy views of those buffers, so
   ``fsdp_post_all_gather(out=...)`` reuse holds: ZeRO-3 gathers into the storage-freeing
-  temporaries ``unsharded_model_weight:<k>`` (the same tensor objects each time), ``optim``/
+  scratch buffers ``unsharded_model_weight:<k>`` (the same tensor objects each time), ``optim``/
   ``optim_grads`` into persistent replicated buffers (the FP8 bytes; the scales are the
   metadata, one per parameter), refreshed once after each optimizer step. ``post_all_gather``
   runs when the gather is waited on; registration of the compute parameters follows the wait.
@@ -238,8 +238,8 @@ class ExtensionGather:
 
         return Pending(None, finish)
 
-    def gather_temporary(self, async_op: bool) -> Pending:
-        """ZeRO-3: into the storage-freeing temporaries ``unsharded_model_weight:<k>``."""
+    def gather_scratch(self, async_op: bool) -> Pending:
+        """ZeRO-3: into the storage-freeing scratch buffers ``unsharded_model_weight:<k>``."""
         group = self.group
 
         def buffer_for(k: int, dtype: torch.dtype) -> torch.Tensor:
@@ -251,7 +251,7 @@ class ExtensionGather:
     def _key(self, k: int) -> tuple[tuple[int, int], str]:
         return self.group.temporary_key(f"unsharded_model_weight:{k}")
 
-    def free_temporary(self) -> None:
+    def free_scratch(self) -> None:
         allocator = self.group.allocator
         k = 0
         while allocator.get(self._key(k)) is not None:

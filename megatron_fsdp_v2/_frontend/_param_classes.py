@@ -75,6 +75,13 @@ def check_param_class(fqn: str, param: torch.Tensor, mesh_ndim: int = 1) -> None
     name = f"{cls.__module__}.{cls.__qualname__}"
     if has_all_gather_extensions(param) and not isinstance(param, nn.UninitializedParameter):
         why = extension_refusal(param)
+        if why is None and param.device.type == "meta":
+            raise NotImplementedError(
+                f"parameter '{fqn}' is a {name} on the meta device: fully_shard does not "
+                "materialize parameters with FSDP2 all-gather extensions yet; build the model "
+                "on a real device before fully_shard (or convert it to float8 with "
+                "enable_fsdp_float8_all_gather=False)"
+            )
         if why is None and mesh_ndim == 1:
             return  # gathered through its extensions (_runtime/_subclass_gather.py)
         if why is None:

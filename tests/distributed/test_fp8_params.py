@@ -261,3 +261,69 @@ def test_empty_rows_need_a_precomputed_scale(ranks: RankPools) -> None:
     """A rank without rows of an FP8 weight cannot compute torchao's dynamic scale: every rank
     raises the same clear error before any collective (no deadlock)."""
     ranks.run(_empty_rows_without_scale, 3, timeout_s=TIMEOUT_S)
+
+
+# ---------------------------------------------------------------------- checkpoints and refusals
+
+def _state_dict_round_trip(rank: int, world: int, strategy: str) -> None:
+    """``state_dict()`` holds the main weights (DTensors over the float8 subclass); loading it
+    into a model with other weights marks the FP8 compute weights stale: the next forward
+    gathers the loaded ones."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    dim = DIMS[world]
+    source, target = _model(dim), _model(dim)
+    for model in (source, target):
+        fully_shard(model, sharding_strategy=strategy)
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    x = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        for p in target.parameters():
+            p.mul_(-0.5)
+        target(x)  # gathers (or refreshes) the changed weights
+        target.load_state_dict(source.state_dict())
+        precompute_float8_dynamic_scale_for_fsdp(target)
+        out, expected = target(x), source(x)
+    agree(f"{strategy}: output after load_state_dict",
+          lambda: torch.testing.assert_close(out, expected, rtol=0.0, atol=0.0))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_state_dict_round_trip(ranks: RankPools, strategy: str) -> None:
+    ranks.run(_state_dict_round_trip, 2, strategy, timeout_s=TIMEOUT_S)
+
+
+def _meta_model() -> nn.Module:
+    with torch.device("meta"):
+        return _model(DIMS[2])
+
+
+def _refused(rank: int, world: int, case: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from _bad_input import expect_rejected
+
+    if case == "hsdp_mesh":
+        mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+        make, call = (lambda: _model(DIMS[2])), (lambda m: fully_shard(m, mesh=mesh))
+        pattern = r"parameter '0\.weight' .*WeightWithDynamicFloat8CastTensor.*1-D mesh only"
+    else:
+        make, call = _meta_model, fully_shard
+        pattern = r"parameter '0\.weight' .*WeightWithDynamicFloat8CastTensor on the meta device"
+    fully_shard(nn.Linear(4, 4))  # creates the library's process group (collective) up front
+    message = expect_rejected(make, call, NotImplementedError, pattern)  # no collective at all
+    agree(f"{case}: message", lambda: _matches(message, pattern))
+
+
+def _matches(message: str, pattern: str) -> None:
+    import re
+
+    assert re.search(pattern, message, re.S), message
+
+
+@pytest.mark.parametrize("case", ["hsdp_mesh", "meta_device"])
+def test_unsupported_fp8_setups_refused(ranks: RankPools, case: str) -> None:
+    """FP8 all-gathers on an HSDP (2-D) mesh or from meta-device parameters: a clear
+    NotImplementedError at ``fully_shard`` on every rank before any collective, the module
+    untouched."""
+    ranks.run(_refused, 2, case, timeout_s=TIMEOUT_S)

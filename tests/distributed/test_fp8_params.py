@@ -31,12 +31,15 @@ Tolerances (what the numbers allow):
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from _bad_input import expect_rejected
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
@@ -66,7 +69,6 @@ def _model(dim: int, fp8_all_gather: bool = True) -> nn.Module:
 
 
 def _fsdp2(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy as FSDP2Policy
     from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
@@ -299,10 +301,6 @@ def _meta_model() -> nn.Module:
 
 
 def _refused(rank: int, world: int, case: str) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from _bad_input import expect_rejected
-
     if case == "hsdp_mesh":
         mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
         make, call = (lambda: _model(DIMS[2])), (lambda m: fully_shard(m, mesh=mesh))
@@ -316,8 +314,6 @@ def _refused(rank: int, world: int, case: str) -> None:
 
 
 def _matches(message: str, pattern: str) -> None:
-    import re
-
     assert re.search(pattern, message, re.S), message
 
 

@@ -170,8 +170,7 @@ class FlatParamGroup(ComputeWeights):
         self.owner = ""  # "<Class> at 0x...": the unit, in error messages (set by fully_shard)
         self.uncovered = layout.uncovered_ranges()  # padding and alignment gaps
         self._group_id = group_id
-        # FSDP2's all-gather extensions (see [Note: FSDP2 all-gather extensions]).
-        self.extension = ExtensionGather(self, list(params)) if extensions else None
+        self.extension = ExtensionGather(self, list(params)) if extensions else None  # FP8
 
         self._build_weight_buffers(
             None if self.pending_init else self._initial_flat(params, sync_from_rank0)
@@ -184,8 +183,7 @@ class FlatParamGroup(ComputeWeights):
         self.requires_grad = params[0].requires_grad
         self.grads = GroupGrads(self)  # main_grad, the gradient path, what the optimizer sees
         self._pending_weights: Pending | None = None
-        # Gathered extension inputs exist only after a first refresh.
-        self._weights_stale = self.extension is not None and not self.plan.keeps_model_weight
+        self._weights_stale = self.extension is not None  # FP8 bytes exist after a refresh
         # The refresh bucket planned for this group's next refresh, if any (see [Note: refresh
         # buckets] in _refresh_buckets.py).
         self.refresh_bucket: RefreshBucket | None = None
@@ -354,12 +352,13 @@ class FlatParamGroup(ComputeWeights):
 
     def _build_dist_param(self, param: nn.Parameter, index: int) -> nn.Parameter:
         local = self.local_view(self.main_weight, index)
-        if self.extension is not None:
+        if self.extension is not None:  # the subclass over its rows; its inner state not copied
             local = self.extension.wrap_local(index, local)
         dist_param = nn.Parameter(self.to_dtensor(local, index), requires_grad=param.requires_grad)
         # Optimizer grouping and user code read attributes set on the original parameters.
         for name, value in vars(param).items():
-            setattr(dist_param, name, value)
+            if self.extension is None or not name.startswith("_"):
+                setattr(dist_param, name, value)
         return dist_param
 
     # ------------------------------------------------------------------ weights (ComputeWeights)

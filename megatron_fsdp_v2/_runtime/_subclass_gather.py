@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from .. import ops
 from .._buffers._plan import Collective
 from .._profiling import traced
 from ._issuer import CollectiveLaunch, Pending
@@ -92,6 +93,10 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 
 class ExtensionGather:
     """The all-gather extensions of one flat group (see [Note: FSDP2 all-gather extensions])."""
+
+    # Cast torchao float8 weights with the fused kernel (see _fused_float8_cast); False: always
+    # through the protocol (tests compare both).
+    fuse_float8 = True
 
     def __init__(self, group: FlatParamGroup, params: list[nn.Parameter]) -> None:
         self.group = group
@@ -197,6 +202,9 @@ class ExtensionGather:
         group = self.group
         span = group.plan.main_weight_span
         self._check_empty_shards()
+        fused = self._fused_float8_cast(buffer_for)
+        if fused is not None:
+            return fused
         calls = [self._pre_all_gather(r) for r in group.records]
         count = {len(inputs) for inputs, _ in calls}
         dtypes = {tuple(t.dtype for t in inputs) for inputs, _ in calls}
@@ -215,6 +223,36 @@ class ExtensionGather:
                         buffer[lo:hi].copy_(t.reshape(-1))
         trailing = [inputs[0].shape[1:] if inputs else torch.Size() for inputs, _ in calls]
         return buffers, [metadata for _, metadata in calls], trailing
+
+    def _fused_float8_cast(self, buffer_for: Callable[[int, torch.dtype], torch.Tensor]
+                           ) -> tuple[list[torch.Tensor], list[Any], list[torch.Size]] | None:
+        """torchao's ``WeightWithDynamicFloat8CastTensor`` with precomputed scales: its
+        ``fsdp_pre_all_gather`` is ``(rows * scale).clamp(-max, max).to(float8)`` into a new
+        tensor with metadata ``(scale,)``; the library's fused ``ops.fp8_quantize_`` writes the
+        same bits (tested against it) straight into this rank's slot of the FP8 buffer for the
+        whole group in one call, saving the per-parameter tensors and copies. None: take the
+        protocol (another class, a scale not precomputed, mixed float8 formats)."""
+        group = self.group
+        locals_ = [r.dist_param._local_tensor for r in group.records]  # type: ignore[attr-defined]
+        if not self.fuse_float8 or not all(type(t).__qualname__ == "WeightWithDynamicFloat8CastTensor"
+                   and type(t).__module__.startswith("torchao.float8")
+                   and isinstance(getattr(t, "_precomputed_scale", None), torch.Tensor)
+                   for t in locals_):
+            return None
+        formats = {t._dtype for t in locals_}
+        if len(formats) != 1 or not group.main_weight.is_contiguous():
+            return None
+        (fmt,) = formats
+        buffer = buffer_for(0, fmt)
+        span = group.plan.main_weight_span
+        scales = [t._precomputed_scale for t in locals_]
+        inputs = [group.local_view(group.main_weight, i) for i in range(len(locals_))]
+        offsets = [group.layout.local_item_range(i, *span)[0] for i in range(len(locals_))]
+        amaxes = torch.empty(len(locals_), dtype=torch.float32, device=group.device)
+        ops.fp8_quantize_(inputs, [s.reshape(()) for s in scales], offsets, buffer,
+                          list(amaxes.unbind()))
+        trailing = [r.item.shape[1:] for r in group.records]
+        return [buffer], [(scale,) for scale in scales], trailing
 
     @traced("mfsdp::gather")
     def gather(self, buffer_for: Callable[[int, torch.dtype], torch.Tensor],

@@ -44,6 +44,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2._registry import state_of
+from megatron_fsdp_v2._runtime._subclass_gather import ExtensionGather
 
 from _models import agree
 from _pool import RankPools
@@ -136,7 +137,15 @@ def _gather_bytes(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def _parity(rank: int, world: int, strategy: str, dtype_name: str) -> None:
+def _parity(rank: int, world: int, strategy: str, dtype_name: str, fused: bool = True) -> None:
+    ExtensionGather.fuse_float8 = fused
+    try:
+        _parity_run(rank, world, strategy, dtype_name)
+    finally:
+        ExtensionGather.fuse_float8 = True
+
+
+def _parity_run(rank: int, world: int, strategy: str, dtype_name: str) -> None:
     dtype = getattr(torch, dtype_name)
     dim = DIMS[world]
     ours = _model(dim)
@@ -185,8 +194,17 @@ def _check_bytes(calls: int, nbytes: int, numel: int, expected_calls: int | None
 @pytest.mark.parametrize("world", [2, 3])
 def test_fp8_all_gather_matches_fsdp2(ranks: RankPools, world: int, strategy: str,
                                       dtype_name: str) -> None:
-    """Losses and parameters equal FSDP2 + torchao over 5 steps; FP8 bytes gathered."""
+    """Losses and parameters equal FSDP2 + torchao over 5 steps; FP8 bytes gathered. With
+    precomputed scales the library casts with its fused ``ops.fp8_quantize_``."""
     ranks.run(_parity, world, strategy, dtype_name, timeout_s=TIMEOUT_S)
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_fp8_protocol_path_matches_fsdp2(ranks: RankPools, world: int, strategy: str) -> None:
+    """The same through torchao's own ``fsdp_pre_all_gather`` (the fused cast switched off):
+    the generic path any subclass with the extensions takes."""
+    ranks.run(_parity, world, strategy, "bfloat16", False, timeout_s=TIMEOUT_S)
 
 
 def _zero3_bytes(rank: int, world: int) -> None:

@@ -234,10 +234,12 @@ class ExtensionGather:
         protocol (another class, a scale not precomputed, mixed float8 formats)."""
         group = self.group
         locals_ = [r.dist_param._local_tensor for r in group.records]  # type: ignore[attr-defined]
-        if not self.fuse_float8 or not all(type(t).__qualname__ == "WeightWithDynamicFloat8CastTensor"
-                   and type(t).__module__.startswith("torchao.float8")
-                   and isinstance(getattr(t, "_precomputed_scale", None), torch.Tensor)
-                   for t in locals_):
+        if not self.fuse_float8 or not all(
+            type(t).__qualname__ == "WeightWithDynamicFloat8CastTensor"
+            and type(t).__module__.startswith("torchao.float8")
+            and isinstance(getattr(t, "_precomputed_scale", None), torch.Tensor)
+            for t in locals_
+        ):
             return None
         formats = {t._dtype for t in locals_}
         if len(formats) != 1 or not group.main_weight.is_contiguous():

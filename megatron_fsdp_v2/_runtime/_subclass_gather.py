@@ -36,6 +36,9 @@ same storage as before). Here:
   full-precision ``model_weight`` view, which torchao casts to float8 in each forward.
 * Gradients are plain tensors of the compute dtype (``Float8Linear``'s weight gradient) and take
   the plain path into ``main_grad``.
+* torchao float8 weights with precomputed scales skip ``fsdp_pre_all_gather``: the fused
+  ``ops.fp8_quantize_`` writes the same bits into the FP8 buffer for the whole group in one call
+  (``_fused_float8_cast``); the metadata is the same ``(scale,)``.
 """
 
 from __future__ import annotations

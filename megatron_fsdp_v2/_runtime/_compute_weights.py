@@ -89,7 +89,9 @@ class ComputeWeights:
         """The compute parameters are about to be used (forward, recompute, backward): tensors
         autograd saves may view the gathered scratch buffer until backward, so it must get the same
         memory whenever it is gathered again in this iteration (``ScratchAllocator.pin``)."""
-        if self._gathered:
+        if self._gathered and self.extension is not None:
+            self.extension.pin_scratch()
+        elif self._gathered:
             self.allocator.pin(self.temporary_key("unsharded_model_weight"))
 
     def drop_gathered_views(self) -> None:

@@ -294,6 +294,14 @@ class ExtensionGather:
     def _key(self, k: int) -> tuple[tuple[int, int], str]:
         return self.group.temporary_key(f"unsharded_model_weight:{k}")
 
+    def pin_scratch(self) -> None:
+        """The compute parameters view the gathered scratch buffers (``ScratchAllocator.pin``:
+        a re-gather in this iteration must get the same memory)."""
+        k = 0
+        while self.group.allocator.get(self._key(k)) is not None:
+            self.group.allocator.pin(self._key(k))
+            k += 1
+
     def free_scratch(self) -> None:
         allocator = self.group.allocator
         k = 0

@@ -137,20 +137,22 @@ def _gather_bytes(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     return out
 
 
-def _parity(rank: int, world: int, strategy: str, dtype_name: str, fused: bool = True) -> None:
+def _parity(rank: int, world: int, strategy: str, dtype_name: str, fused: bool = True,
+            trace_pool: bool = False) -> None:
     ExtensionGather.fuse_float8 = fused
     try:
-        _parity_run(rank, world, strategy, dtype_name)
+        _parity_run(rank, world, strategy, dtype_name, trace_pool)
     finally:
         ExtensionGather.fuse_float8 = True
 
 
-def _parity_run(rank: int, world: int, strategy: str, dtype_name: str) -> None:
+def _parity_run(rank: int, world: int, strategy: str, dtype_name: str, trace_pool: bool) -> None:
     dtype = getattr(torch, dtype_name)
     dim = DIMS[world]
     ours = _model(dim)
     control = _model(dim, fp8_all_gather=strategy != "no_shard")  # see the module docstring
-    fully_shard(ours, sharding_strategy=strategy, mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
+    fully_shard(ours, sharding_strategy=strategy, mp_policy=MixedPrecisionPolicy(param_dtype=dtype),
+                enable_trace_pool=trace_pool)
     _fsdp2(control, dtype)
     batches = _batches(world, dim)
     last_step: dict[str, Any] = {}
@@ -205,6 +207,12 @@ def test_fp8_protocol_path_matches_fsdp2(ranks: RankPools, world: int, strategy:
     """The same through torchao's own ``fsdp_pre_all_gather`` (the fused cast switched off):
     the generic path any subclass with the extensions takes."""
     ranks.run(_parity, world, strategy, "bfloat16", False, timeout_s=TIMEOUT_S)
+
+
+def test_fp8_trace_pool_matches_fsdp2(ranks: RankPools) -> None:
+    """ZeRO-3 with ``enable_trace_pool=True``: the FP8 scratch buffers are pinned while autograd
+    may hold views of them, so the result is FSDP2's."""
+    ranks.run(_parity, 2, "optim_grads_params", "bfloat16", True, True, timeout_s=TIMEOUT_S)
 
 
 def _zero3_bytes(rank: int, world: int) -> None:

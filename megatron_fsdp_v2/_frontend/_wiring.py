@@ -24,6 +24,7 @@ from .._runtime import _state_dict_hooks
 from .._runtime._flat_param_group import FlatParamGroup, mesh_device
 from .._runtime._optimizer_hooks import note_wrap
 from .._runtime._state import FSDPState
+from .._runtime._subclass_gather import has_all_gather_extensions
 from ._fsdp_module import fsdp_class
 from ._wrap_checks import warn_if_padded
 from ._wrap_options import Axes, LocalUnit, WrapOptions
@@ -78,7 +79,10 @@ def build_groups(
     world_size = options.layout_world_size
     by_kind: dict[tuple[Any, ...], list[int]] = {}
     for i, m in enumerate(managed):
-        by_kind.setdefault((m.param.device, m.param.dtype, m.param.requires_grad), []).append(i)
+        # Parameters gathered through all-gather extensions (FP8) form groups of their own.
+        kind = (m.param.device, m.param.dtype, m.param.requires_grad,
+                has_all_gather_extensions(m.param))
+        by_kind.setdefault(kind, []).append(i)
     allocator = ScratchAllocator()
     flat_groups: list[FlatParamGroup] = []
     for members in by_kind.values():
@@ -157,6 +161,10 @@ def install_unit(
         )
     owner = f"{type(module).__name__} at 0x{id(module):x}"
     for group in flat_groups:
+        if group.extension is not None:  # what fsdp_pre_all_gather's 5-argument form gets
+            group.extension.owners = [module.get_submodule(fqn.rpartition(".")[0])
+                                      for fqn in group.fqns]
+            group.extension.mp_policy = options.mp_policy
         group.bind()
         group.owner = owner
         _registry.register_records(group.records)

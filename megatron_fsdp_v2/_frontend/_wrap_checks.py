@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .. import _registry
 from .._buffers._layout import BufferLayout
 from .._dtensor._tp_params import TPFace, tp_face_of
+from .._runtime._subclass_gather import has_all_gather_extensions
 from ..api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 from ._param_classes import check_param_class
 
@@ -190,7 +191,15 @@ def collect_managed_params(
                     "its children's parameters"
                 )
             tp = tp_face_of(fqn, param, mesh)  # None for a plain tensor; raises if unusable
-            check_param_class(fqn, param if tp is None else param._local_tensor)
+            check_param_class(fqn, param if tp is None else param._local_tensor, mesh.ndim)
+            if tp is not None and has_all_gather_extensions(param._local_tensor):
+                raise NotImplementedError(
+                    f"parameter '{fqn}' is a tensor-parallel DTensor whose local tensor is a "
+                    f"{type(param._local_tensor).__name__} with FSDP2 all-gather extensions: FP8 "
+                    "(or other extension) all-gathers are supported on a data-parallel mesh "
+                    "only; convert the model without FP8 all-gathers (e.g. torchao's "
+                    "enable_fsdp_float8_all_gather=False) or drop tensor parallelism"
+                )
             _check_dense_gradients(submodule, name, fqn)
             managed.append(ManagedParam(fqn, param, tp))
     for m in managed:

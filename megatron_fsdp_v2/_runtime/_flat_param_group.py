@@ -47,6 +47,7 @@ from ..api import ResolvedDtypes, ShardingStrategy
 from ._compute_weights import ComputeWeights
 from ._grads import GroupGrads
 from ._issuer import GroupIssuer, Pending
+from ._subclass_gather import ExtensionGather, has_all_gather_extensions, inner_values
 
 if TYPE_CHECKING:
     from ._refresh_buckets import RefreshBucket
@@ -134,9 +135,11 @@ class FlatParamGroup(ComputeWeights):
         self.world_size = mesh.size(inner)  # of the inner axis
         self.strategy = strategy
         replicas = mesh.size(0) if mesh.ndim == 2 else 1
+        extensions = has_all_gather_extensions(params[0])  # the whole group (build_groups)
         self.plan = make_plan(
             strategy, dtypes, layout, self.rank, outer=outer_strategy if replicas > 1 else None,
             outer_rank=mesh.get_local_rank(0) if replicas > 1 else 0, outer_size=replicas,
+            extensions=extensions,
         )
         if self.plan.norm_axis == "mesh" and mesh_process_group is None:
             mesh_process_group = mesh._flatten().get_group()
@@ -175,6 +178,7 @@ class FlatParamGroup(ComputeWeights):
         self.owner = ""  # "<Class> at 0x...": the unit, in error messages (set by fully_shard)
         self.uncovered = layout.uncovered_ranges()  # padding and alignment gaps
         self._group_id = group_id
+        self.extension = ExtensionGather(self, list(params)) if extensions else None  # FP8
 
         self._build_weight_buffers(
             None if self.pending_init else self._initial_flat(params, sync_from_rank0)
@@ -188,7 +192,7 @@ class FlatParamGroup(ComputeWeights):
         self.requires_grad = params[0].requires_grad
         self.grads = GroupGrads(self)  # main_grad, the gradient path, what the optimizer sees
         self._pending_weights: Pending | None = None
-        self._weights_stale = False
+        self._weights_stale = self.extension is not None  # FP8 bytes exist after a refresh
         # The refresh bucket planned for this group's next refresh, if any (see [Note: refresh
         # buckets] in _refresh_buckets.py).
         self.refresh_bucket: RefreshBucket | None = None
@@ -224,7 +228,7 @@ class FlatParamGroup(ComputeWeights):
         # .contiguous() copies only the rare non-contiguous parameter (e.g. a strided view).
         locals_ = [p if face is None else p._local_tensor  # type: ignore[attr-defined]
                    for p, face in zip(params, self.tp_faces)]
-        ops.pack_([p.detach().contiguous().view(-1) for p in locals_], offsets, flat)
+        ops.pack_([inner_values(p).contiguous().view(-1) for p in locals_], offsets, flat)
         if sync_from_rank0:
             # Outer axis first (from its first rank), then the inner one: every rank ends with
             # mesh rank (0, 0)'s values.
@@ -365,10 +369,13 @@ class FlatParamGroup(ComputeWeights):
 
     def _build_dist_param(self, param: nn.Parameter, index: int) -> nn.Parameter:
         local = self.local_view(self.main_weight, index)
+        if self.extension is not None:  # the subclass over its rows; its inner state not copied
+            local = self.extension.wrap_local(index, local)
         dist_param = nn.Parameter(self.to_dtensor(local, index), requires_grad=param.requires_grad)
         # Optimizer grouping and user code read attributes set on the original parameters.
         for name, value in vars(param).items():
-            setattr(dist_param, name, value)
+            if self.extension is None or not name.startswith("_"):
+                setattr(dist_param, name, value)
         return dist_param
 
     # ------------------------------------------------------------------ weights (ComputeWeights)
@@ -410,6 +417,8 @@ class FlatParamGroup(ComputeWeights):
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of each persistent buffer role this rank holds (grads at their step-time size)."""
         model = self.model_weight.numel() * self.model_weight.element_size()
+        if self.extension is not None:  # the gathered FP8 bytes of optim/optim_grads
+            model += self.extension.persistent_bytes()
         main = (
             self.main_weight.numel() * self.main_weight.element_size()
             if self.plan.main_weight_separate else 0

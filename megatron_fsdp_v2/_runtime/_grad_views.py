@@ -11,8 +11,15 @@ micro-batch of a window. Per parameter, as in single-process torch:
   it alone: no weight decay, no momentum step). Locally that is known (a compute ``.grad`` was
   set, or its in-place alias written: [Note: gradients in place]); another rank's use shows
   in the reduced values, so a parameter unused here whose reduced local gradient is exactly
-  zero gets ``None``. Also ``None``: an empty local shard (fused optimizers mishandle zero-size
-  tensors) and a parameter that does not train.
+  zero gets ``None``. Also ``None``: a parameter that does not train.
+* An empty local shard (no rows of the parameter here, uneven rows or a padding-only rank) is
+  not an exception: a parameter that received a gradient on this rank gets a zero-row view
+  (free: no storage of its own), as FSDP2 gives every rank a gradient for every parameter.
+  So ``[p.grad for p in params if p.grad is not None]`` holds the same parameters on every
+  rank that used the same parameters (FSDP2's own requirement), and torch's clipping, or a
+  hand-written one, issues the same collectives everywhere (see [Note: clipping collectives]
+  in ``utils.py``). A parameter this rank did not use and holds no rows of stays ``None``:
+  another rank's use cannot show in values this rank does not hold.
 * Between the step and the next backward, :meth:`GroupGrads.sweep` takes in what the user
   did: all set to ``None`` (``optimizer.zero_grad()``): free the storage. Some set to ``None``
   (an optimizer over part of a unit): zero those, so they start afresh while the others keep
@@ -68,7 +75,8 @@ class OptimizerGrads:
         self._views = None
 
     def view(self, index: int) -> DTensor | None:
-        """Parameter ``index``'s gradient view (None: empty local shard or not trained)."""
+        """Parameter ``index``'s gradient view (zero rows for an empty local shard; None: not
+        trained)."""
         if self._views is None:
             group = self.group
             local = self.main_grad_local()
@@ -76,8 +84,7 @@ class OptimizerGrads:
             for i, record in enumerate(group.records):
                 rows = group.local_view(local, i)
                 self._views.append(
-                    group.to_dtensor(rows, i)
-                    if rows.numel() > 0 and record.dist_param.requires_grad else None
+                    group.to_dtensor(rows, i) if record.dist_param.requires_grad else None
                 )
         return self._views[index]
 
@@ -92,11 +99,14 @@ class OptimizerGrads:
         # No gradient here, none installed: None unless another rank's use shows in the
         # reduced values (the one host read left; see [Note: gradients known without a host
         # read] in _zeroed_grads.py), read for all such parameters at once.
-        unknown = [
-            (index, view) for index, view in enumerate(views)
-            if view is not None and not self._received[index]
-            and self._installed[index] is None
-        ]
+        unknown = []
+        for index, view in enumerate(views):
+            if view is None or self._received[index] or self._installed[index] is not None:
+                continue
+            if view._local_tensor.numel() == 0:  # no rows here: nothing to read
+                views[index] = None
+            else:
+                unknown.append((index, view))
         flags = reduced_nonzero([view._local_tensor for _, view in unknown])
         for (index, _), used_elsewhere in zip(unknown, flags):
             if not used_elsewhere:

@@ -210,8 +210,7 @@ def estimate(
 
 
 def _states(model: nn.Module) -> list[tuple[str, Any]]:
-    return [(name or "<root>", s) for name, m in model.named_modules()
-            if (s := _registry.state_of(m)) is not None]
+    return [(name or "<root>", s) for name, s in _registry.unit_states(model)]
 
 
 def _measure(model: nn.Module, micro_batches: int, optimizer: str, world_size: int,

@@ -80,7 +80,8 @@ def _worker(rank: int, world: int, strategy: str, keep: bool) -> list[str]:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(3)
     for step in range(3):
-        x, y = torch.randn(4 * world, 6, generator=g), torch.randint(0, 5, (4 * world,), generator=g)
+        x = torch.randn(4 * world, 6, generator=g)
+        y = torch.randint(0, 5, (4 * world,), generator=g)
         mine = slice(4 * rank, 4 * rank + 4)
         with CommDebugMode() as comm:
             loss = _loss(model, x[mine], y[mine])

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
+from _titan import apply_fsdp, batches, compare, empty_shards, make_model, reference, train
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -28,7 +29,6 @@ from megatron_fsdp_v2 import fully_shard
 
 from _models import all_ranks_ok
 from _pool import RankPools
-from _titan import apply_fsdp, batches, compare, empty_shards, make_model, reference, train
 
 TIMEOUT_S = 300
 WORLD = 3
@@ -44,7 +44,7 @@ _NO_DIVIDE_FACTOR = pytest.mark.xfail(
 
 def _disable_division(model: torch.nn.Module) -> int:
     """torchtitan's ``disable_fsdp_gradient_division``: how many modules it reached."""
-    fsdp_module = getattr(torch_fsdp, "FSDPModule")
+    fsdp_module = torch_fsdp.FSDPModule
     reached = 0
     for module in model.modules():
         if isinstance(module, fsdp_module):

@@ -844,7 +844,7 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
             "(glibc would otherwise keep them in its heap, and RSS would depend on allocation "
             "order, not on live bytes); the timing runs use the default allocator settings.")
     notes.append("- our buffers: megatron_fsdp_v2.memory_report().total on rank 0 (model weights + "
-                 "main weights + main grads + temporary-bucket peak).")
+                 "main weights + main grads + scratch-buffer peak).")
     notes.append(
         "- losses: every system starts from the same weights and data; 'max abs loss diff' is "
         "over all steps. Max difference of a system's curve between its own runs: "

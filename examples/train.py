@@ -14,7 +14,7 @@ fully_shard, the all-reduce of clip_grad_norm_), and reports ring-algorithm byte
 reduce-scatter whose full buffer is S bytes. The per-step logging collectives run outside it.
 
 Memory per rank: ``memory_report`` (bytes of fully_shard's buffers: compute weights, main
-weights, main grads, peak temporary buckets; and the optimizer's state) and the process peak:
+weights, main grads, peak scratch buffers; and the optimizer's state) and the process peak:
 resident-set high-water mark on CPU, ``torch.cuda.max_memory_allocated`` on GPU.
 
 ``--help`` prints once (rank 0) with every option's default. ``examples/train_hf.py`` trains

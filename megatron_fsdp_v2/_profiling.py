@@ -30,7 +30,8 @@ __all__ = ["PHASES", "traced"]
 # collective itself runs on gloo's threads; a synchronous one is inside ``sync_collective``).
 PHASES: dict[str, str] = {
     "mfsdp::unshard": "a unit makes its compute weights ready (gather or refresh launch)",
-    "mfsdp::gather": "ZeRO-3 all-gather of the weight shards into the unsharded bucket (launch)",
+    "mfsdp::gather": "ZeRO-3 all-gather of the weight shards into the unsharded scratch buffer "
+                     "(launch)",
     "mfsdp::refresh": "cast of the main-weight shard and the refresh all-gather (launch)",
     "mfsdp::free": "freeing a unit's gathered weights (waits for an in-flight gather first)",
     "mfsdp::post_backward": "a unit's post-backward: reshard, stage and reduce its gradients",

@@ -51,32 +51,34 @@ def _process_group(p: DTensor, record: ParamRecord | None) -> dist.ProcessGroup:
     return record.group.norm_process_group if record is not None else p.device_mesh.get_group()
 
 
-def _group_key(group: dist.ProcessGroup) -> tuple[tuple[int, ...], str]:
-    return tuple(dist.get_process_group_ranks(group)), str(getattr(group, "group_name", ""))
+def _group_key(process_group: dist.ProcessGroup) -> tuple[tuple[int, ...], str]:
+    ranks = tuple(dist.get_process_group_ranks(process_group))
+    return ranks, str(getattr(process_group, "group_name", ""))
 
 
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    """Where a scalar for ``group``'s all-reduce lives when this rank has no tensor to copy."""
-    return collective_device(group)
+def _group_device(process_group: dist.ProcessGroup) -> torch.device:
+    """Where a scalar for ``process_group``'s all-reduce lives when this rank has no tensor to
+    copy."""
+    return collective_device(process_group)
 
 
 def _all_reduce_parts(
     replicated: list[torch.Tensor], sharded: dict[int, list[torch.Tensor]],
-    groups: dict[int, dist.ProcessGroup], p: float, device: torch.device | None,
+    process_groups: dict[int, dist.ProcessGroup], p: float, device: torch.device | None,
     foreach: bool | None,
 ) -> torch.Tensor | None:
     """The p-norm of ``replicated`` (local) and ``sharded`` (per group key, one all-reduce on
-    each of ``groups``, in an order every rank agrees on). None when there is nothing to reduce
-    and no gradient (no device to put the result on)."""
-    ordered = sorted(groups.items(), key=lambda kv: _group_key(kv[1]))
+    each of ``process_groups``, in an order every rank agrees on). None when there is nothing to
+    reduce and no gradient (no device to put the result on)."""
+    ordered = sorted(process_groups.items(), key=lambda kv: _group_key(kv[1]))
     if device is None:
         if not ordered:
             return None
         device = _group_device(ordered[0][1])
     total = _grad_norm.local_norm_part(replicated, p, device, foreach)
-    for key, group in ordered:
+    for key, process_group in ordered:
         part = _grad_norm.local_norm_part(sharded.get(key, []), p, device, foreach)
-        dist.all_reduce(part, op=_grad_norm.reduce_op(p), group=group)
+        dist.all_reduce(part, op=_grad_norm.reduce_op(p), group=process_group)
         total = _grad_norm.combine(total, part, p)
     return _grad_norm.finish(total, p)
 
@@ -145,7 +147,7 @@ def clip_grad_norm_(
             unsynchronized.setdefault(id(record.group), record.group)
     finalize_unsynchronized(unsynchronized.values(), "clip_grad_norm_")
     # See [Note: clipping collectives].
-    groups: dict[int, dist.ProcessGroup] = {}
+    process_groups: dict[int, dist.ProcessGroup] = {}
     sharded: dict[int, list[torch.Tensor]] = {}
     replicated: list[torch.Tensor] = []
     library_param_seen = False
@@ -155,19 +157,20 @@ def clip_grad_norm_(
         if record is not None:
             library_param_seen = True
         if isinstance(param, DTensor) and any(isinstance(pl, Shard) for pl in param.placements):
-            group = _process_group(param, record)
-            groups.setdefault(id(group), group)
+            process_group = _process_group(param, record)
+            process_groups.setdefault(id(process_group), process_group)
             if grad is not None:
-                sharded.setdefault(id(group), []).append(grad.to_local())
+                sharded.setdefault(id(process_group), []).append(grad.to_local())
             device = device or param.to_local().device
         elif grad is not None:
             replicated.append(grad.to_local() if isinstance(grad, DTensor) else grad)
             device = device or grad.device
-    if not groups and not library_param_seen and dist.is_available() and dist.is_initialized():
+    if (not process_groups and not library_param_seen and dist.is_available()
+            and dist.is_initialized()):
         library = library_comm_groups()
         if len(library) == 1:
-            groups[id(library[0])] = library[0]
-    total_norm = _all_reduce_parts(replicated, sharded, groups, p, device, foreach)
+            process_groups[id(library[0])] = library[0]
+    total_norm = _all_reduce_parts(replicated, sharded, process_groups, p, device, foreach)
     if total_norm is None:
         return torch.zeros(())
     if error_if_nonfinite:
@@ -204,7 +207,7 @@ def _shard_ranks(t: DTensor) -> tuple[int, ...]:
     return tuple(sorted(int(r) for r in mesh.mesh[tuple(index)].flatten().tolist()))
 
 
-def _shard_group(t: DTensor, library: list[dist.ProcessGroup]) -> dist.ProcessGroup:
+def _shard_process_group(t: DTensor, library: list[dist.ProcessGroup]) -> dist.ProcessGroup:
     ranks = _shard_ranks(t)
     for group in sorted(library, key=_group_key):
         if tuple(sorted(dist.get_process_group_ranks(group))) == ranks:
@@ -228,19 +231,19 @@ def get_total_norm(
     p = _grad_norm.check_norm_type(norm_type, "get_total_norm")
     _grad_norm.check_foreach(foreach, {t.device for t in tensors})
     library = library_comm_groups() if dist.is_available() and dist.is_initialized() else []
-    groups = {id(g): g for g in library}
+    process_groups = {id(g): g for g in library}
     sharded: dict[int, list[torch.Tensor]] = {}
     replicated: list[torch.Tensor] = []
     device: torch.device | None = None
     for t in tensors:
         if isinstance(t, DTensor) and any(isinstance(pl, Shard) for pl in t.placements):
-            group = _shard_group(t, library)
-            groups.setdefault(id(group), group)
-            sharded.setdefault(id(group), []).append(t.to_local())
+            process_group = _shard_process_group(t, library)
+            process_groups.setdefault(id(process_group), process_group)
+            sharded.setdefault(id(process_group), []).append(t.to_local())
         else:
             replicated.append(t.to_local() if isinstance(t, DTensor) else t)
         device = device or t.device
-    total_norm = _all_reduce_parts(replicated, sharded, groups, p, device, foreach)
+    total_norm = _all_reduce_parts(replicated, sharded, process_groups, p, device, foreach)
     if total_norm is None:
         return torch.zeros(())
     if error_if_nonfinite:

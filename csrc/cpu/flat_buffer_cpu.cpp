@@ -2,7 +2,7 @@
 // segment lists that the front end (csrc/ops.cpp) builds and registers.
 //
 // A copy is one at::parallel_for over the concatenated element range of its
-// segments, so a bucket of many small tensors and one huge tensor both split
+// segments, so a flat group of many small tensors and one huge tensor both split
 // evenly across threads. Per piece of a segment the work is one of:
 //   * std::memcpy                  same dtype, scale 1, no accumulation (an AVX2
 //                                  streaming-store copy for calls writing >= 16 MiB);

@@ -5,7 +5,7 @@
 // safe to capture in a CUDA graph (the parameters are baked into the graph node).
 // CUDA >= 12.1 allows 32 KB of kernel parameters on sm_70+, enough for 768
 // segments; older toolkits keep to the classic 4 KB. A longer list is split into
-// consecutive launches of kMaxSegments (a bucket of a few hundred parameters is one).
+// consecutive launches of kMaxSegments (a flat group of a few hundred parameters is one).
 //
 // Every launch copies its whole parameter block, so the table's capacity is sized
 // to the segments used: a launch of at most kSmallSegments segments passes a

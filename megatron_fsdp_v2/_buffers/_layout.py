@@ -31,17 +31,17 @@ the next group's buffer there).
 
 ``ALIGN_NUMEL`` is counted in *elements*, not bytes, because one layout serves every buffer of a
 group and their dtypes differ (fp32 main weights and grads, bf16 model weights, bf16 or fp32
-reduce-scatter buckets; fp8 model weights later). 16 elements are 16 bytes for the smallest
+reduce-scatter scratch buffers; fp8 model weights later). 16 elements are 16 bytes for the smallest
 element (1 byte) and more for the others, so every item start, every rank's slot start and every
 buffer length is 16-byte aligned in every role, whatever dtypes the group uses, and adding a
 role never changes the layout (a role's own buffer base is a fresh allocation: aligned). Row
 sizes that are multiples of 16 (transformer widths) make ``lcm(row, 16) == row``: nothing
 changes for them; a 1-D parameter costs at most 15 elements of gap; an odd row size ``R`` makes
 the shard multiple ``16 * R`` (a longer tail, see design.md section 2). Every other view at an
-element offset of a flat buffer or bucket sits at a sum of these multiples and stays aligned:
-slots and columns of the coalesced reduction and refresh buckets (``_coalesce.py``,
+element offset of a flat buffer or scratch buffer sits at a sum of these multiples and stays
+aligned: slots and columns of the coalesced reduction and refresh buckets (``_coalesce.py``,
 ``_refresh_buckets.py``: multiples of ``shard_numel`` and of buffer lengths), and each trace-pool
-bucket starts at an ``ARENA_ALIGNMENT``-byte offset of its arena (``_trace_pool.py``).
+scratch buffer starts at an ``ARENA_ALIGNMENT``-byte offset of its arena (``_trace_pool.py``).
 ``tests/distributed/test_alignment.py`` checks the pointers of every role and slot.
 
 Parameters are placed in order of decreasing row size (1-D parameters, whose rows are single
@@ -52,7 +52,9 @@ The cost is padding: alignment gaps plus the tail that rounds the buffer up to
 ``world_size * shard_multiple``. When heterogeneous row sizes make ``row_lcm`` large enough that
 the padding exceeds ``max_padding_ratio``, :func:`split_for_padding` splits the group into
 several groups with compatible row sizes; each is an independent set of flat buffers with its
-own collectives. ("Bucket" is reserved for temporary buffers, ``_allocator.py``.)
+own collectives. (They are flat groups, not buckets: a bucket is a run of consecutive groups whose
+collectives are coalesced into one, ``_coalesce.py``; the allocator's temporary buffers are scratch
+buffers, ``_allocator.py``.)
 """
 
 from __future__ import annotations

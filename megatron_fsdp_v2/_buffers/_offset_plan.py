@@ -1,7 +1,7 @@
-"""Where each temporary bucket of the trace-planned pool sits in its arena: byte offsets such that
-two buckets that are ever live together never overlap, while buckets that never are share bytes.
-Pure arithmetic on sizes and conflicts (no tensors); the pool that traces the conflicts and serves
-the buckets is ``_trace_pool.py`` (see [Note: trace-planned pool] there).
+"""Where each scratch buffer of the trace-planned pool sits in its arena: byte offsets such that
+two scratch buffers that are ever live together never overlap, while scratch buffers that never are
+share bytes. Pure arithmetic on sizes and conflicts (no tensors); the pool that traces the conflicts
+and serves the scratch buffers is ``_trace_pool.py`` (see [Note: trace-planned pool] there).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections.abc import Collection, Hashable, Mapping
 
 __all__ = ["ARENA_ALIGNMENT", "plan_offsets"]
 
-ARENA_ALIGNMENT = 256  # bytes: every bucket starts at a multiple (any dtype, CUDA-friendly)
+ARENA_ALIGNMENT = 256  # bytes: every scratch buffer starts at a multiple (any dtype, CUDA-friendly)
 
 
 def _align(n: int, alignment: int) -> int:
@@ -21,10 +21,10 @@ def plan_offsets(
     sizes: Mapping[Hashable, int], conflicts: Mapping[Hashable, Collection[Hashable]],
     previous: Mapping[Hashable, int] | None = None, alignment: int = ARENA_ALIGNMENT,
 ) -> tuple[dict[Hashable, int], int]:
-    """Byte offsets for buckets of ``sizes`` bytes in one arena such that two buckets that
-    conflict (either direction of ``conflicts`` suffices) never overlap. Offsets of ``previous``
-    that are aligned and still valid are kept (stable addresses across a replan); the rest are
-    placed largest first, each at the lowest aligned offset clear of its placed neighbours.
+    """Byte offsets for scratch buffers of ``sizes`` bytes in one arena such that two scratch
+    buffers that conflict (either direction of ``conflicts`` suffices) never overlap. Offsets of
+    ``previous`` that are aligned and still valid are kept (stable addresses across a replan); the
+    rest are placed largest first, each at the lowest aligned offset clear of its placed neighbours.
     Returns the offsets and the arena size in bytes (a multiple of ``alignment``)."""
     if alignment <= 0:
         raise ValueError(f"alignment must be positive, got {alignment}")

@@ -4,7 +4,7 @@
 A :class:`BufferPlan` is computed once per group from (strategy, dtypes, layout, rank) and
 states what design.md §3/§4 state as prose: for each buffer role its extent (the full buffer,
 this rank's shard) and whether it aliases another role, the gradient path, which collectives
-reduce gradients and refresh weights, and which temporary buckets exist. ``FlatParamGroup``
+reduce gradients and refresh weights, and which scratch buffers exist. ``FlatParamGroup``
 executes a plan and holds no strategy branches; ``tests/unit/test_plan.py`` checks the table
 against design.md's.
 
@@ -20,7 +20,7 @@ With ``outer=OPTIM`` (inner ``optim_grads_params`` only) the layout is built ove
 and the slot of the inner collectives) is the ``R`` consecutive sub-shards ``[s * R, (s + 1) *
 R)``, and this rank's sub-shard (outer index ``r``) is number ``s * R + r``. Main weights and
 main gradients hold only the sub-shard (``Extent.SUB_SHARD``; DTensors ``(Shard(0), Shard(0))``).
-Each micro-batch's inner reduce-scatter adds into a temporary ``window_grad`` bucket of the
+Each micro-batch's inner reduce-scatter adds into a temporary ``window_grad`` scratch buffer of the
 inner shard (``window_grad_span``); ``window_steps = (reduce-scatter over "outer",)`` reduces it
 into ``main_grad`` once per window. The refresh casts the main sub-shard into its slot of
 ``model_weight`` and runs ``refresh_steps = (all-gather over "outer",)`` before the inner
@@ -29,9 +29,10 @@ gathers; gradient norms are all-reduced over the whole mesh (``norm_axis = "mesh
 ``grads_in_place``: whether autograd writes gradients straight into the flat buffer the gradient
 path fills first (see [Note: gradients in place] in ``_grad_staging.py``): ``main_grad`` on the
 accumulate path when the gradient dtype is the compute dtype, the ``reduce_scatter_input``
-bucket on the reduce-each path when the communication dtype is the compute dtype and weights
+scratch buffer on the reduce-each path when the communication dtype is the compute dtype and weights
 are not gathered (``optim_grads``). Otherwise (a cast is needed; ZeRO-3, where the earlier
-bucket costs peak memory) each micro-batch's ``param.grad`` is staged with the ``pack_`` kernel.
+scratch buffer costs peak memory) each micro-batch's ``param.grad`` is staged with the ``pack_``
+kernel.
 """
 
 from __future__ import annotations
@@ -80,8 +81,8 @@ class Refresh(enum.Enum):
     in-place all-gather (ZeRO-1/2)."""
     CAST_AT_GATHER = "cast into each gather"
     """ZeRO-3 with a separate main buffer: every gather casts this rank's main shard straight
-    into its own slot of the temporary ``unsharded_model_weight`` bucket and all-gathers that
-    slot in place, so no persistent compute-dtype shard exists (``model_weight`` is empty). One
+    into its own slot of the temporary ``unsharded_model_weight`` scratch buffer and all-gathers
+    that slot in place, so no persistent compute-dtype shard exists (``model_weight`` is empty). One
     cast per gather (2N per iteration) instead of one per optimizer step, for a shard's worth of
     compute-dtype memory (FSDP2 also casts into its all-gather input at each gather)."""
     CAST_OWN_SLOT_THEN_OUTER_GATHER = "cast own slot, outer all-gather"
@@ -119,8 +120,8 @@ class BufferPlan:
     ``Replicate()``. Always the main weights' extent; the main gradients the optimizer sees
     are the same span of ``main_grad``."""
     gathers_weights: bool
-    """Compute weights are gathered into a temporary ``unsharded_model_weight`` bucket around
-    forward and backward, and freed after each (ZeRO-3)."""
+    """Compute weights are gathered into a temporary ``unsharded_model_weight`` scratch buffer
+    around forward and backward, and freed after each (ZeRO-3)."""
     grad_path: GradPath
     reduce_steps: tuple[CollectiveStep, ...]
     refresh: Refresh
@@ -129,10 +130,10 @@ class BufferPlan:
     window_steps: tuple[CollectiveStep, ...]
     """Collectives at the end of each accumulation window, after ``reduce_steps`` were waited
     on, into the optimizer-facing part of ``main_grad`` (HSDP: the outer all-reduce in place, or
-    the outer reduce-scatter of the ``window_grad`` bucket)."""
+    the outer reduce-scatter of the ``window_grad`` scratch buffer)."""
     window_grad_span: tuple[int, int] | None
     """Where each micro-batch's reduction lands when it is not ``main_grad``: a temporary
-    ``window_grad`` bucket over this span, alive across the window and reduced into
+    ``window_grad`` scratch buffer over this span, alive across the window and reduced into
     ``main_grad`` by ``window_steps`` (HSDP outer ``optim``: the inner shard). ``None``: the
     reductions add into ``main_grad`` directly."""
     norm_axis: str
@@ -140,7 +141,7 @@ class BufferPlan:
     outer replicas hold the same gradients) or ``"mesh"`` (every rank holds a distinct
     sub-shard: HSDP outer ``optim``)."""
     temporaries: tuple[str, ...]
-    """Temporary bucket roles this group may allocate (storage-freeing allocator)."""
+    """Scratch buffer roles this group may allocate (storage-freeing allocator)."""
     model_weight_span: tuple[int, int]
     main_weight_span: tuple[int, int]
     main_grad_span: tuple[int, int]
@@ -161,7 +162,7 @@ class BufferPlan:
     @property
     def reduces_in_place(self) -> bool:
         """Whether the gradient collective runs on ``main_grad`` itself (accumulate path, same
-        dtype): otherwise through a temporary bucket in the communication dtype."""
+        dtype): otherwise through a scratch buffer in the communication dtype."""
         return (
             "grad_comm" not in self.temporaries
             and self.grad_path is GradPath.ACCUMULATE_THEN_REDUCE
@@ -264,9 +265,9 @@ def make_plan(
         main_grad_span=shard if shards_grads else full,
         shard_span=shard,
         # The first buffer the gradient path writes must be in the compute dtype. Not with
-        # gathered weights (ZeRO-3): its bucket, allocated at the pre-backward, would add to the
-        # gathered weights and the previous unit's bucket in flight (see [Note: gradients in
-        # place] in _grads.py for the measurement).
+        # gathered weights (ZeRO-3): its scratch buffer, allocated at the pre-backward, would add to
+        # the gathered weights and the previous unit's scratch buffer in flight (see [Note:
+        # gradients in place] in _grads.py for the measurement).
         grads_in_place=(
             dtypes.comm == dtypes.model and not gathers
             if grad_path is GradPath.REDUCE_EACH_MICRO_BATCH else dtypes.grad == dtypes.model

@@ -1,10 +1,10 @@
-"""The trace-planned pool (``fully_shard(..., enable_trace_pool=True)``): temporary buckets served
-from one persistent arena per device at planned offsets, so that every bucket keeps its address
-from one iteration to the next (what CUDA graphs need) and steady state allocates nothing.
+"""The trace-planned pool (``fully_shard(..., enable_trace_pool=True)``): scratch buffers served
+from one persistent arena per device at planned offsets, so that every scratch buffer keeps its
+address from one iteration to the next (what CUDA graphs need) and steady state allocates nothing.
 
 [Note: trace-planned pool]
-``TracePoolAllocator`` serves the same keys as the storage-freeing ``BucketAllocator`` (see
-[Note: storage-freeing buckets]) and adds a plan:
+``TracePoolAllocator`` serves the same keys as the storage-freeing ``ScratchAllocator`` (see
+[Note: storage-freeing scratch buffers]) and adds a plan:
 
 * Iteration boundary: the root's pre-forward (not an activation-checkpoint recompute), which
   calls :meth:`TracePoolAllocator.begin_iteration`. An "iteration" is therefore one forward and
@@ -16,48 +16,50 @@ from one iteration to the next (what CUDA graphs need) and steady state allocate
   steps of a model whose control flow alternates) and the union of their conflicts.
 * Plan (``plan_offsets``, ``_offset_plan.py``): byte offsets in one ``uint8`` arena per device,
   aligned, such that two conflicting keys never overlap; keys that are never live together share
-  bytes. Buckets are typed views of the arena, built once per plan, so ``data_ptr()`` is stable.
-  The first iteration is served like the storage-freeing allocator (recording); the plan is made
-  at the first boundary where no bucket is live (so a window whose buckets live across
-  micro-batches, HSDP's ``window_grad``, is traced whole). A trace with no bucket makes no arena.
+  bytes. Scratch buffers are typed views of the arena, built once per plan, so ``data_ptr()`` is
+  stable. The first iteration is served like the storage-freeing allocator (recording); the plan is
+  made at the first boundary where no scratch buffer is live (so a window whose scratch buffers live
+  across micro-batches, HSDP's ``window_grad``, is traced whole). A trace with no scratch buffer
+  makes no arena.
 * Serving: while the iteration's events so far equal the beginning of a pattern the plan was made
-  from ("on plan"), every bucket comes from its planned region: the plan already separated it
-  from everything live with it. Once the iteration leaves every known pattern (a new key, a new
-  size, a new order), a bucket is served from the arena only if its region overlaps no live
-  bucket and no pinned region (below); otherwise from a storage-freeing bucket of its own.
-  The new pattern is recorded and the arena replanned at the next boundary where nothing is
+  from ("on plan"), every scratch buffer comes from its planned region: the plan already separated
+  it from everything live with it. Once the iteration leaves every known pattern (a new key, a new
+  size, a new order), a scratch buffer is served from the arena only if its region overlaps no live
+  scratch buffer and no pinned region (below); otherwise from a storage-freeing scratch buffer of
+  its own. The new pattern is recorded and the arena replanned at the next boundary where nothing is
   live, for the union of all patterns (so alternating traces converge instead of thrashing).
   A replan keeps the offsets that are still valid and reuses the arena when it is large
-  enough, so unchanged buckets keep their addresses; an arena that grows is a new allocation.
-  A bucket that is not pinned may move between two of its allocations: its holders
-  (``_reduce.py``'s pending reductions, the HSDP window buckets read through ``get``) only use
-  it while it is live.
+  enough, so unchanged scratch buffers keep their addresses; an arena that grows is a new
+  allocation. A scratch buffer that is not pinned may move between two of its allocations: its
+  holders (``_reduce.py``'s pending reductions, the HSDP window scratch buffers read through
+  ``get``) only use it while it is live.
 * Pinned memory: ZeRO-3's ``unsharded_model_weight`` is viewed by the compute parameters and
   by tensors autograd saves in forward (e.g. ``weight.t()`` saved by ``addmm``) and reads in
-  backward after the bucket was freed and gathered again. The storage-freeing allocator keeps
-  them valid by keeping one storage per key. Here, when a unit registers its compute parameters
-  (forward, recompute, backward), the group *pins* its bucket (``BucketAllocator.pin``): until
-  the next boundary the key gets back the memory it has now, and a diverged iteration keeps
-  other buckets clear of it (a stray prefetch of a unit control flow skipped is not pinned and
-  moves out of the way). If the memory is occupied by a live bucket when a pinned key is
-  allocated again (an iteration that diverged only after that bucket took the memory), the pool
-  raises ``RuntimeError`` instead of moving the bucket under saved tensors; the pattern is
-  recorded, so the next iteration is planned for it. Compute parameters are rebound when their
-  bucket moves between iterations (``FlatParamGroup.views_generation``); a graph built before
-  the move and backwarded after it (``retain_graph=True`` across a replan) raises
-  ``RuntimeError`` in the unit's pre-backward instead of reading memory that moved. A replaced
-  arena is freed once nothing views it: the compute parameters drop their views at the
-  boundary (a retained graph's saved tensors keep it alive, unchanged).
+  backward after the scratch buffer was freed and gathered again. The storage-freeing allocator
+  keeps them valid by keeping one storage per key. Here, when a unit registers its compute
+  parameters (forward, recompute, backward), the group *pins* its scratch buffer
+  (``ScratchAllocator.pin``): until the next boundary the key gets back the memory it has now, and a
+  diverged iteration keeps other scratch buffers clear of it (a stray prefetch of a unit control
+  flow skipped is not pinned and moves out of the way). If the memory is occupied by a live scratch
+  buffer when a pinned key is allocated again (an iteration that diverged only after that scratch
+  buffer took the memory), the pool raises ``RuntimeError`` instead of moving the scratch buffer
+  under saved tensors; the pattern is recorded, so the next iteration is planned for it. Compute
+  parameters are rebound when their scratch buffer moves between iterations
+  (``FlatParamGroup.views_generation``); a graph built before the move and backwarded after it
+  (``retain_graph=True`` across a replan) raises ``RuntimeError`` in the unit's pre-backward instead
+  of reading memory that moved. A replaced arena is freed once nothing views it: the compute
+  parameters drop their views at the boundary (a retained graph's saved tensors keep it alive,
+  unchanged).
 * ``release()`` (``FSDPModule.release_memory_pool()``): drops the arena and the trace between
   steps; the next iteration records again.
 
-Whoever keeps a view of a bucket past a ``free``/``allocate`` cycle (as autograd does with the
-gathered weights) must ``pin`` it, or it may find other data there in a changed iteration. On
-CUDA the arena relies on the invariant the storage-freeing buckets rely on: a bucket is freed
-on the caller stream after its collective was waited on, and side streams wait on the caller
-stream before each launch, so the next key in the same bytes is ordered after the last use. A
-bucket freed on another stream than it was allocated on makes the allocation stream wait on
-the freeing one (see [Note: buckets freed on another stream] in ``_allocator.py``).
+Whoever keeps a view of a scratch buffer past a ``free``/``allocate`` cycle (as autograd does with
+the gathered weights) must ``pin`` it, or it may find other data there in a changed iteration. On
+CUDA the arena relies on the invariant the storage-freeing scratch buffers rely on: a scratch buffer
+is freed on the caller stream after its collective was waited on, and side streams wait on the
+caller stream before each launch, so the next key in the same bytes is ordered after the last use. A
+scratch buffer freed on another stream than it was allocated on makes the allocation stream wait on
+the freeing one (see [Note: scratch buffers freed on another stream] in ``_allocator.py``).
 """
 
 from __future__ import annotations
@@ -67,19 +69,20 @@ from dataclasses import dataclass
 
 import torch
 
-from ._allocator import BucketAllocator, allocation_stream
+from ._allocator import ScratchAllocator, allocation_stream
 from ._offset_plan import ARENA_ALIGNMENT, plan_offsets
 
 # ARENA_ALIGNMENT and plan_offsets belong to _offset_plan.py; listed here as the pool's defaults.
-__all__ = ["ARENA_ALIGNMENT", "BucketSpec", "TracePoolAllocator", "plan_offsets"]
+__all__ = ["ARENA_ALIGNMENT", "ScratchSpec", "TracePoolAllocator", "plan_offsets"]
 
-# What every bucket's start must be a multiple of, at least: kernels and NCCL read the buckets
-# (and their slots, see [Note: row-aligned flat buffers] in _layout.py) with 16-byte accesses.
-_MIN_BUCKET_ALIGNMENT = 16
+# What every scratch buffer's start must be a multiple of, at least: kernels and NCCL read the
+# scratch buffers (and their slots, see [Note: row-aligned flat buffers] in _layout.py) with 16-byte
+# accesses.
+_MIN_SCRATCH_ALIGNMENT = 16
 
 
 @dataclass(frozen=True)
-class BucketSpec:
+class ScratchSpec:
     """What a key asked for: its region in the arena fits ``nbytes``."""
 
     numel: int
@@ -94,19 +97,20 @@ class BucketSpec:
 Event = tuple[object, ...]
 
 
-class TracePoolAllocator(BucketAllocator):
-    """Temporary buckets at planned offsets of a persistent arena (see [Note: trace-planned
-    pool]); same interface and byte accounting as :class:`BucketAllocator`."""
+class TracePoolAllocator(ScratchAllocator):
+    """Scratch buffers at planned offsets of a persistent arena (see [Note: trace-planned
+    pool]); same interface and byte accounting as :class:`ScratchAllocator`."""
 
-    moves_buckets = True
+    moves_scratch = True
 
     def __init__(self, alignment: int = ARENA_ALIGNMENT, max_patterns: int = 16) -> None:
-        super().__init__()  # _buckets: the storage-freeing buckets served outside the arena
-        if alignment <= 0 or alignment % _MIN_BUCKET_ALIGNMENT:
+        # _scratch: the storage-freeing scratch buffers served outside the arena
+        super().__init__()
+        if alignment <= 0 or alignment % _MIN_SCRATCH_ALIGNMENT:
             raise ValueError(
                 f"TracePoolAllocator alignment must be a positive multiple of "
-                f"{_MIN_BUCKET_ALIGNMENT} bytes (buckets are read with 16-byte accesses), got "
-                f"{alignment}"
+                f"{_MIN_SCRATCH_ALIGNMENT} bytes (scratch buffers are read with 16-byte accesses), "
+                f"got {alignment}"
             )
         self.alignment = alignment
         self.max_patterns = max_patterns
@@ -115,7 +119,7 @@ class TracePoolAllocator(BucketAllocator):
         self._reset_trace()
 
     def _reset_trace(self) -> None:
-        self._specs: dict[Hashable, BucketSpec] = {}  # every key seen, its latest spec
+        self._specs: dict[Hashable, ScratchSpec] = {}  # every key seen, its latest spec
         self._conflicts: dict[Hashable, set[Hashable]] = {}
         # Pattern -> whether the current plan covers it (insertion order: oldest first).
         self._patterns: dict[tuple[Event, ...], bool] = {}
@@ -123,15 +127,15 @@ class TracePoolAllocator(BucketAllocator):
         self._candidates: list[tuple[Event, ...]] = []  # covered patterns matching so far
         self._on_plan = False
         self._planned = False
-        self._planned_specs: dict[Hashable, BucketSpec] = {}
+        self._planned_specs: dict[Hashable, ScratchSpec] = {}
         self._offsets: dict[Hashable, int] = {}
         self._regions: dict[Hashable, tuple[torch.device, int, int]] = {}  # device, start, end
         self._arenas: dict[torch.device, torch.Tensor] = {}
         self._views: dict[Hashable, torch.Tensor] = {}
         self._current: dict[Hashable, torch.Tensor] = {}  # what allocate handed out last
         self._in_arena: dict[Hashable, bool] = {}  # this iteration's placement per key
-        self._pinned: set[Hashable] = set()  # this iteration's (see BucketAllocator.pin)
-        self._buckets = {}
+        self._pinned: set[Hashable] = set()  # this iteration's (see ScratchAllocator.pin)
+        self._scratch = {}
 
     # ------------------------------------------------------------------ queries
 
@@ -150,7 +154,7 @@ class TracePoolAllocator(BucketAllocator):
 
     def get(self, key: Hashable) -> torch.Tensor | None:
         current = self._current.get(key)
-        return current if current is not None else self._buckets.get(key)
+        return current if current is not None else self._scratch.get(key)
 
     # ------------------------------------------------------------------ allocate / free
 
@@ -166,7 +170,7 @@ class TracePoolAllocator(BucketAllocator):
         if known is not None and (known.numel, known.dtype, known.device) == (numel, dtype, device):
             spec = known
         else:
-            spec = BucketSpec(numel, dtype, torch.device(device))
+            spec = ScratchSpec(numel, dtype, torch.device(device))
             if known is None or (known.dtype, known.device) != (spec.dtype, spec.device) or (
                 known.numel < spec.numel
             ):
@@ -177,40 +181,41 @@ class TracePoolAllocator(BucketAllocator):
             if other not in conflicts:
                 conflicts.add(other)
                 self._conflicts.setdefault(other, set()).add(key)
-        bucket = self._place(key, spec)
-        self._current[key] = bucket
+        scratch = self._place(key, spec)
+        self._current[key] = scratch
         self._live.add(key)
         self.live_bytes += spec.nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        if bucket.is_cuda:
-            self._streams[key] = allocation_stream(bucket)
-        return bucket
+        if scratch.is_cuda:
+            self._streams[key] = allocation_stream(scratch)
+        return scratch
 
     def free(self, key: Hashable) -> None:
         if key not in self._live:
             return
         self._record(("free", key))
-        bucket = self._current[key]
-        self.live_bytes -= bucket.numel() * bucket.element_size()
+        scratch = self._current[key]
+        self.live_bytes -= scratch.numel() * scratch.element_size()
         in_arena = self._in_arena.get(key, False)
-        self._order_free(key, bucket, in_arena)  # see [Note: buckets freed on another stream]
+        # See [Note: scratch buffers freed on another stream].
+        self._order_free(key, scratch, in_arena)
         if not in_arena:
-            bucket.untyped_storage().resize_(0)
+            scratch.untyped_storage().resize_(0)
         self._live.discard(key)
 
-    def adopt(self, other: BucketAllocator) -> None:
-        """Take over the buckets of a unit's own allocator (made before the root's lazy init):
-        served outside the arena until the next plan."""
+    def adopt(self, other: ScratchAllocator) -> None:
+        """Take over the scratch buffers of a unit's own allocator (made before the root's lazy
+        init): served outside the arena until the next plan."""
         if other is self:
             return
-        self._buckets.update(other._buckets)
+        self._scratch.update(other._scratch)
         for key in other._live:
-            self._current[key] = other._buckets[key]
+            self._current[key] = other._scratch[key]
             self._in_arena[key] = False
         self._live |= other._live
         self.live_bytes += other.live_bytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        other._buckets, other._live, other.live_bytes = {}, set(), 0
+        other._scratch, other._live, other.live_bytes = {}, set(), 0
 
     def _record(self, event: Event) -> None:
         pos = len(self._events)
@@ -233,7 +238,7 @@ class TracePoolAllocator(BucketAllocator):
         assert region is not None
         device, lo, hi = region
         for other in others:
-            if other == key or lo == hi:  # (an empty bucket overlaps nothing)
+            if other == key or lo == hi:  # (an empty scratch buffer overlaps nothing)
                 continue
             theirs = self._region(other)
             if (
@@ -247,7 +252,7 @@ class TracePoolAllocator(BucketAllocator):
         if key in self._live:
             self._pinned.add(key)
 
-    def _place(self, key: Hashable, spec: BucketSpec) -> torch.Tensor:
+    def _place(self, key: Hashable, spec: ScratchSpec) -> torch.Tensor:
         region = self._planned_specs.get(key)
         planned = (
             region is not None and key in self._offsets and region.numel >= spec.numel
@@ -260,9 +265,9 @@ class TracePoolAllocator(BucketAllocator):
             occupant = self._overlaps(key, in_arena_live) if planned else "(its size changed)"
             if earlier and occupant is not None:
                 raise RuntimeError(
-                    f"enable_trace_pool: the temporary bucket {key!r} must get back the memory "
+                    f"enable_trace_pool: the scratch buffer {key!r} must get back the memory "
                     "it had earlier in this iteration (tensors autograd saved in forward view "
-                    f"it), but bucket {occupant!r}, which the plan never saw live at this "
+                    f"it), but scratch buffer {occupant!r}, which the plan never saw live at this "
                     "point, occupies it: this iteration's control flow differs from every "
                     "iteration the pool was planned from. Nothing was overwritten; the step "
                     "failed. The new pattern was recorded: the next forward recovers and the "
@@ -283,7 +288,7 @@ class TracePoolAllocator(BucketAllocator):
         self.outside_arena += 1
         return self._outside(key, spec)
 
-    def _view(self, key: Hashable, spec: BucketSpec) -> torch.Tensor:
+    def _view(self, key: Hashable, spec: ScratchSpec) -> torch.Tensor:
         view = self._views.get(key)
         if view is None or view.numel() != spec.numel:
             offset = self._offsets[key]
@@ -292,25 +297,25 @@ class TracePoolAllocator(BucketAllocator):
             self._views[key] = view
         return view
 
-    def _outside(self, key: Hashable, spec: BucketSpec) -> torch.Tensor:
-        bucket = self._buckets.get(key)
+    def _outside(self, key: Hashable, spec: ScratchSpec) -> torch.Tensor:
+        scratch = self._scratch.get(key)
         if (
-            bucket is None or bucket.numel() != spec.numel or bucket.dtype != spec.dtype
-            or bucket.device != spec.device
+            scratch is None or scratch.numel() != spec.numel or scratch.dtype != spec.dtype
+            or scratch.device != spec.device
         ):
             with torch.inference_mode(False):
-                bucket = torch.empty(spec.numel, dtype=spec.dtype, device=spec.device)
-            self._buckets[key] = bucket
+                scratch = torch.empty(spec.numel, dtype=spec.dtype, device=spec.device)
+            self._scratch[key] = scratch
         else:
-            bucket.untyped_storage().resize_(spec.nbytes)
-        return bucket
+            scratch.untyped_storage().resize_(spec.nbytes)
+        return scratch
 
     # ------------------------------------------------------------------ iterations and plans
 
     def begin_iteration(self) -> bool:
         """The iteration boundary (the root's pre-forward): take in the last iteration's
         pattern, and (re)plan if the plan does not cover every pattern and nothing is live.
-        Returns whether buckets may have moved (a new plan)."""
+        Returns whether scratch buffers may have moved (a new plan)."""
         moved = False
         events = tuple(self._events)
         if events and events not in self._patterns:
@@ -340,7 +345,7 @@ class TracePoolAllocator(BucketAllocator):
         )
 
     def _replan(self) -> None:
-        assert not self._live, "replanning would move live buckets"
+        assert not self._live, "replanning would move live scratch buffers"
         sizes: dict[torch.device, dict[Hashable, int]] = {}
         for key, spec in self._specs.items():
             sizes.setdefault(spec.device, {})[key] = spec.nbytes
@@ -358,7 +363,8 @@ class TracePoolAllocator(BucketAllocator):
                 with torch.inference_mode(False):
                     arena = torch.empty(total, dtype=torch.uint8, device=device)
             arenas[device] = arena
-        # Views that stay valid: same arena, offset and spec (their buckets keep the address).
+        # Views that stay valid: same arena, offset and spec (their scratch buffers keep the
+        # address).
         views = {
             key: view for key, view in self._views.items()
             if key in offsets and offsets[key] == self._offsets.get(key)
@@ -375,17 +381,17 @@ class TracePoolAllocator(BucketAllocator):
             key: (spec.device, offsets[key], offsets[key] + spec.nbytes)
             for key, spec in self._planned_specs.items()
         }
-        self._buckets, self._current = {}, {}  # nothing is live
+        self._scratch, self._current = {}, {}  # nothing is live
         self._planned = True
         self.replans += 1
         self.outside_arena = 0
 
     def release(self) -> None:
-        """Drop the arena and the trace (between steps: no bucket may be live); the next
+        """Drop the arena and the trace (between steps: no scratch buffer may be live); the next
         iteration records again."""
         if self._live:
             raise RuntimeError(
-                f"release_memory_pool(): temporary buckets {sorted(map(repr, self._live))} are "
+                f"release_memory_pool(): scratch buffers {sorted(map(repr, self._live))} are "
                 "in use; call it between steps (after the optimizer step, before the next "
                 "forward), not between forward and backward or inside an accumulation window"
             )

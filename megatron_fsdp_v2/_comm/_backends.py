@@ -60,50 +60,50 @@ def moves_cuda_natively(backends: Mapping[str, str]) -> bool:
     return cuda is not None and cuda != backends.get("cpu")
 
 
-def device_backends(group: dist.ProcessGroup | None = None) -> dict[str, str]:
-    """``group``'s backend per device type (``None``: the default group)."""
-    return parse_backend_config(str(dist.get_backend_config(group)))
+def device_backends(process_group: dist.ProcessGroup | None = None) -> dict[str, str]:
+    """``process_group``'s backend per device type (``None``: the default group)."""
+    return parse_backend_config(str(dist.get_backend_config(process_group)))
 
 
-def backend_for(group: dist.ProcessGroup | None, device_type: str) -> str:
-    """The backend that runs ``group``'s collectives on tensors of ``device_type``; ``""`` when
-    the group has none for it."""
-    return device_backends(group).get(device_type, "")
+def backend_for(process_group: dist.ProcessGroup | None, device_type: str) -> str:
+    """The backend that runs ``process_group``'s collectives on tensors of ``device_type``; ``""``
+    when the group has none for it."""
+    return device_backends(process_group).get(device_type, "")
 
 
-def collective_device_type(group: dist.ProcessGroup | None = None) -> str:
-    """``"cuda"`` when ``group`` moves CUDA tensors natively and this process can use CUDA,
+def collective_device_type(process_group: dist.ProcessGroup | None = None) -> str:
+    """``"cuda"`` when ``process_group`` moves CUDA tensors natively and this process can use CUDA,
     else ``"cpu"``: the device type of the default mesh, and of the tensors the library
     communicates on its own (a checkpoint broadcast, a clipping scalar)."""
-    if moves_cuda_natively(device_backends(group)) and torch.cuda.is_available():
+    if moves_cuda_natively(device_backends(process_group)) and torch.cuda.is_available():
         return "cuda"
     return "cpu"
 
 
-def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+def collective_device(process_group: dist.ProcessGroup | None = None) -> torch.device:
     """The device of :func:`collective_device_type`: the current CUDA device, or the CPU."""
-    if collective_device_type(group) == "cuda":
+    if collective_device_type(process_group) == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def backend_impl(group: dist.ProcessGroup, device: torch.device) -> Any:
-    """The backend object (``ProcessGroupGloo``, ``ProcessGroupNCCL``, ...) that runs ``group``'s
-    collectives on ``device``: ``dist.get_backend_impl`` where torch has it (2.14), else the
-    group's ``_get_backend``."""
+def backend_impl(process_group: dist.ProcessGroup, device: torch.device) -> Any:
+    """The backend object (``ProcessGroupGloo``, ``ProcessGroupNCCL``, ...) that runs
+    ``process_group``'s collectives on ``device``: ``dist.get_backend_impl`` where torch has it
+    (2.14), else the group's ``_get_backend``."""
     get_impl = getattr(dist, "get_backend_impl", None)
     if get_impl is not None:
-        return get_impl(group, device)
-    return group._get_backend(device)
+        return get_impl(process_group, device)
+    return process_group._get_backend(device)
 
 
-def group_timeout(group: dist.ProcessGroup) -> timedelta | None:
-    """The timeout ``group``'s backends run collectives with; ``None`` when it cannot be read or
-    its backends differ. torch has no public getter: each backend's ``options._timeout``."""
+def group_timeout(process_group: dist.ProcessGroup) -> timedelta | None:
+    """The timeout ``process_group``'s backends run collectives with; ``None`` when it cannot be
+    read or its backends differ. torch has no public getter: each backend's ``options._timeout``."""
     timeouts = set()
-    for device_type in device_backends(group):
+    for device_type in device_backends(process_group):
         try:
-            timeouts.add(backend_impl(group, torch.device(device_type)).options._timeout)
+            timeouts.add(backend_impl(process_group, torch.device(device_type)).options._timeout)
         except (AttributeError, RuntimeError, ValueError):
             return None
     return timeouts.pop() if len(timeouts) == 1 else None

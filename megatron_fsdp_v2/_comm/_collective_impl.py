@@ -8,10 +8,10 @@ equivalent that measured faster on the group's backend, chosen by :func:`choose`
 :data:`RULES` (one table, per backend, by buffer bytes and group size). An equivalent must need
 no new full-size temporary and give bitwise the same result:
 
-* reduce-scatter as an in-place all-reduce of the input bucket that already exists, this rank's
-  slot of it then being the result (copied into a separate output, a shard-sized copy). Only
-  the slot is read afterwards: the rest of the input bucket is never read after a reduction
-  (a temporary bucket, or ``main_grad`` outside the optimizer-facing part). Bitwise the same on
+* reduce-scatter as an in-place all-reduce of the input scratch buffer that already exists, this
+  rank's slot of it then being the result (copied into a separate output, a shard-sized copy). Only
+  the slot is read afterwards: the rest of the input scratch buffer is never read after a reduction
+  (a scratch buffer, or ``main_grad`` outside the optimizer-facing part). Bitwise the same on
   gloo where measured: ``benchmarks/bench_collectives.py --check-bitwise`` compares the two at
   every size and group size the rules substitute, and the tests repeat that check at 3 and 4
   ranks.
@@ -149,11 +149,11 @@ def choose(impl: str, backend: str, logical: str, nbytes: int, world: int) -> st
     return logical
 
 
-def backend_of(group: dist.ProcessGroup, device_type: str) -> str:
-    """The backend that runs ``group``'s collectives on tensors of ``device_type`` (a group
+def backend_of(process_group: dist.ProcessGroup, device_type: str) -> str:
+    """The backend that runs ``process_group``'s collectives on tensors of ``device_type`` (a group
     may have one backend per device type, e.g. ``"cpu:gloo,cuda:nccl"``, and no backend string
     at all: see ``[Note: backend detection]``); ``""`` when it has none for that device."""
-    return backend_for(group, device_type)
+    return backend_for(process_group, device_type)
 
 
 @dataclass
@@ -179,16 +179,16 @@ class GroupCollectives:
         # (logical, group, bytes, device type) -> issued; a group has a handful of buffers.
         self._decided: dict[tuple[str, dist.ProcessGroup, int, str], str] = {}
 
-    def choose(self, logical: str, group: dist.ProcessGroup, nbytes: int,
+    def choose(self, logical: str, process_group: dist.ProcessGroup, nbytes: int,
                device_type: str) -> str:
-        key = (logical, group, nbytes, device_type)
+        key = (logical, process_group, nbytes, device_type)
         issued = self._decided.get(key)
         if issued is None:
             if self.impl == "native":
                 issued = logical
             else:
-                issued = choose(self.impl, backend_of(group, device_type), logical, nbytes,
-                                dist.get_world_size(group))
+                issued = choose(self.impl, backend_of(process_group, device_type), logical, nbytes,
+                                dist.get_world_size(process_group))
             self._decided[key] = issued
         return issued
 

@@ -53,11 +53,11 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _choose(logical: str, buffer: torch.Tensor, group: ProcessGroup,
+def _choose(logical: str, buffer: torch.Tensor, process_group: ProcessGroup,
             collectives: GroupCollectives | None) -> str:
     if collectives is None:
         return logical
-    return collectives.choose(logical, group, buffer.nbytes, buffer.device.type)
+    return collectives.choose(logical, process_group, buffer.nbytes, buffer.device.type)
 
 
 def _record(logical: str, issued: str, ops: int, buffer: torch.Tensor,
@@ -96,67 +96,69 @@ def _finish(works: list[Work], then: Callable[[], object] | None, async_op: bool
 
 
 def all_gather_into(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, async_op: bool = False,
+    output: torch.Tensor, shard: torch.Tensor, process_group: ProcessGroup, async_op: bool = False,
     *, collectives: GroupCollectives | None = None,
 ) -> Work | None:
     """Gather every rank's ``shard`` into ``output`` (rank-major). ``shard`` may be the rank's own
     slot of ``output`` (in-place gather, used by the replicated-buffer refresh). ``collectives``:
     the issuing group's implementation choice and accounting (None: native, not counted)."""
-    issued = _choose(ALL_GATHER, output, group, collectives)
+    issued = _choose(ALL_GATHER, output, process_group, collectives)
     if issued == BROADCASTS:
-        world = dist.get_world_size(group)
+        world = dist.get_world_size(process_group)
         _record(ALL_GATHER, issued, world, output, collectives)
-        return _all_gather_as_broadcasts(output, shard, group, world, async_op)
+        return _all_gather_as_broadcasts(output, shard, process_group, world, async_op)
     _record(ALL_GATHER, issued, 1, output, collectives)
-    return _all_gather_single(output, shard, group=group, async_op=async_op)
+    return _all_gather_single(output, shard, group=process_group, async_op=async_op)
 
 
 def _all_gather_as_broadcasts(
-    output: torch.Tensor, shard: torch.Tensor, group: ProcessGroup, world: int, async_op: bool
+    output: torch.Tensor, shard: torch.Tensor, process_group: ProcessGroup, world: int,
+    async_op: bool,
 ) -> Work | None:
     """The all-gather as one broadcast per rank, each from that rank's slot of ``output`` into
     the same slot on the others: no buffer beyond ``output``, the same bits."""
     n = shard.numel()
     assert output.numel() == n * world, (output.numel(), n, world)
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(process_group)
     own = output[rank * n : (rank + 1) * n]
     if own.data_ptr() != shard.data_ptr() or own.dtype != shard.dtype:
         own.copy_(shard)
     works = []
     for r in range(world):
-        work = dist.broadcast(output[r * n : (r + 1) * n], src=dist.get_global_rank(group, r),
-                              group=group, async_op=True)
+        work = dist.broadcast(output[r * n : (r + 1) * n],
+                              src=dist.get_global_rank(process_group, r),
+                              group=process_group, async_op=True)
         assert work is not None
         works.append(work)
     return _finish(works, None, async_op)
 
 
 def reduce_scatter_into(
-    output: torch.Tensor, reduce_scatter_input: torch.Tensor, group: ProcessGroup,
+    output: torch.Tensor, reduce_scatter_input: torch.Tensor, process_group: ProcessGroup,
     async_op: bool = False, *, collectives: GroupCollectives | None = None,
 ) -> Work | None:
     """Sum ``reduce_scatter_input`` over ranks and leave this rank's slot in ``output``, which may
     be that slot of the input itself (in-place reduce-scatter). Under ``collective_impl="auto"``
     the rest of the input may be overwritten with the reduced values too."""
-    issued = _choose(REDUCE_SCATTER, reduce_scatter_input, group, collectives)
+    issued = _choose(REDUCE_SCATTER, reduce_scatter_input, process_group, collectives)
     _record(REDUCE_SCATTER, issued, 1, reduce_scatter_input, collectives)
     if issued == ALL_REDUCE:
-        return _reduce_scatter_as_all_reduce(output, reduce_scatter_input, group, async_op)
+        return _reduce_scatter_as_all_reduce(output, reduce_scatter_input, process_group, async_op)
     return _reduce_scatter_single(
-        output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=group, async_op=async_op
+        output, reduce_scatter_input, op=dist.ReduceOp.SUM, group=process_group, async_op=async_op
     )
 
 
 def _reduce_scatter_as_all_reduce(
-    output: torch.Tensor, reduce_scatter_input: torch.Tensor, group: ProcessGroup,
+    output: torch.Tensor, reduce_scatter_input: torch.Tensor, process_group: ProcessGroup,
     async_op: bool,
 ) -> Work | None:
     """The reduce-scatter as an in-place all-reduce of its input; this rank's slot is the
     result, copied into ``output`` unless ``output`` is that slot."""
     n = output.numel()
-    rank = dist.get_rank(group)
+    rank = dist.get_rank(process_group)
     slot = reduce_scatter_input[rank * n : (rank + 1) * n]
-    work = dist.all_reduce(reduce_scatter_input, op=dist.ReduceOp.SUM, group=group,
+    work = dist.all_reduce(reduce_scatter_input, op=dist.ReduceOp.SUM, group=process_group,
                            async_op=True)
     assert work is not None
     in_place = slot.data_ptr() == output.data_ptr() and slot.dtype == output.dtype
@@ -165,36 +167,38 @@ def _reduce_scatter_as_all_reduce(
 
 
 def all_reduce_inplace(
-    buffer: torch.Tensor, group: ProcessGroup, async_op: bool = False,
+    buffer: torch.Tensor, process_group: ProcessGroup, async_op: bool = False,
     *, collectives: GroupCollectives | None = None,
 ) -> Work | None:
     """Sum ``buffer`` over ranks in place."""
     _record(ALL_REDUCE, ALL_REDUCE, 1, buffer, collectives)
-    return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=process_group, async_op=async_op)
 
 
-def broadcast_from_first(buffer: torch.Tensor, group: ProcessGroup) -> None:
+def broadcast_from_first(buffer: torch.Tensor, process_group: ProcessGroup) -> None:
     """Overwrite ``buffer`` with its value on the group's first rank (wrap time: replicas start
     from the same weights, as with DDP)."""
-    dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
+    dist.broadcast(buffer, src=dist.get_global_rank(process_group, 0), group=process_group)
 
 
-def check_collective_order(group: ProcessGroup, description: str, device: torch.device) -> None:
+def check_collective_order(
+    process_group: ProcessGroup, description: str, device: torch.device
+) -> None:
     """Debug check (``MFSDP_DEBUG_COLLECTIVES=1``): before a collective, make sure every rank of
-    ``group`` is about to issue the same one. One 8-byte all-gather of a digest of
+    ``process_group`` is about to issue the same one. One 8-byte all-gather of a digest of
     ``description``; on a mismatch every rank raises, naming what each rank issues.
 
     Without the check, ranks that run different units (data-dependent control flow) pair up
-    unrelated collectives: equal-sized buckets silently exchange the wrong data, others abort.
+    unrelated collectives: equal-sized buffers silently exchange the wrong data, others abort.
     """
     digest = int.from_bytes(hashlib.sha256(description.encode()).digest()[:7], "little")
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64, device=device)
-    _all_gather_single(everyone, mine, group=group)
+    everyone = torch.empty(dist.get_world_size(process_group), dtype=torch.int64, device=device)
+    _all_gather_single(everyone, mine, group=process_group)
     if bool((everyone == mine).all()):
         return
-    descriptions: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(descriptions, description, group=group)
+    descriptions: list[str | None] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(descriptions, description, group=process_group)
     issued = "; ".join(f"rank {r}: {d}" for r, d in enumerate(descriptions))
     raise RuntimeError(
         f"ranks issue different collectives ({issued}). Every rank must run the same "

@@ -28,10 +28,11 @@ LAUNCH_HINT = (
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
-def group_alive(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` is still registered (not destroyed by ``destroy_process_group``)."""
+def group_alive(process_group: dist.ProcessGroup) -> bool:
+    """Whether ``process_group`` is still registered (not destroyed by
+    ``destroy_process_group``)."""
     try:
-        dist.get_process_group_ranks(group)
+        dist.get_process_group_ranks(process_group)
     except (KeyError, ValueError, RuntimeError):
         return False
     return True
@@ -100,10 +101,10 @@ def comm_group(
     ``timeout`` is ``None`` or the mesh has one rank, else :func:`timeout_group` of it.
     ``axis``: ``"shard"`` (a 1-D mesh, or the inner axis of a 2-D one) or ``"outer"`` (HSDP's
     replicate axis)."""
-    mesh_group = mesh.get_group()
+    mesh_process_group = mesh.get_group()
     if timeout is None or mesh.size() == 1:
-        return mesh_group
-    return timeout_group(mesh_group, timeout, axis)
+        return mesh_process_group
+    return timeout_group(mesh_process_group, timeout, axis)
 
 
 def mesh_comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
@@ -145,12 +146,12 @@ def timeout_group(
         if timeout is None or group_timeout(parent) == timeout:
             return parent
         if _splits_communicators(parent):
-            group = dist.split_group(
+            process_group = dist.split_group(
                 parent, split_ranks=[list(range(len(ranks)))], timeout=timeout,
                 group_desc=_describe(axis, timeout),
             )
-            assert isinstance(group, dist.ProcessGroup)  # every rank of parent is a member
-            return group
+            assert isinstance(process_group, dist.ProcessGroup)  # every rank of parent is a member
+            return process_group
         return _members_group(ranks, config, timeout, axis)
 
     return _cached(_key(ranks, timeout, config, axis), create)
@@ -175,15 +176,15 @@ def _members_group(
     """``new_group`` over ``ranks`` with ``timeout``; only the members take part when it is not
     the whole job (``use_local_synchronization``)."""
     covers_world = len(ranks) == dist.get_world_size()
-    group = dist.new_group(
+    process_group = dist.new_group(
         list(ranks),
         timeout=timeout,
         backend=None if config == str(dist.get_backend_config()) else config,
         use_local_synchronization=not covers_world,
         group_desc=_describe(axis, timeout),
     )
-    assert isinstance(group, dist.ProcessGroup)  # every caller is a member of the mesh
-    return group
+    assert isinstance(process_group, dist.ProcessGroup)  # every caller is a member of the mesh
+    return process_group
 
 
 _Key = tuple[tuple[int, ...], float, str, str]
@@ -199,10 +200,10 @@ def _describe(axis: str, timeout: timedelta | None) -> str:
 
 
 def _cached(key: _Key, create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
-    group = _registry.comm_groups.get(key)
-    if group is None or not group_alive(group):
-        group = _registry.comm_groups[key] = create()
-    return group
+    process_group = _registry.comm_groups.get(key)
+    if process_group is None or not group_alive(process_group):
+        process_group = _registry.comm_groups[key] = create()
+    return process_group
 
 
 def clear_comm_groups() -> None:

@@ -95,11 +95,11 @@ def wait_for_event(query: Callable[[], bool], what: str = "a collective",
         pause = min(pause * 2, 0.05)
 
 
-def collective_timeout_s(group: dist.ProcessGroup, device: torch.device) -> float:
-    """The timeout ``group`` was created with (its backend's for ``device``), else torch's
+def collective_timeout_s(process_group: dist.ProcessGroup, device: torch.device) -> float:
+    """The timeout ``process_group`` was created with (its backend's for ``device``), else torch's
     default for the backend."""
     try:
-        return float(group._get_backend(device).options._timeout.total_seconds())
+        return float(process_group._get_backend(device).options._timeout.total_seconds())
     except (AttributeError, RuntimeError):
         nccl = device.type == "cuda"
         default = dist.constants.default_pg_nccl_timeout if nccl else dist.default_pg_timeout

@@ -100,11 +100,11 @@ def by_device_and_dtype(
     tensors: list[torch.Tensor],
 ) -> list[tuple[tuple[torch.device, torch.dtype], list[torch.Tensor]]]:
     """Non-empty tensors grouped by (device, dtype), groups in a rank-independent order."""
-    buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    by_device_dtype: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            buckets.setdefault((t.device, t.dtype), []).append(t)
-    return sorted(buckets.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
+            by_device_dtype.setdefault((t.device, t.dtype), []).append(t)
+    return sorted(by_device_dtype.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
 
 
 def _use_foreach(foreach: bool | None, device: torch.device) -> bool:

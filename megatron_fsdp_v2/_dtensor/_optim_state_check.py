@@ -40,11 +40,11 @@ def _check_states_everywhere(optimizer: torch.optim.Optimizer) -> None:
                 record.group.norm_process_group, ([], record.group.device)
             )
             entries.append((record.fqn, bool(optimizer.state.get(param))))
-    for group, (entries, device) in by_group.items():
+    for process_group, (entries, device) in by_group.items():
         flags = torch.tensor([int(has) for _, has in entries], dtype=torch.int64, device=device)
         lowest, highest = flags.clone(), flags.clone()
-        dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=process_group)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX, group=process_group)
         uneven = [name for (name, _), lo, hi in zip(entries, lowest.tolist(), highest.tolist())
                   if lo != hi]
         if uneven:

@@ -76,7 +76,7 @@ def _own_rows(target: DTensor, full: torch.Tensor, rows: tuple[int, int],
 
 def distribute_state_dict(torch_fn: Callable[..., None], full_state_dict: dict[str, Any],
                           local_state_dict: dict[str, Any], device: torch.device,
-                          pg: Any = None) -> None:
+                          process_group: Any = None) -> None:
     """torch's ``_distribute_state_dict`` (``torch_fn``; every rank holds the full dict), our
     entries cut at our rows without a collective."""
     ours: dict[str, DTensor] = {}
@@ -86,12 +86,12 @@ def distribute_state_dict(torch_fn: Callable[..., None], full_state_dict: dict[s
             if rows is not None:
                 ours[key] = _own_rows(local_state_dict[key], value, rows, device)
     rest = {k: v for k, v in full_state_dict.items() if k not in ours}
-    torch_fn(rest, local_state_dict, device, pg)
+    torch_fn(rest, local_state_dict, device, process_group)
     local_state_dict.update(ours)
 
 
 def distribute_tensors(torch_fn: Callable[..., None], local_state_dict: dict[str, Any],
-                       keys: list[str], device: torch.device, pg: Any = None) -> None:
+                       keys: list[str], device: torch.device, process_group: Any = None) -> None:
     """torch's ``_distribute_tensors`` (``torch_fn``; after a broadcast each entry is
     ``(target, full)``), our entries cut at our rows."""
     rest = []
@@ -106,4 +106,4 @@ def distribute_tensors(torch_fn: Callable[..., None], local_state_dict: dict[str
             continue
         local_state_dict[key] = _own_rows(entry[0], entry[1], rows, device)
     if rest:
-        torch_fn(local_state_dict, rest, device, pg)
+        torch_fn(local_state_dict, rest, device, process_group)

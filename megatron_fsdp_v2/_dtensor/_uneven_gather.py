@@ -46,13 +46,13 @@ def gather_shard(
     """Concatenate along ``dim`` the local tensors of the ranks along ``mesh_dim``, in mesh
     order, whatever their sizes: two all-gathers (the sizes with a signature of the tensor,
     then the padded shards)."""
-    group = mesh.get_group(mesh_dim)
+    process_group = mesh.get_group(mesh_dim)
     n = mesh.size(mesh_dim)
     if local.dim() > _MAX_DIMS:
         raise NotImplementedError(f"{what}: more than {_MAX_DIMS} dimensions; {ALTERNATIVE}")
     own = torch.tensor(_signature(local, dim, shape), dtype=torch.int64, device=local.device)
     everyone = torch.empty(n * own.numel(), dtype=torch.int64, device=local.device)
-    dist.all_gather_into_tensor(everyone, own, group=group)
+    dist.all_gather_into_tensor(everyone, own, group=process_group)
     rows = everyone.view(n, -1).tolist()
     sizes = [int(r[0]) for r in rows]
     # Every rank sees the same rows, so every rank raises together below.
@@ -76,7 +76,7 @@ def gather_shard(
     padded = rows_first.new_zeros((most, *rows_first.shape[1:]))
     padded[: rows_first.shape[0]].copy_(rows_first)
     out = rows_first.new_empty((n * most, *rows_first.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=group)
+    dist.all_gather_into_tensor(out, padded, group=process_group)
     pieces = [out[k * most : k * most + size] for k, size in enumerate(sizes)]
     return torch.cat(pieces).movedim(0, dim).contiguous()
 

@@ -200,7 +200,7 @@ class FSDPModule:
         the first forward.
 
         Raises ``RuntimeError`` (changing nothing) between a forward and its backward, or while
-        temporary buckets are in use (inside an accumulation window that keeps buckets across
+        scratch buffers are in use (inside an accumulation window that keeps scratch buffers across
         micro-batches, gathered weights kept with ``reshard_after_backward=False``)."""
         state = _registry.state_of(self)  # type: ignore[arg-type]
         assert state is not None

@@ -91,7 +91,7 @@ def fully_shard(
         ignored_params: parameters left as plain, unmanaged ``nn.Parameter`` s.
         gradient_scaling_factor: ``None`` averages gradients over the mesh (DDP/FSDP2); a number
             sums them and multiplies by it (Megatron-FSDP).
-        max_padding_ratio: split a group into several buckets when row alignment would pad it
+        max_padding_ratio: split a group into several flat groups when row alignment would pad it
             by more than this fraction.
         check_ranks: verify with one small all-gather that every rank wraps the same module
             with the same arguments.
@@ -127,11 +127,11 @@ def fully_shard(
             state-dict or checkpoint call), in module order of the whole tree, each rank keeping
             its own rows only; see README "Large models". Without it, every such module needs
             ``reset_parameters()``. Every rank must use the same seed (nothing is broadcast).
-        enable_trace_pool: serve temporary buckets (ZeRO-3's gathered weights, reduce-scatter
+        enable_trace_pool: serve scratch buffers (ZeRO-3's gathered weights, reduce-scatter
             inputs, communication workspaces) from one persistent arena per device, planned
             from the lifetimes recorded in the first iteration, instead of allocating and
-            freeing them each time: every bucket keeps its address across iterations (what CUDA
-            graphs need), for an arena as large as the planned peak held between steps. A
+            freeing them each time: every scratch buffer keeps its address across iterations (what
+            CUDA graphs need), for an arena as large as the planned peak held between steps. A
             changed trace (new shapes or control flow) is served outside the arena and planned
             at the next iteration; see README "Trace-planned pool" and
             :meth:`FSDPModule.release_memory_pool`. Same numbers as ``False`` (the default).
@@ -141,7 +141,7 @@ def fully_shard(
             ``"auto"`` issues, per backend, buffer size and group size, an equivalent measured
             faster on that backend, with no extra memory and bitwise the same results: on gloo
             a reduce-scatter of a buffer of 1 MiB or more as an in-place all-reduce of its
-            input bucket, an all-gather of 4 MiB or more as one broadcast per rank into
+            input scratch buffer, an all-gather of 4 MiB or more as one broadcast per rank into
             place; on NCCL (and other backends) the native ones.
             Applies to this unit's groups (each unit follows its own setting).
             :meth:`FSDPModule.collective_stats` reports what ran. See design.md "Collective
@@ -150,7 +150,7 @@ def fully_shard(
             parameter group per window. A size in MiB (DDP's ``bucket_cap_mb``): ``no_shard``
             and ``optim`` coalesce the delayed all-reduces / reduce-scatters of consecutive
             groups, in backward order, into one collective per bucket of at most this size
-            (plus the remainder at the end of backward), through a temporary bucket of that
+            (plus the remainder at the end of backward), through a scratch buffer of that
             size; bitwise the same gradients (``no_shard`` on 3+ gloo ranks: up to the
             summation order, as DDP's buckets). Worth it for many small units, whose
             per-collective launch cost dominates. ``optim_grads``/``optim_grads_params`` are
@@ -161,7 +161,7 @@ def fully_shard(
             rebuilds the replicated compute weights after each optimizer step (``optim``,
             ``optim_grads``). A size in MiB (DeepSpeed's ``allgather_bucket_size``): those
             all-gathers of consecutive groups, in forward order, run as one per bucket of at
-            most this size (gathered bytes), through temporary buckets (at most two alive);
+            most this size (gathered bytes), through scratch buffers (at most two alive);
             bitwise the same weights. Worth it for many small units. ``no_shard`` and
             ``optim_grads_params`` are unaffected. Every unit of a model must pass the same
             value (``ValueError`` at the first forward); a 2-D (HSDP) mesh raises

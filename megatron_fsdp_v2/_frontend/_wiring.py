@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _registry, _torch_patches
-from .._buffers._allocator import BucketAllocator
+from .._buffers._allocator import ScratchAllocator
 from .._buffers._layout import build_layout, split_for_padding
 from .._comm._collectives import broadcast_from_first
 from .._comm._comm_groups import comm_group, mesh_comm_group
@@ -69,7 +69,7 @@ def make_process_groups(options: WrapOptions, unit: LocalUnit) -> UnitProcessGro
 
 def build_groups(
     module: nn.Module, options: WrapOptions, unit: LocalUnit, groups: UnitProcessGroups
-) -> tuple[list[FlatParamGroup], BucketAllocator]:
+) -> tuple[list[FlatParamGroup], ScratchAllocator]:
     """The unit's flat parameter groups: its parameters grouped by (device, dtype,
     requires_grad) in first-seen order, each split where row alignment would pad it by more than
     ``max_padding_ratio``. Buffers are allocated; the module is not changed yet."""
@@ -78,7 +78,7 @@ def build_groups(
     by_kind: dict[tuple[Any, ...], list[int]] = {}
     for i, m in enumerate(managed):
         by_kind.setdefault((m.param.device, m.param.dtype, m.param.requires_grad), []).append(i)
-    allocator = BucketAllocator()
+    allocator = ScratchAllocator()
     flat_groups: list[FlatParamGroup] = []
     for members in by_kind.values():
         shapes = [managed[i].param.shape for i in members]
@@ -125,7 +125,7 @@ def broadcast_buffers(module: nn.Module, groups: UnitProcessGroups) -> None:
 
 def install_unit(
     module: nn.Module, options: WrapOptions, unit: LocalUnit,
-    flat_groups: list[FlatParamGroup], allocator: BucketAllocator,
+    flat_groups: list[FlatParamGroup], allocator: ScratchAllocator,
     members: list[nn.Module] | None = None,
 ) -> FSDPState:
     """Make ``module`` a unit: bind its parameters to the groups' buffers, register its state,

@@ -321,11 +321,12 @@ def check_mesh_agrees(lines: list[str], axes: Axes) -> None:
 
 
 def check_ranks_agree(
-    lines: list[str], mesh: DeviceMesh, group: dist.ProcessGroup | None = None
+    lines: list[str], mesh: DeviceMesh, process_group: dist.ProcessGroup | None = None
 ) -> None:
-    """One 8-byte all-gather of a digest over ``group`` (default: the mesh's); on a mismatch,
-    name the first differing line, or raise the error a rank reported instead of its lines."""
-    group = group if group is not None else mesh.get_group()
+    """One 8-byte all-gather of a digest over ``process_group`` (default: the mesh's); on a
+    mismatch, name the first differing line, or raise the error a rank reported instead of its
+    lines."""
+    process_group = process_group if process_group is not None else mesh.get_group()
     world = mesh.size()
     if world == 1:
         return
@@ -337,11 +338,11 @@ def check_ranks_agree(
     mine = torch.tensor([digest], dtype=torch.int64, device=device)
     everyone = torch.empty(world, dtype=torch.int64, device=device)
     all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    all_gather_single(everyone, mine, group=group)
+    all_gather_single(everyone, mine, group=process_group)
     if bool((everyone == mine).all()):
         return
     all_lines: list[list[str] | None] = [None] * world
-    dist.all_gather_object(all_lines, lines, group=group)
+    dist.all_gather_object(all_lines, lines, group=process_group)
     for rank, other in enumerate(all_lines):
         if other and other[0].startswith(_ERROR_MARKER):
             kind, _, message = other[0][len(_ERROR_MARKER):].partition(": ")
@@ -369,14 +370,14 @@ def check_ranks_agree(
 
 # ---------------------------------------------------------------------- padding
 
-# Below this many padding elements a bucket is not worth a warning (tiny groups, e.g. a bias
+# Below this many padding elements a flat group is not worth a warning (tiny groups, e.g. a bias
 # smaller than the world size, always pad by a large ratio and a few elements).
 _PADDING_WARNING_MIN_ELEMENTS = 1 << 16
 
 
 def warn_if_padded(layout: BufferLayout, fqns: list[str], max_padding_ratio: float) -> None:
-    """Warn, naming the parameter, when a bucket pads by more than ``max_padding_ratio`` (a
-    parameter whose rows are so large that splitting buckets cannot help, e.g. (1, 100000))."""
+    """Warn, naming the parameter, when a flat group pads by more than ``max_padding_ratio``
+    (a parameter whose rows are so large that splitting groups cannot help, e.g. (1, 100000))."""
     if (
         layout.padding_ratio <= max_padding_ratio
         or layout.padding_numel < _PADDING_WARNING_MIN_ELEMENTS
@@ -386,7 +387,7 @@ def warn_if_padded(layout: BufferLayout, fqns: list[str], max_padding_ratio: flo
     item = layout.items[worst]
     warnings.warn(
         f"fully_shard: parameter '{fqns[worst]}' of shape {tuple(item.shape)} has rows of "
-        f"{item.row_numel} elements and no shard boundary may cut a row, so its bucket is "
+        f"{item.row_numel} elements and no shard boundary may cut a row, so its flat group is "
         f"padded by {layout.padding_ratio:.0%} ({layout.padding_numel} elements) at world size "
         f"{layout.world_size}, although max_padding_ratio is {max_padding_ratio:g}. Give it "
         "more, smaller rows (e.g. store a (1, N) parameter as (N,)), pass it in "

@@ -16,14 +16,14 @@ group, dtype or collective, and at the end of backward (the final callback) for 
 * one group in a bucket (or a group at least the bucket size): today's in-place collective over
   its ``main_grad`` (``_reduce.reduce_accumulated``), nothing copied;
 * several groups: their ``main_grad`` s are copied (cast to the communication dtype, with the
-  kernels the uncoalesced path uses) into a temporary ``reduce_bucket`` of at most the bucket
-  size, one collective runs over it asynchronously (overlapping the rest of backward, like the
-  per-group collectives), and its result is copied back when a group's reduction is waited on.
-  All-reduce: the groups one after another. Reduce-scatter: rank-major, so that each rank's
-  slot of the bucket is the concatenation of its slots of every group's ``main_grad`` (one
+  kernels the uncoalesced path uses) into a staging scratch buffer (``reduce_staging``) of at
+  most the bucket size, one collective runs over it asynchronously (overlapping the rest of
+  backward, like the per-group collectives), and its result is copied back when a group's reduction
+  is waited on. All-reduce: the groups one after another. Reduce-scatter: rank-major, so that each
+  rank's slot of the bucket is the concatenation of its slots of every group's ``main_grad`` (one
   ``reduce_scatter_tensor``; the copy-out writes only this rank's slots).
 
-At most ``MAX_BUCKETS_IN_FLIGHT`` = 2 issued buckets are alive, each in its own staging bucket:
+At most ``MAX_BUCKETS_IN_FLIGHT`` = 2 issued buckets are alive, each in its own staging buffer:
 bucket i+1 is staged and issued while bucket i's collective still runs, as DDP keeps its
 buckets in flight; issuing a third first finishes the oldest. Two, because the collectives of
 one process group run one after another (on gloo's worker thread for the group, on the
@@ -41,7 +41,7 @@ to another offset can change the last bit of its sum, exactly as DDP's bucketing
 Opt-in, because it changes the documented count (one collective per group per window) that the
 tests and the estimator assert, and costs the staging copies and the buckets' memory, which do
 not pay off for large units. HSDP (a 2-D mesh) is refused; ``optim_grads`` and
-``optim_grads_params`` reduce every micro-batch through their own per-group buckets and are
+``optim_grads_params`` reduce every micro-batch through their own per-group scratch buffers and are
 unaffected.
 """
 
@@ -59,7 +59,7 @@ from . import _reduce
 from ._issuer import CollectiveLaunch, Pending
 
 if TYPE_CHECKING:
-    from .._buffers._allocator import BucketAllocator
+    from .._buffers._allocator import ScratchAllocator
     from ._flat_param_group import FlatParamGroup
 
 __all__ = ["MAX_BUCKETS_IN_FLIGHT", "ReductionCoalescer", "validate_bucket_size"]
@@ -67,9 +67,9 @@ __all__ = ["MAX_BUCKETS_IN_FLIGHT", "ReductionCoalescer", "validate_bucket_size"
 MAX_BUCKETS_IN_FLIGHT = 2  # see [Note: reduction buckets] for why two
 
 
-def _bucket_key(slot: int) -> tuple[str, str, int]:
-    """The allocator key of the staging bucket in ``slot`` (one per bucket in flight)."""
-    return ("tree", "reduce_bucket", slot)
+def _staging_key(slot: int) -> tuple[str, str, int]:
+    """The allocator key of the staging scratch buffer in ``slot`` (one per bucket in flight)."""
+    return ("tree", "reduce_staging", slot)
 
 
 def validate_bucket_size(value: object, name: str = "reduce_bucket_size_mb") -> float | None:
@@ -104,13 +104,13 @@ class _Bucket:
         self.issued = False
         self.done = False
         self.dropped = False  # abandoned before it was issued (recovery): nothing to do
-        self.slot = 0  # which staging bucket it uses while in flight
+        self.slot = 0  # which staging buffer it uses while in flight
 
 
 class ReductionCoalescer:
     """The tree's reduction buckets (see [Note: reduction buckets])."""
 
-    def __init__(self, bucket_size_mb: float, allocator: BucketAllocator) -> None:
+    def __init__(self, bucket_size_mb: float, allocator: ScratchAllocator) -> None:
         self.bucket_bytes = max(1, int(bucket_size_mb * (1 << 20)))
         self.allocator = allocator
         self._open: _Bucket | None = None
@@ -152,7 +152,7 @@ class ReductionCoalescer:
         if bucket is None or not bucket.members:
             return
         # At most MAX_BUCKETS_IN_FLIGHT issued buckets: the oldest finishes (and frees its
-        # staging bucket) before another is staged.
+        # staging buffer) before another is staged.
         while len(self._inflight) >= MAX_BUCKETS_IN_FLIGHT:
             self.complete(self._inflight[0])
         used = {b.slot for b in self._inflight}
@@ -178,7 +178,7 @@ class ReductionCoalescer:
         world = first.world_size
         numels = [main_grad.numel() for _, main_grad in bucket.members]
         total = sum(numels)
-        key = _bucket_key(bucket.slot)
+        key = _staging_key(bucket.slot)
         staging = self.allocator.allocate(key, total, comm_dtype, device)
         inputs: list[torch.Tensor] = []
         offsets: list[int] = []

@@ -5,10 +5,10 @@
 along with its ``forward``; ``torch.compile(block)`` on a block already wrapped does the same
 through the ``OptimizedModule``. The hooks must not be traced: they issue collectives, swap the
 objects in ``module._parameters`` (``_slots.py``), rebind the compute parameters' ``.data`` to
-views of a gathered bucket at the first ZeRO-3 gather (AOTAutograd rejects that: "set_ on a graph
-input") and free or re-grow bucket storage (``_allocator.py``). Every forward hook the library
-registers is therefore wrapped with :func:`eager_hook`: dynamo breaks the graph at the call and
-runs the hook eagerly, so a compiled block becomes one graph for the user code between its hooks
+views of a gathered scratch buffer at the first ZeRO-3 gather (AOTAutograd rejects that: "set_ on a
+graph input") and free or re-grow scratch-buffer storage (``_allocator.py``). Every forward hook the
+library registers is therefore wrapped with :func:`eager_hook`: dynamo breaks the graph at the call
+and runs the hook eagerly, so a compiled block becomes one graph for the user code between its hooks
 (its ``forward``). That graph always sees the same compute parameter objects (plain tensors
 viewing the unsharded weights; ZeRO-3 refills their storage in place), so it is compiled once,
 not once per step. ``fullgraph=True`` therefore needs the hooks outside the compiled callable:

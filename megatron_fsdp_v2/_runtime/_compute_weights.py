@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._buffers._allocator import BucketAllocator
+from .._buffers._allocator import ScratchAllocator
 from .._buffers._layout import BufferLayout
 from .._buffers._plan import BufferPlan, Refresh
 from .._profiling import traced
@@ -33,7 +33,7 @@ class ComputeWeights:
     layout: BufferLayout
     dtypes: ResolvedDtypes
     device: torch.device
-    allocator: BucketAllocator
+    allocator: ScratchAllocator
     issuer: GroupIssuer
     records: list[ParamRecord]
     grads: GroupGrads
@@ -53,7 +53,7 @@ class ComputeWeights:
 
     def bind(self) -> None:
         """Make the compute parameters zero-copy views of the unsharded weights, which releases
-        their original storage. A group that gathers has no unsharded bucket until its first
+        their original storage. A group that gathers has no unsharded scratch buffer until its first
         gather (so wrapping never holds a full-size copy): until then they hold an empty
         placeholder."""
         if not self.plan.gathers_weights:
@@ -78,16 +78,16 @@ class ComputeWeights:
 
     def note_views_exposed(self) -> None:
         """The compute parameters are about to be used (forward, recompute, backward): tensors
-        autograd saves may view the gathered bucket until backward, so it must get the same
-        memory whenever it is gathered again in this iteration (``BucketAllocator.pin``)."""
+        autograd saves may view the gathered scratch buffer until backward, so it must get the same
+        memory whenever it is gathered again in this iteration (``ScratchAllocator.pin``)."""
         if self._gathered:
             self.allocator.pin(self.temporary_key("unsharded_model_weight"))
 
     def drop_gathered_views(self) -> None:
         """A group that gathers, not gathered now: its compute parameters let go of the
-        temporary bucket (back to the placeholder of :meth:`bind`), so a trace-pool arena that
+        scratch buffer (back to the placeholder of :meth:`bind`), so a trace-pool arena that
         was replaced or released is freed; the next gather binds them again. Likewise the
-        gradient aliases cached over a temporary bucket (any group)."""
+        gradient aliases cached over a scratch buffer (any group)."""
         self.grads.forget_temporary_aliases()
         if not self.plan.gathers_weights or self._gathered or not self._views_bound:
             return
@@ -127,7 +127,7 @@ class ComputeWeights:
         # inference-mode context, a measurable per-unit cost on many small units.
         if self._gathered if self.plan.gathers_weights else not self._weights_stale:
             return False
-        # Buckets and views made under inference mode could never be updated in place again.
+        # Scratch buffers and views made under inference mode could never be updated in place again.
         with torch.inference_mode(False):
             if self.plan.gathers_weights:
                 return self._gather(async_op)
@@ -150,7 +150,7 @@ class ComputeWeights:
             self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
             self.dtypes.model, self.device,
         )
-        # Views stay valid across storage freeing; a trace-pool bucket may move between
+        # Views stay valid across storage freeing; a trace-pool scratch buffer may move between
         # iterations (see [Note: trace-planned pool]), then they follow it.
         if not self._views_bound or output is not self._bound_to:
             self._bind_compute_views(output)

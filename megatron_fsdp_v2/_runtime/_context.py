@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from .._buffers._allocator import BucketAllocator
+from .._buffers._allocator import ScratchAllocator
 from .._buffers._trace_pool import TracePoolAllocator
 from .._comm._deadline import bounded_waits, collective_timeout_s, group_error
 from .._profiling import traced
@@ -39,8 +39,8 @@ class FSDPContext:
         self.root = root
         self.states = states  # pre-order of the module tree: root first
         # One allocator for the tree (its units agree on enable_trace_pool: FSDPState._lazy_init).
-        self.allocator: BucketAllocator = (
-            TracePoolAllocator() if root.enable_trace_pool else BucketAllocator()
+        self.allocator: ScratchAllocator = (
+            TracePoolAllocator() if root.enable_trace_pool else ScratchAllocator()
         )
         self.final_callback_queued = False
         self.callback_failed = False  # the final callback raised: see recover()
@@ -54,9 +54,9 @@ class FSDPContext:
         self.forward_order: list[FSDPState] = []
         self._order_index: dict[int, int] = {}
         self.recording_order = True
-        # Units whose gradient collectives hold temporary buckets and may still be in flight,
-        # oldest first. At most ``max_inflight_reductions`` units' reduction buckets are alive
-        # at once. Reductions in place into persistent buffers are not listed: they cost no
+        # Units whose gradient collectives hold scratch buffers and may still be in flight,
+        # oldest first. At most ``max_inflight_reductions`` units' reduction scratch buffers are
+        # alive at once. Reductions in place into persistent buffers are not listed: they cost no
         # memory in flight and run on until the final callback (FSDPState.run_post_backward),
         # unless the window ends and HSDP's outer reduction waits for them (see [Note: outer
         # reductions in backward]).
@@ -105,9 +105,9 @@ class FSDPContext:
         post-backward drains it: it then overlaps the rest of backward, as FSDP2 issues its
         HSDP all-reduce right after each reduce-scatter, instead of all of them waiting for
         the final callback. For that, a unit whose window ends is listed in ``reducing`` even
-        when its inner reduction holds no temporary bucket (FSDPState.run_post_backward). The
+        when its inner reduction holds no scratch buffer (FSDPState.run_post_backward). The
         drain order is backward order, the same on every rank, so every rank launches the
-        outer collectives in the same order. An outer reduction that holds a temporary bucket
+        outer collectives in the same order. An outer reduction that holds a scratch buffer
         (a workspace in the communication dtype, or outer optim's ``window_grad``, which it
         frees) is listed again and finished by the next drain, so at most one unit's are alive
         besides the reduction in flight (the estimator replays this:

@@ -11,7 +11,7 @@ Every group owns up to three persistent flat buffers, laid out identically (see
 
 * ``model_weight``: the compute weights, in the compute dtype. Compute parameters (the module's
   original ``nn.Parameter`` objects) are views into the unsharded buffer (``model_weight``
-  itself, or the temporary ``unsharded_model_weight`` bucket of a group that gathers), bound
+  itself, or the temporary ``unsharded_model_weight`` scratch buffer of a group that gathers), bound
   once: at wrap time, or at the first gather.
 * ``main_weight``: what the optimizer updates, exposed as DTensor parameters whose local tensors
   are views into it. A separate buffer only when the main dtype differs from the compute dtype;
@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .. import ops
-from .._buffers._allocator import BucketAllocator
+from .._buffers._allocator import ScratchAllocator
 from .._buffers._layout import BufferLayout, ItemLayout
 from .._buffers._plan import Extent, make_plan
 from .._comm import _collectives as comm
@@ -104,7 +104,7 @@ class FlatParamGroup(ComputeWeights):
         outer_strategy: ShardingStrategy = ShardingStrategy.NO_SHARD,
         dtypes: ResolvedDtypes,
         grad_pre_scale: float,
-        allocator: BucketAllocator,
+        allocator: ScratchAllocator,
         sync_from_rank0: bool = False,
         collective_impl: str = "native",
     ) -> None:
@@ -283,7 +283,7 @@ class FlatParamGroup(ComputeWeights):
             self.main_weight = self.model_weight[main_lo - lo : main_hi - lo]
         self._views_bound = False
         self._bound_to: torch.Tensor | None = None  # the buffer the compute views are of
-        # Bumped whenever the compute views are bound to another buffer (a trace-pool bucket
+        # Bumped whenever the compute views are bound to another buffer (a trace-pool scratch buffer
         # that moved): graphs built before must not be backwarded (FSDPState._pre_backward).
         self.views_generation = 0
 
@@ -370,7 +370,7 @@ class FlatParamGroup(ComputeWeights):
             self.grads.forget_views()  # views exist only for parameters that train
 
     def temporary_key(self, role: str) -> tuple[tuple[int, int], str]:
-        """The allocator key of this group's temporary bucket ``role`` (see the plan's
+        """The allocator key of this group's scratch buffer ``role`` (see the plan's
         ``temporaries``)."""
         return (self._group_id, role)
 

@@ -32,7 +32,7 @@ def gather_weights(
     unsharded_model_weight: torch.Tensor, model_weight_shard: torch.Tensor,
     issuer: GroupIssuer, async_op: bool, after: Pending | None = None,
 ) -> Pending:
-    """ZeRO-3: gather every rank's model-weight shard into the temporary unsharded bucket.
+    """ZeRO-3: gather every rank's model-weight shard into the temporary unsharded scratch buffer.
     ``after``: a refresh that rebuilds the shard first (HSDP outer ``optim``: the outer
     all-gather), waited on where the gather launches (on CUDA: by the side stream, in stream
     order; on gloo: the work, before the gather is issued)."""
@@ -47,7 +47,7 @@ def cast_and_gather_weights(
     issuer: GroupIssuer, async_op: bool,
 ) -> Pending:
     """ZeRO-3 with a separate main buffer (``Refresh.CAST_AT_GATHER``): cast this rank's main
-    shard into its own slot of the temporary unsharded bucket (``offset``: where the slot
+    shard into its own slot of the temporary unsharded scratch buffer (``offset``: where the slot
     starts), then all-gather that slot in place. The same bits as casting into a persistent
     shard first and gathering from it."""
     ops.refresh_from_shard_(main_weight_shard, unsharded_model_weight, offset)

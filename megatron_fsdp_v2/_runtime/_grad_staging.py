@@ -20,14 +20,14 @@ until the unit's post-backward.
   ``main_grad`` holds REDUCED values (an unmarked loop, gradients not cleared, an HSDP window
   carry) no alias is set: those micro-batches take the staging path as before.
 * Reduce-each path (``optim_grads``): the aliases view the unit's ``reduce_scatter_input``
-  bucket, allocated and zeroed at the pre-backward instead of the post-backward (while its
-  autograd gradients would otherwise be alive: the same bytes, held as one bucket); the
+  scratch buffer, allocated and zeroed at the pre-backward instead of the post-backward (while its
+  autograd gradients would otherwise be alive: the same bytes, held as one scratch buffer); the
   post-backward scales it in place and reduces it. Not under ZeRO-3 (``optim_grads_params``,
-  HSDP outer ``optim``): there the early bucket adds to the unit's gathered weights, the
-  prefetched previous unit's and the bucket still in flight; measured (4 gloo ranks, 5.3M-
-  parameter GPT, ``bench_training.py``), the allocator peak grew by one block's bucket and peak
-  RSS above the runtime by 3 MiB (203 -> 206), where ``no_shard``, ``optim`` and ``optim_grads``
-  stayed equal; so ZeRO-3 stages, as FSDP2 does.
+  HSDP outer ``optim``): there the early scratch buffer adds to the unit's gathered weights, the
+  prefetched previous unit's and the scratch buffer still in flight; measured (4 gloo ranks, 5.3M-
+  parameter GPT, ``bench_training.py``), the allocator peak grew by one block's scratch buffer and
+  peak RSS above the runtime by 3 MiB (203 -> 206), where ``no_shard``, ``optim`` and
+  ``optim_grads`` stayed equal; so ZeRO-3 stages, as FSDP2 does.
 
 A unit with units nested below it (typically the root: embeddings, output head) runs its
 pre-backward when backward starts and its post-backward when it ends, so its buffer, armed, is
@@ -41,7 +41,7 @@ allocated at the activation peak although most of its gradients arrive at the en
   step goes away; peak RSS above base grows by 16 MiB (``no_shard`` 630 -> 646 MiB, DDP 679;
   ``optim`` 461 -> 477): the root's ``main_grad`` now lives during backward, less the head's
   gradient that no longer lives beside it.
-* Reduce-each path: it stages. The buffer there is a temporary bucket that would otherwise not
+* Reduce-each path: it stages. The buffer there is a scratch buffer that would otherwise not
   exist until the post-backward, when activations are gone.
 
 The aliases are separate tensors over the buffer's storage (``Tensor.set_``), not autograd
@@ -158,8 +158,8 @@ class GradStaging:
         return self._aliases
 
     def forget_temporary_aliases(self) -> None:
-        """The memory temporary buckets live in was replaced or released (a trace-pool replan,
-        ``release_memory_pool()``): drop aliases cached over a temporary bucket, which would
+        """The memory scratch buffers live in was replaced or released (a trace-pool replan,
+        ``release_memory_pool()``): drop aliases cached over a scratch buffer, which would
         keep the old arena alive until the next backward; they are rebuilt over the new one
         then. Aliases of ``main_grad`` stay (it is persistent)."""
         if self._armed is None and self._alias_base is not None and (

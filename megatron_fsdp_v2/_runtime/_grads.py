@@ -13,14 +13,14 @@ contributions. A window can start with globally reduced values in it (gradients 
 between steps, an unmarked loop where every backward is "last", a second backward over a
 retained graph): all-reducing those again would count them R times. So the first reduction of a
 window (``pending_install`` False) that finds ``main_grad`` REDUCED moves what the optimizer-
-facing part holds into a temporary ``window_carry`` bucket and restarts from EMPTY; after the
-window's outer all-reduce the carry is added back and freed. Clearing gradients in between
+facing part holds into a temporary ``window_carry`` scratch buffer and restarts from EMPTY; after
+the window's outer all-reduce the carry is added back and freed. Clearing gradients in between
 (``zero_grad``, all installed gradients set to ``None``) drops the carry.
 
 With an outer ``optim`` axis the window's micro-batches add into a temporary ``window_grad``
-bucket (the inner shard; the plan's ``window_grad_span``) and the window step reduce-scatters it
-over the outer group into ``main_grad`` (this rank's sub-shard), overwriting it: the same carry
-rule keeps what ``main_grad`` held. Clearing gradients frees ``window_grad`` too.
+scratch buffer (the inner shard; the plan's ``window_grad_span``) and the window step
+reduce-scatters it over the outer group into ``main_grad`` (this rank's sub-shard), overwriting it:
+the same carry rule keeps what ``main_grad`` held. Clearing gradients frees ``window_grad`` too.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
 
     def ensure_main_grad(self) -> torch.Tensor:
         """``main_grad`` with its storage allocated (one tensor object for life, so cached
-        gradient views stay valid; see [Note: storage-freeing buckets])."""
+        gradient views stay valid; see [Note: storage-freeing scratch buffers])."""
         main_grad = self._main_grad
         if main_grad is None:
             lo, hi = self.group.plan.main_grad_span
@@ -200,7 +200,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
         group = self.group
         key = group.temporary_key("reduce_scatter_input")
         scale = group.grad_pre_scale
-        if in_place:  # autograd wrote into the bucket (see [Note: gradients in place])
+        if in_place:  # autograd wrote into the scratch buffer (see [Note: gradients in place])
             reduce_scatter_input = group.allocator.get(key)
             assert reduce_scatter_input is not None and group.allocator.is_allocated(key)
             if scale != 1.0:
@@ -220,8 +220,8 @@ class GroupGrads(GradStaging, OptimizerGrads):
 
     def _reduction_target(self) -> torch.Tensor:
         """Where a micro-batch's reduction adds up: the optimizer-facing part of ``main_grad``,
-        or the plan's ``window_grad`` bucket (HSDP outer optim: the inner shard, alive across
-        the window until ``window_steps`` reduce it into ``main_grad``)."""
+        or the plan's ``window_grad`` scratch buffer (HSDP outer optim: the inner shard, alive
+        across the window until ``window_steps`` reduce it into ``main_grad``)."""
         span = self.group.plan.window_grad_span
         if span is None:
             return self.main_grad_local()
@@ -265,8 +265,8 @@ class GroupGrads(GradStaging, OptimizerGrads):
     def reduce_across_replicas(self, async_op: bool) -> None:
         """End of a window whose inner reductions were waited on: the plan's ``window_steps``
         (HSDP outer no_shard: all-reduce the optimizer-facing shard over the outer group; outer
-        optim: reduce-scatter the ``window_grad`` bucket into it), then the window carry added
-        back, both when :meth:`wait_for_reduction` runs. Only for a group that reduced in this
+        optim: reduce-scatter the ``window_grad`` scratch buffer into it), then the window carry
+        added back, both when :meth:`wait_for_reduction` runs. Only for a group that reduced in this
         window, which is the same on every rank, and once per window (the final callback calls
         it for groups whose reductions the unit's successor did not finish first); nothing on a
         1-D mesh."""
@@ -303,14 +303,14 @@ class GroupGrads(GradStaging, OptimizerGrads):
 
     @property
     def reduction_holds_temporary(self) -> bool:
-        """An in-flight reduction of this group holds a temporary bucket until finished."""
+        """An in-flight reduction of this group holds a scratch buffer until finished."""
         return any(p.holds_temporary for p in self._pending)
 
     @traced("mfsdp::finish_reduce")
     def wait_for_reduction(self, coalesced: bool = True) -> None:
         """Wait for in-flight gradient collectives and fold their results into ``main_grad``.
         ``coalesced=False`` leaves a reduction queued in a reduction bucket alone (it holds no
-        temporary bucket of this group; the final callback issues and waits for it)."""
+        scratch buffer of this group; the final callback issues and waits for it)."""
         if coalesced and self._coalesced is not None:
             bucketed, self._coalesced = self._coalesced, None
             bucketed.finish()

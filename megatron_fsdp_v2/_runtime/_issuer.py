@@ -12,7 +12,7 @@ back once:
   runs now, and pass the group's issuer down;
 * the planning functions (``_reduce.py`` for reductions, ``_gather.py`` for gathers and
   refreshes, and the tree's buckets in ``_coalesce.py`` and ``_refresh_buckets.py``) prepare
-  the buffers the plan names (copy-in, workspace, staging bucket), describe the collective as a
+  the buffers the plan names (copy-in, workspace, staging buffer), describe the collective as a
   :class:`CollectiveLaunch` with what completes it (copy-out, freeing a temporary), and hand it
   to the issuer of the group it is counted for (a bucket's first member);
 * :meth:`GroupIssuer.launch` runs the debug order check, then the collective function of
@@ -48,7 +48,7 @@ __all__ = ["CollectiveLaunch", "GroupIssuer", "Pending"]
 
 class Pending:
     """An issued collective: :meth:`wait` blocks until its output is written; :meth:`finish`
-    also runs what consumes it (a copy-out, freeing a temporary bucket), exactly once."""
+    also runs what consumes it (a copy-out, freeing a scratch buffer), exactly once."""
 
     __slots__ = ("_handle", "_finish")
 
@@ -66,7 +66,7 @@ class Pending:
 
     @property
     def holds_temporary(self) -> bool:
-        """Whether finishing it consumes a temporary bucket (a reduction in place into a
+        """Whether finishing it consumes a scratch buffer (a reduction in place into a
         persistent buffer has nothing left to run)."""
         return self._finish is not None
 

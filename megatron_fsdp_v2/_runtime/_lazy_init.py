@@ -52,7 +52,7 @@ def lazy_init(root: FSDPState) -> None:
         state.fqn = name or "<root>"
         state.owns_nested_units = name in parents
         state.ctx = ctx
-        # One allocator for the tree, so the temporary-bucket peak is the tree's peak.
+        # One allocator for the tree, so the scratch-buffer peak is the tree's peak.
         ctx.allocator.adopt(state.allocator)
         state.allocator = ctx.allocator
         for index, group in enumerate(state.groups):

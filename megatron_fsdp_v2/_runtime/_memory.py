@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .. import _registry
-from .._buffers._allocator import BucketAllocator
+from .._buffers._allocator import ScratchAllocator
 
 __all__ = ["MemoryReport", "memory_report"]
 
@@ -36,8 +36,8 @@ class MemoryReport:
     # After the original fields, so positional construction keeps its meaning.
     main_weights_aliased: int = 0
     optimizer_state: int = 0
-    # The trace pool's arenas (enable_trace_pool=True): held between steps; the buckets served
-    # from them are also counted, as the storage-freeing allocator would hold them, in
+    # The trace pool's arenas (enable_trace_pool=True): held between steps; the scratch buffers
+    # served from them are also counted, as the storage-freeing allocator would hold them, in
     # temporary_peak. 0 without the trace pool or before its first plan.
     trace_pool_arena: int = 0
 
@@ -73,7 +73,7 @@ class MemoryReport:
 def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = None
                   ) -> MemoryReport:
     """Per-role bytes of every unit in ``module``'s tree (``main_grads`` at their size during the
-    optimizer step; ``temporary_peak`` is the high-water mark of temporary buckets so far;
+    optimizer step; ``temporary_peak`` is the high-water mark of scratch buffers so far;
     ``trace_pool_arena`` the trace pool's arenas, see [Note: trace-planned pool]).
 
     With ``optimizer``, ``optimizer_state`` is the bytes of the tensors in its state for the
@@ -87,7 +87,7 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
             f"{type(optimizer).__name__}"
         )
     report = MemoryReport()
-    allocators: dict[int, BucketAllocator] = {}
+    allocators: dict[int, ScratchAllocator] = {}
     content = padded = 0
     managed: list[torch.Tensor] = []
     for _, state in _registry.unit_states(module):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from .. import ops
-from .._buffers._allocator import BucketAllocator
+from .._buffers._allocator import ScratchAllocator
 from .._buffers._plan import BufferPlan, Collective
 from .._profiling import traced
 from ._issuer import CollectiveLaunch, GroupIssuer, Pending
@@ -37,14 +37,14 @@ def _launch_reduction(
 @traced("mfsdp::reduce")
 def reduce_accumulated(
     plan: BufferPlan, main_grad: torch.Tensor, comm_dtype: torch.dtype,
-    issuer: GroupIssuer, allocator: BucketAllocator, workspace_key: Hashable,
+    issuer: GroupIssuer, allocator: ScratchAllocator, workspace_key: Hashable,
     async_op: bool, pre_scale: float = 1.0,
 ) -> Pending:
     """The delayed collective of the accumulate path (``no_shard``: all-reduce, ``optim``:
     reduce-scatter) over a full-size ``main_grad``: in place when the communication dtype is the
-    gradient dtype, else through a workspace bucket in the communication dtype. ``pre_scale``
-    multiplies ``main_grad`` first (gradients written in place hold unscaled sums), fused with
-    the copy into the workspace when there is one."""
+    gradient dtype, else through a workspace scratch buffer in the communication dtype.
+    ``pre_scale`` multiplies ``main_grad`` first (gradients written in place hold unscaled sums),
+    fused with the copy into the workspace when there is one."""
     shard = slice(*plan.shard_span)
     if comm_dtype == main_grad.dtype:
         if pre_scale != 1.0:
@@ -65,9 +65,9 @@ def reduce_accumulated(
 @traced("mfsdp::reduce")
 def reduce_micro_batch(
     plan: BufferPlan, reduce_scatter_input: torch.Tensor, target: torch.Tensor, accumulate: bool,
-    issuer: GroupIssuer, allocator: BucketAllocator, input_key: Hashable, async_op: bool,
+    issuer: GroupIssuer, allocator: ScratchAllocator, input_key: Hashable, async_op: bool,
 ) -> Pending:
-    """Reduce one micro-batch's staged ``reduce_scatter_input`` (a temporary bucket) and write
+    """Reduce one micro-batch's staged ``reduce_scatter_input`` (a scratch buffer) and write
     or add the result into ``target``, the optimizer-facing part of ``main_grad``."""
     whole = plan.reduce_steps[0].op is Collective.ALL_REDUCE
     reduced: torch.Tensor | None
@@ -92,19 +92,19 @@ def reduce_micro_batch(
 @traced("mfsdp::reduce")
 def reduce_window(
     plan: BufferPlan, local_grad: torch.Tensor, window_grad: torch.Tensor | None,
-    comm_dtype: torch.dtype, issuer: GroupIssuer, allocator: BucketAllocator,
+    comm_dtype: torch.dtype, issuer: GroupIssuer, allocator: ScratchAllocator,
     workspace_key: Hashable, window_key: Hashable, async_op: bool,
 ) -> list[Pending]:
     """The plan's ``window_steps`` into ``local_grad``, the optimizer-facing part of
     ``main_grad``, once the window's inner reductions were waited on; each over its step's axis.
 
     * all-reduce (HSDP outer ``no_shard``): ``local_grad`` in place;
-    * reduce-scatter (HSDP outer ``optim``): the ``window_grad`` bucket (the inner shard the
+    * reduce-scatter (HSDP outer ``optim``): the ``window_grad`` scratch buffer (the inner shard the
       micro-batches added into, at ``plan.window_grad_span``) into ``local_grad``, its slot;
-      the bucket (``window_key``) is freed when the step finishes.
+      the scratch buffer (``window_key``) is freed when the step finishes.
 
     In place when the communication dtype is the gradient dtype, else through a workspace
-    bucket in the communication dtype."""
+    scratch buffer in the communication dtype."""
     pending: list[Pending] = []
     for step in plan.window_steps:
         if step.op is Collective.ALL_REDUCE:

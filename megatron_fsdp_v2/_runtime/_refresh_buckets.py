@@ -18,13 +18,14 @@ the same order:
 
 * copy-in: each member's main-weight shard, cast to the compute dtype where the main weights
   are separate (the cast-and-copy kernel of the uncoalesced refresh), into its column of this
-  rank's slot of a temporary ``refresh_bucket``: rank-major, rank r's slot holds slot r of every
-  member in order;
+  rank's slot of a staging scratch buffer (``refresh_staging``): rank-major, rank r's slot holds
+  slot r of every member in order;
 * one all-gather of that slot, in place, through the first member's issuer (the debug order
   check, ``collective_impl`` and the accounting, which counts it for that group only; see
   [Note: who issues collectives] in ``_issuer.py``);
 * copy-out, when a member first waits for its weights: every rank's column of each member into
-  its replicated ``model_weight`` (one strided copy per member); then the bucket is freed.
+  its replicated ``model_weight`` (one strided copy per member); then the staging buffer is
+  freed.
 
 Issuing a bucket makes all its members fresh and gives them one shared handle; whichever waits
 first completes the bucket for all. Copies move bits, so the compute weights are bitwise those
@@ -54,7 +55,7 @@ from .._profiling import traced
 from ._issuer import CollectiveLaunch, Pending
 
 if TYPE_CHECKING:
-    from .._buffers._allocator import BucketAllocator
+    from .._buffers._allocator import ScratchAllocator
     from ._flat_param_group import FlatParamGroup
 
 __all__ = ["RefreshBucket", "RefreshCoalescer", "coalescible"]
@@ -90,7 +91,7 @@ class RefreshBucket:
 class RefreshCoalescer:
     """The tree's refresh buckets (see [Note: refresh buckets])."""
 
-    def __init__(self, bucket_size_mb: float, allocator: BucketAllocator, overlap: bool) -> None:
+    def __init__(self, bucket_size_mb: float, allocator: ScratchAllocator, overlap: bool) -> None:
         self.bucket_bytes = max(1, int(bucket_size_mb * (1 << 20)))
         self.allocator = allocator
         self.overlap = overlap  # the root's: prefetch the next bucket when one completes
@@ -163,7 +164,7 @@ class RefreshCoalescer:
         world, rank = first.world_size, first.rank
         widths = [g.main_weight.numel() for g in members]
         slot_numel = sum(widths)
-        key = ("tree", "refresh_bucket", bucket.index % _MAX_ALIVE)
+        key = ("tree", "refresh_staging", bucket.index % _MAX_ALIVE)
         gathered = self.allocator.allocate(key, slot_numel * world, first.dtypes.model,
                                            first.device)
         own = gathered[rank * slot_numel : (rank + 1) * slot_numel]

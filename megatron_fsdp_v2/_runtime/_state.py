@@ -37,7 +37,7 @@ import torch.nn as nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .._buffers._allocator import BucketAllocator
+from .._buffers._allocator import ScratchAllocator
 from .._profiling import traced
 from ..api import MixedPrecisionPolicy
 from ._compile import eager_hook
@@ -68,7 +68,7 @@ class FSDPState(UnitState):
 
     def __init__(
         self, module: nn.Module, groups: list[FlatParamGroup], mp_policy: MixedPrecisionPolicy,
-        allocator: BucketAllocator, members: list[nn.Module] | None = None,
+        allocator: ScratchAllocator, members: list[nn.Module] | None = None,
     ) -> None:
         super().__init__(module, groups, mp_policy, allocator, members)
         # On the module, or on each member of a unit wrapped from a list (see [Note: several
@@ -274,7 +274,7 @@ class FSDPState(UnitState):
                     ctx.log("reshard", state)
         if torch.is_grad_enabled():
             hook = self._pre_backward
-            if ctx.allocator.moves_buckets:  # see [Note: trace-planned pool]
+            if ctx.allocator.moves_scratch:  # see [Note: trace-planned pool]
                 hook = functools.partial(self._checked_pre_backward, self._views_stamp())
             if isinstance(output, torch.Tensor):  # the common case, without the pytree walk
                 if output.requires_grad:
@@ -356,14 +356,14 @@ class FSDPState(UnitState):
         else:
             self.keep_gathered()
         # Finish older reductions *before* staging new ones: they overlapped this unit's
-        # backward, and their buckets are freed before this unit's are allocated.
+        # backward, and their scratch buffers are freed before this unit's are allocated.
         ctx.drain_reductions(ctx.max_inflight_reductions - 1)
         reduced = False
         for group in self.groups:
             reduced |= group.grads.reduce(self.is_last_backward, async_op=ctx.overlap)
         if reduced:
             ctx.log("reduce", self)
-            # Only reductions that hold a temporary bucket are drained early. One in place into
+            # Only reductions that hold a scratch buffer are drained early. One in place into
             # a persistent buffer (the accumulate path's ``main_grad`` in its own dtype) costs
             # no memory in flight: it runs on until the final callback, as DDP's bucket
             # all-reduces do, instead of stalling the next unit's backward (measured: ``optim``

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
-from .._buffers._allocator import BucketAllocator
+from .._buffers._allocator import ScratchAllocator
 from .._buffers._plan import GradPath
 from .._profiling import traced
 from ..api import MixedPrecisionPolicy
@@ -35,7 +35,7 @@ class UnitState:
 
     def __init__(
         self, module: nn.Module, groups: list[FlatParamGroup], mp_policy: MixedPrecisionPolicy,
-        allocator: BucketAllocator, members: list[nn.Module] | None = None,
+        allocator: ScratchAllocator, members: list[nn.Module] | None = None,
     ) -> None:
         self._module_ref = weakref.ref(module)
         # The modules carrying the unit's hooks: ``module`` itself, or the members of a unit

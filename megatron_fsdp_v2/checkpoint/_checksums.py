@@ -110,9 +110,9 @@ def write_checksum_file(root: Path, metadata: Metadata, entries: list[dict[str, 
 
 
 def verify_checksums(
-    root: Path, metadata: Metadata, group: dist.ProcessGroup | None
+    root: Path, metadata: Metadata, process_group: dist.ProcessGroup | None
 ) -> str | None:
-    """Check this rank's share (within ``group``) of a checkpoint's items against its
+    """Check this rank's share (within ``process_group``) of a checkpoint's items against its
     ``checksums.json``; the error for the first bad item, or ``None``. No collective: the
     caller agrees on the result. A checkpoint without the file (written by plain
     ``dcp.save``) or with a file of another save passes unverified."""
@@ -150,7 +150,7 @@ def verify_checksums(
             return (f"checkpoint '{root}' is corrupted: key '{index.fqn}' (file "
                     f"'{info.relative_path}') has no checksum")
     # ... and reads its share of the files.
-    rank, size = rank_and_size(group)
+    rank, size = rank_and_size(process_group)
     sizes = {name: sum(e["length"] for e in es) for name, es in by_file.items()}
     for name in sorted(_split_files(sizes, size)[rank]):
         entries = sorted(by_file[name], key=lambda e: e["start"])

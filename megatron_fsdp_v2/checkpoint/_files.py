@@ -137,12 +137,12 @@ def atomic_save(
     build_state: Callable[[], dict[str, Any]],
     root: Path,
     storage_writer: Any,
-    group: dist.ProcessGroup | None,
+    process_group: dist.ProcessGroup | None,
     checksums: bool,
 ) -> Metadata:
     """Write ``build_state()`` into ``<root>.incomplete``, agree, checksum, commit (see the note
-    at the top). Every rank of ``group`` (DCP's group) calls it."""
-    rank, size = _group.rank_and_size(group)
+    at the top). Every rank of ``process_group`` (DCP's group) calls it."""
+    rank, size = _group.rank_and_size(process_group)
     tmp, old = _sibling(root, _INCOMPLETE_SUFFIX), _sibling(root, _OLD_SUFFIX)
     where = f"checkpoint.save to '{root}'"
 
@@ -164,7 +164,7 @@ def atomic_save(
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         failure, cause = (RuntimeError, f"{where} failed before writing: "
                                         f"{_group.describe(exc, rank)}"), exc
-    failures = _group.all_gather(failure, group)
+    failures = _group.all_gather(failure, process_group)
     if rank == 0 and any(f is not None for f in failures) and failure is None:
         shutil.rmtree(tmp, ignore_errors=True)
     _group.raise_first(failures, cause)
@@ -174,7 +174,8 @@ def atomic_save(
     metadata: Metadata | None = None
     entries: list[dict[str, Any]] = []
     try:
-        metadata = dcp.save(state, checkpoint_id=tmp, storage_writer=writer, process_group=group)
+        metadata = dcp.save(state, checkpoint_id=tmp, storage_writer=writer,
+                            process_group=process_group)
         if checksums:
             files = {info.relative_path for info in metadata.storage_data.values()}
             entries = checksum_items(tmp, metadata, (n for n in files
@@ -189,7 +190,7 @@ def atomic_save(
     # 3. The coordinator collects the verdicts and checksums (one gather); if every rank
     # succeeded it writes the checksum file and commits. Its verdict (one broadcast) also keeps
     # every rank from returning before the checkpoint is in place.
-    results = _group.gather_to_coordinator((failure, entries), group)
+    results = _group.gather_to_coordinator((failure, entries), process_group)
     verdict: _group.Failure | None = None
     if rank == 0:
         assert results is not None
@@ -206,6 +207,6 @@ def atomic_save(
                                             f"{_group.describe(exc, rank)}"), exc
         if verdict is not None:  # every rank is past its writes: nothing writes into tmp
             shutil.rmtree(tmp, ignore_errors=True)
-    _group.raise_first([_group.broadcast_from_coordinator(verdict, group)], cause)
+    _group.raise_first([_group.broadcast_from_coordinator(verdict, process_group)], cause)
     assert metadata is not None
     return metadata

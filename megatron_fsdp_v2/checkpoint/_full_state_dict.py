@@ -96,13 +96,14 @@ def full_state_dict(model: nn.Module, *, keep: bool, cpu_offload: bool) -> dict[
 
 
 def broadcast_rows(
-    model: nn.Module, full_state_dict: dict[str, Any] | None, group: dist.ProcessGroup | None
+    model: nn.Module, full_state_dict: dict[str, Any] | None,
+    process_group: dist.ProcessGroup | None,
 ) -> dict[str, Any]:
-    """The state dict of ``group``'s first rank on every rank of ``group``, managed parameters
-    reduced to each rank's rows: a header (keys, shapes, dtypes, non-tensor values) as one
-    object, then one broadcast per tensor."""
-    src = coordinator(group)
-    is_source = rank_and_size(group)[0] == 0
+    """The state dict of ``process_group``'s first rank on every rank of ``process_group``, managed
+    parameters reduced to each rank's rows: a header (keys, shapes, dtypes, non-tensor values) as
+    one object, then one broadcast per tensor."""
+    src = coordinator(process_group)
+    is_source = rank_and_size(process_group)[0] == 0
     if is_source:
         assert full_state_dict is not None
         header: list[Any] = [[
@@ -112,11 +113,11 @@ def broadcast_rows(
         ]]
     else:
         header = [None]
-    dist.broadcast_object_list(header, src=src, group=group)
+    dist.broadcast_object_list(header, src=src, group=process_group)
     slots = dist_param_slots(model)
     targets = model.state_dict(keep_vars=True)
     # The device the group's collectives move natively (CUDA under NCCL, however it was named).
-    device = collective_device(group)
+    device = collective_device(process_group)
     out: dict[str, Any] = {}
     for key, meta, obj in header[0]:
         if meta is None:
@@ -128,7 +129,7 @@ def broadcast_rows(
             tensor = full_state_dict[key].detach().to(device=device).contiguous()
         else:
             tensor = torch.empty(shape, dtype=dtype, device=device)
-        dist.broadcast(tensor, src=src, group=group)
+        dist.broadcast(tensor, src=src, group=process_group)
         param = slots.get(key)
         if param is not None:
             # Keep a copy of this rank's rows only, not the whole broadcast tensor.

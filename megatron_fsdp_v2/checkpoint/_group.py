@@ -125,13 +125,13 @@ def model_group(model: nn.Module) -> dist.ProcessGroup | None:
                     f"{chosen_group.mesh.ndim}-D); megatron_fsdp_v2's checkpoint functions need "
                     "every unit of a model on the same mesh"
                 )
-            pg = group.process_group
-            if id(pg) in checked:
+            process_group = group.process_group
+            if id(process_group) in checked:
                 continue
-            checked.add(id(pg))
-            ranks = tuple(dist.get_process_group_ranks(pg))
+            checked.add(id(process_group))
+            ranks = tuple(dist.get_process_group_ranks(process_group))
             if chosen is None:
-                chosen, chosen_ranks, chosen_name = pg, ranks, group.name
+                chosen, chosen_ranks, chosen_name = process_group, ranks, group.name
                 chosen_group = group
             elif ranks != chosen_ranks:
                 raise ValueError(
@@ -157,67 +157,69 @@ def dcp_group(model: nn.Module, process_group: dist.ProcessGroup | None
     return None
 
 
-def rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """This rank and the size, within ``group`` (``None``: the default group)."""
+def rank_and_size(process_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank and the size, within ``process_group`` (``None``: the default group)."""
     if _distributed():
-        return dist.get_rank(group), dist.get_world_size(group)
+        return dist.get_rank(process_group), dist.get_world_size(process_group)
     return 0, 1
 
 
-def coordinator(group: dist.ProcessGroup | None) -> int:
+def coordinator(process_group: dist.ProcessGroup | None) -> int:
     """Global rank of the group's rank 0: DCP's coordinator (which writes ``.metadata``), the
     source of broadcasts and the receiver of full state dicts."""
-    return 0 if group is None or not _distributed() else dist.get_global_rank(group, 0)
+    if process_group is None or not _distributed():
+        return 0
+    return dist.get_global_rank(process_group, 0)
 
 
-def all_gather(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+def all_gather(obj: Any, process_group: dist.ProcessGroup | None) -> list[Any]:
     """Every rank's ``obj``, in rank order (one ``all_gather_object``; none on a single rank)."""
-    _, size = rank_and_size(group)
+    _, size = rank_and_size(process_group)
     if size == 1:
         return [obj]
     out: list[Any] = [None] * size
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, obj, group=process_group)
     return out
 
 
-def gather_to_coordinator(obj: Any, group: dist.ProcessGroup | None) -> list[Any] | None:
+def gather_to_coordinator(obj: Any, process_group: dist.ProcessGroup | None) -> list[Any] | None:
     """Every rank's ``obj`` in rank order on the group's rank 0, ``None`` elsewhere."""
-    rank, size = rank_and_size(group)
+    rank, size = rank_and_size(process_group)
     if size == 1:
         return [obj]
     out: list[Any] | None = [None] * size if rank == 0 else None
-    dist.gather_object(obj, out, dst=coordinator(group), group=group)
+    dist.gather_object(obj, out, dst=coordinator(process_group), group=process_group)
     return out
 
 
-def broadcast_from_coordinator(obj: Any, group: dist.ProcessGroup | None) -> Any:
+def broadcast_from_coordinator(obj: Any, process_group: dist.ProcessGroup | None) -> Any:
     """The group's rank-0 ``obj`` on every rank."""
-    if rank_and_size(group)[1] == 1:
+    if rank_and_size(process_group)[1] == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=coordinator(group), group=group)
+    dist.broadcast_object_list(box, src=coordinator(process_group), group=process_group)
     return box[0]
 
 
-def raise_if_any_rank(error: str | None, group: dist.ProcessGroup | None) -> None:
-    """Raise ``ValueError`` on every rank of ``group`` when any rank found ``error`` (the lowest
-    such rank's message), so a check that fails on some ranks cannot leave the others in a
+def raise_if_any_rank(error: str | None, process_group: dist.ProcessGroup | None) -> None:
+    """Raise ``ValueError`` on every rank of ``process_group`` when any rank found ``error`` (the
+    lowest such rank's message), so a check that fails on some ranks cannot leave the others in a
     collective."""
-    error = next((e for e in all_gather(error, group) if e is not None), None)
+    error = next((e for e in all_gather(error, process_group) if e is not None), None)
     if error is not None:
         raise ValueError(error)
 
 
-def check_same_path(path: str | os.PathLike | None, group: dist.ProcessGroup | None,
+def check_same_path(path: str | os.PathLike | None, process_group: dist.ProcessGroup | None,
                     what: str) -> None:
-    """Raise ``ValueError`` on every rank of ``group`` unless every rank names the same
+    """Raise ``ValueError`` on every rank of ``process_group`` unless every rank names the same
     checkpoint location (one ``all_gather_object``). A distributed checkpoint is one directory
     that every rank writes its shard files into, beside the one ``.metadata`` the coordinator
     writes; a rank-dependent path (``f"ckpt_rank{rank}"``) would let the coordinator commit a
     checkpoint whose other shards are elsewhere, which no load can read."""
     key = None if path is None else (
         str(path) if "://" in str(path) else os.path.abspath(os.fspath(path)))
-    paths = all_gather(key, group)
+    paths = all_gather(key, process_group)
     if any(p != paths[0] for p in paths):
         shown = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths[:4]))
         more = f", ... ({len(paths)} ranks)" if len(paths) > 4 else ""

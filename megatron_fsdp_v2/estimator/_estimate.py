@@ -12,7 +12,7 @@ from the objects the runtime itself executes, not from a second copy of their ma
 * collectives: each group's ``BufferPlan`` steps (``gather_steps``, ``reduce_steps``,
   ``refresh_steps``, ``window_steps``) times how often the schedule runs them per iteration,
   over the group's own buffer sizes;
-* the temporary peak: the plan's ``temporaries``, replayed through a ``BucketAllocator`` (the
+* the temporary peak: the plan's ``temporaries``, replayed through a ``ScratchAllocator`` (the
   accounting ``memory_report`` reads) in the order the hooks of ``_state.py`` allocate and free
   them in a training iteration (see ``replay_temporaries`` in ``_replay.py``).
 

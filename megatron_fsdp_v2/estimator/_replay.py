@@ -1,6 +1,6 @@
-"""The temporary-memory model of the estimator: the allocate/free sequence of temporary buckets
+"""The temporary-memory model of the estimator: the allocate/free sequence of scratch buffers
 that the hooks of ``_runtime/_state.py`` and ``_runtime/_context.py`` run over a training
-iteration, replayed through the runtime's own ``BucketAllocator`` on the meta device (accounting
+iteration, replayed through the runtime's own ``ScratchAllocator`` on the meta device (accounting
 only, nothing allocated) to find the peak. See [Note: estimating with the runtime] in
 ``_estimate.py``.
 """
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .._buffers._allocator import BucketAllocator
+from .._buffers._allocator import ScratchAllocator
 from .._buffers._plan import GradPath
 
 __all__ = ["replay_temporaries"]
@@ -20,9 +20,9 @@ _META = torch.device("meta")
 
 
 def replay_temporaries(states: list[Any], micro_batches: int) -> int:
-    """The high-water mark of temporary buckets over training iterations of the units whose
+    """The high-water mark of scratch buffers over training iterations of the units whose
     ``FSDPState`` objects are ``states`` (in module pre-order), replayed through a
-    ``BucketAllocator`` (on the meta device: accounting only) in the order ``_state.py``
+    ``ScratchAllocator`` (on the meta device: accounting only) in the order ``_state.py``
     allocates and frees them with ``overlap=True``:
 
     * forward, units in module order: a unit's pre-forward gathers its weights
@@ -33,7 +33,7 @@ def replay_temporaries(states: list[Any], micro_batches: int) -> int:
       unit below it), allocates its ``reduce_scatter_input`` (see [Note: gradients in place]
       in ``_runtime/_grad_staging.py``); its post-backward frees its weights, finishes the
       reduction in flight
-      (``max_inflight_reductions = 1``: its bucket is freed) and stages its own
+      (``max_inflight_reductions = 1``: its scratch buffer is freed) and stages its own
       (``reduce_scatter_input`` each micro-batch, or on the last backward the accumulate path's
       ``grad_comm`` when the communication dtype differs); the root's post-backward runs at the
       end of backward, after which everything is freed;
@@ -64,7 +64,7 @@ class _Replay:
             )
             self.children.setdefault(parent, []).append(i)
         self.root = self.children[None][0]
-        self.alloc = BucketAllocator()
+        self.alloc = ScratchAllocator()
         # FSDPContext.reducing: (unit, its temporary keys, whether its outer reductions were
         # launched already).
         self.in_flight: list[tuple[int, list[tuple[int, int, str]], bool]] = []
@@ -96,14 +96,14 @@ class _Replay:
         if i > 0 and i - 1 not in self.done:
             self.gather(i - 1)  # prefetch the previous unit
         for k, g in enumerate(self.states[i].groups):
-            if self._in_place_bucket(i, g):  # autograd writes into it from the pre-backward on
+            if self._in_place_scratch(i, g):  # autograd writes into it from the pre-backward on
                 self.alloc.allocate((i, k, "rs"), g.layout.total_numel, g.dtypes.comm, _META)
         for child in reversed(self.children.get(i, [])):
             self.backward(child)
         if i != self.root:  # the root's runs in the final callback
             self.post_backward(i)
 
-    def _in_place_bucket(self, i: int, g: Any) -> bool:
+    def _in_place_scratch(self, i: int, g: Any) -> bool:
         """A reduce-each group whose gradients autograd writes into ``reduce_scatter_input``
         (of a unit with no unit nested below it: ``FSDPState.prepare_gradients``)."""
         return (g.requires_grad and g.plan.grads_in_place and not self.children.get(i)
@@ -147,11 +147,11 @@ class _Replay:
                 numel, key = hi - lo, (i, k, "gc")
             else:
                 continue
-            if not self._in_place_bucket(i, g):  # else allocated by the pre-backward
+            if not self._in_place_scratch(i, g):  # else allocated by the pre-backward
                 self.alloc.allocate(key, numel, g.dtypes.comm, _META)
             keys.append(key)
             if key[2] == "rs" and g.plan.window_grad_span is not None:
-                # HSDP outer optim: the inner reductions add into a bucket alive all window.
+                # HSDP outer optim: the inner reductions add into a scratch buffer alive all window.
                 lo, hi = g.plan.window_grad_span
                 self.alloc.allocate((i, k, "wg"), hi - lo, g.dtypes.grad, _META)
         # Listed to be drained: a temporary held, or a window's end (its outer reduction waits).

@@ -11,13 +11,13 @@ runs on the stream the GEMMs run on; (2) communication overlapping compute: at l
 
 Memory. ``memory_report(model, optimizer).total`` is what the library predicts it holds at its
 worst moment: persistent buffers (main weights, main gradients at full size, optimizer state)
-plus the high-water mark of its temporary buckets (gathered weights, reduce-scatter inputs).
+plus the high-water mark of its scratch buffers (gathered weights, reduce-scatter inputs).
 What the library does not hold (activations, autograd's bf16 gradients of one unit before its
 post-backward stages them, the batch) is made small here: few tokens against large weights,
 estimated and printed. The step's peak (CUDA: ``max_memory_allocated`` during the step minus
 what was allocated before the model was built; CPU: the same from the profiler's allocation
 events) must be within ``--tolerance`` (15%) of the prediction: above, the library holds
-memory it does not report (a leaked bucket, an arena kept twice); far below, the report
+memory it does not report (a leaked scratch buffer, an arena kept twice); far below, the report
 overstates what planning should reserve. An AdamW with ``fused=True`` keeps the optimizer step
 free of temporaries of its own.
 

@@ -1,7 +1,8 @@
-"""The storage-freeing bucket allocator (``megatron_fsdp_v2._buffers._allocator.BucketAllocator``).
+"""The storage-freeing scratch buffer allocator
+(``megatron_fsdp_v2._buffers._allocator.ScratchAllocator``).
 
-Contract ([Note: storage-freeing buckets]): one tensor object per key for its whole life; ``free``
-shrinks its storage to zero bytes and ``allocate`` grows it back, so views taken once stay
+Contract ([Note: storage-freeing scratch buffers]): one tensor object per key for its whole life;
+``free`` shrinks its storage to zero bytes and ``allocate`` grows it back, so views taken once stay
 attached and see the new contents; live/peak byte accounting; never an inference tensor.
 """
 
@@ -12,22 +13,22 @@ from collections.abc import Hashable, Iterable
 
 import torch
 
-from megatron_fsdp_v2._buffers._allocator import BucketAllocator, order_free_after_use
+from megatron_fsdp_v2._buffers._allocator import ScratchAllocator, order_free_after_use
 
 CPU = torch.device("cpu")
 
 
-def live_storage_bytes(alloc: BucketAllocator, keys: Iterable[Hashable]) -> int:
+def live_storage_bytes(alloc: ScratchAllocator, keys: Iterable[Hashable]) -> int:
     total = 0
     for key in keys:
-        bucket = alloc.get(key)
-        if bucket is not None and alloc.is_allocated(key):
-            total += bucket.untyped_storage().nbytes()
+        scratch = alloc.get(key)
+        if scratch is not None and alloc.is_allocated(key):
+            total += scratch.untyped_storage().nbytes()
     return total
 
 
 def test_allocate_returns_a_1d_bucket_and_counts_bytes() -> None:
-    alloc = BucketAllocator()
+    alloc = ScratchAllocator()
     assert alloc.live_bytes == 0 and alloc.peak_bytes == 0
     assert alloc.get("a") is None and not alloc.is_allocated("a")
     a = alloc.allocate("a", 10, torch.float32, CPU)
@@ -44,7 +45,7 @@ def test_allocate_returns_a_1d_bucket_and_counts_bytes() -> None:
 
 
 def test_free_releases_storage_but_keeps_the_tensor_object() -> None:
-    alloc = BucketAllocator()
+    alloc = ScratchAllocator()
     a = alloc.allocate("a", 16, torch.float32, CPU)
     alloc.allocate("b", 4, torch.float64, CPU)
     alloc.free("a")
@@ -60,27 +61,28 @@ def test_free_releases_storage_but_keeps_the_tensor_object() -> None:
 
 
 def test_views_stay_attached_after_free_and_allocate() -> None:
-    """What ZeRO-3 relies on: compute parameters and saved tensors are views of the bucket."""
-    alloc = BucketAllocator()
-    bucket = alloc.allocate("w", 12, torch.float32, CPU)
-    bucket.copy_(torch.arange(12.0))
-    weight = bucket[4:10].view(2, 3)
-    saved = bucket[10:]
+    """What ZeRO-3 relies on: compute parameters and saved tensors are views of the scratch
+    buffer."""
+    alloc = ScratchAllocator()
+    scratch = alloc.allocate("w", 12, torch.float32, CPU)
+    scratch.copy_(torch.arange(12.0))
+    weight = scratch[4:10].view(2, 3)
+    saved = scratch[10:]
     assert torch.equal(weight, torch.arange(4.0, 10.0).view(2, 3))
     for round_ in range(3):
         alloc.free("w")
         assert weight.untyped_storage().nbytes() == 0
         again = alloc.allocate("w", 12, torch.float32, CPU)
-        assert again is bucket
-        again.fill_(float(round_))  # the "all-gather" refills the bucket
-        assert weight.untyped_storage()._cdata == bucket.untyped_storage()._cdata
+        assert again is scratch
+        again.fill_(float(round_))  # the "all-gather" refills the scratch buffer
+        assert weight.untyped_storage()._cdata == scratch.untyped_storage()._cdata
         assert torch.equal(weight, torch.full((2, 3), float(round_)))
         assert torch.equal(saved, torch.full((2,), float(round_)))
-        assert weight.data_ptr() == bucket.data_ptr() + 4 * bucket.element_size()
+        assert weight.data_ptr() == scratch.data_ptr() + 4 * scratch.element_size()
 
 
 def test_a_new_size_or_dtype_replaces_a_free_bucket() -> None:
-    alloc = BucketAllocator()
+    alloc = ScratchAllocator()
     a = alloc.allocate("a", 10, torch.float32, CPU)
     alloc.free("a")
     b = alloc.allocate("a", 20, torch.float32, CPU)
@@ -95,7 +97,7 @@ def test_a_new_size_or_dtype_replaces_a_free_bucket() -> None:
 
 
 def test_resizing_a_live_key_keeps_the_accounting() -> None:
-    alloc = BucketAllocator()
+    alloc = ScratchAllocator()
     alloc.allocate("a", 10, torch.float32, CPU)
     alloc.allocate("a", 20, torch.float32, CPU)
     assert alloc.live_bytes == live_storage_bytes(alloc, ["a"])
@@ -104,7 +106,7 @@ def test_resizing_a_live_key_keeps_the_accounting() -> None:
 
 
 def test_peak_and_reset_peak() -> None:
-    alloc = BucketAllocator()
+    alloc = ScratchAllocator()
     alloc.allocate(0, 100, torch.float32, CPU)
     alloc.allocate(1, 50, torch.float32, CPU)
     alloc.free(0)
@@ -119,7 +121,7 @@ def test_peak_and_reset_peak() -> None:
 
 
 def test_adopt_takes_over_buckets_and_bytes() -> None:
-    mine, theirs = BucketAllocator(), BucketAllocator()
+    mine, theirs = ScratchAllocator(), ScratchAllocator()
     m = mine.allocate("m", 4, torch.float32, CPU)
     t_live = theirs.allocate("t", 8, torch.float32, CPU)
     t_free = theirs.allocate("u", 2, torch.float32, CPU)
@@ -144,7 +146,7 @@ def test_adopt_takes_over_buckets_and_bytes() -> None:
 
 
 def test_never_an_inference_tensor() -> None:
-    alloc = BucketAllocator()
+    alloc = ScratchAllocator()
     with torch.inference_mode():
         a = alloc.allocate("a", 6, torch.float32, CPU)
         assert not a.is_inference()
@@ -161,11 +163,11 @@ def test_never_an_inference_tensor() -> None:
 
 
 def test_random_sequences_keep_accounting_exact() -> None:
-    """live_bytes is always the bytes of the live buckets, peak its running maximum."""
+    """live_bytes is always the bytes of the live scratch buffers, peak its running maximum."""
     rng = random.Random(0)
     dtypes = (torch.float32, torch.bfloat16, torch.float64)
     for _ in range(20):
-        alloc = BucketAllocator()
+        alloc = ScratchAllocator()
         keys = list(range(5))
         size = {k: (rng.randint(0, 64), rng.choice(dtypes)) for k in keys}
         objects: dict[int, torch.Tensor] = {}
@@ -178,9 +180,9 @@ def test_random_sequences_keep_accounting_exact() -> None:
                     size[key] = (rng.randint(0, 64), rng.choice(dtypes))  # a new size: new object
                     objects.pop(key, None)
                 numel, dtype = size[key]
-                bucket = alloc.allocate(key, numel, dtype, CPU)
-                assert objects.setdefault(key, bucket) is bucket
-                assert bucket.untyped_storage().nbytes() == numel * bucket.element_size()
+                scratch = alloc.allocate(key, numel, dtype, CPU)
+                assert objects.setdefault(key, scratch) is scratch
+                assert scratch.untyped_storage().nbytes() == numel * scratch.element_size()
             elif op < 0.9:
                 alloc.free(key)
                 if key in objects:
@@ -202,7 +204,7 @@ class _FakeStream:
         self.waited_on.append(other)
 
 
-class _FakeBucket:
+class _FakeScratch:
     def __init__(self) -> None:
         self.recorded: list[_FakeStream] = []
 
@@ -211,25 +213,26 @@ class _FakeBucket:
 
 
 def test_free_on_another_stream_orders_reuse_after_it() -> None:
-    """[Note: buckets freed on another stream] (CUDA only, so with fake streams here): a bucket
-    allocated on the forward's stream and freed from the stream backward() was called from has
-    its reuse ordered after the freeing stream's queued work; nothing on the same stream."""
+    """[Note: scratch buffers freed on another stream] (CUDA only, so with fake streams here): a
+    scratch buffer allocated on the forward's stream and freed from the stream backward() was called
+    from has its reuse ordered after the freeing stream's queued work; nothing on the same
+    stream."""
     forward, caller = _FakeStream("forward"), _FakeStream("caller")
-    bucket = _FakeBucket()
-    order_free_after_use(bucket, forward, forward, in_arena=False)  # type: ignore[arg-type]
-    order_free_after_use(bucket, None, caller, in_arena=False)  # type: ignore[arg-type]
-    assert bucket.recorded == [] and forward.waited_on == []
+    scratch = _FakeScratch()
+    order_free_after_use(scratch, forward, forward, in_arena=False)  # type: ignore[arg-type]
+    order_free_after_use(scratch, None, caller, in_arena=False)  # type: ignore[arg-type]
+    assert scratch.recorded == [] and forward.waited_on == []
     # A caching-allocator block: handed out again only after the caller stream's work.
-    order_free_after_use(bucket, forward, caller, in_arena=False)  # type: ignore[arg-type]
-    assert bucket.recorded == [caller] and forward.waited_on == []
+    order_free_after_use(scratch, forward, caller, in_arena=False)  # type: ignore[arg-type]
+    assert scratch.recorded == [caller] and forward.waited_on == []
     # A view of the trace pool's arena: the allocation stream waits on the freeing one.
-    arena_view = _FakeBucket()
+    arena_view = _FakeScratch()
     order_free_after_use(arena_view, forward, caller, in_arena=True)  # type: ignore[arg-type]
     assert arena_view.recorded == [] and forward.waited_on == [caller]
 
 
 def test_cpu_buckets_remember_no_stream() -> None:
-    allocator = BucketAllocator()
+    allocator = ScratchAllocator()
     allocator.allocate("k", 4, torch.float32, torch.device("cpu"))
     assert allocator._streams == {}
     allocator.free("k")

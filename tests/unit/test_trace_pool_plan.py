@@ -44,7 +44,7 @@ def test_conflicting_buckets_never_overlap(seed: int) -> None:
             ra = (offsets[a], offsets[a] + sizes[a])
             rb = (offsets[b], offsets[b] + sizes[b])
             assert not overlap(ra, rb), (a, b, ra, rb)
-    # Never more than every bucket side by side.
+    # Never more than every scratch buffer side by side.
     assert total <= sum(-(-s // ARENA_ALIGNMENT) * ARENA_ALIGNMENT for s in sizes.values())
 
 
@@ -70,15 +70,15 @@ def test_empty_plan() -> None:
 
 @pytest.mark.parametrize("alignment", [0, 8, 24])
 def test_arena_alignment_below_16_bytes_refused(alignment: int) -> None:
-    """Every bucket starts at a multiple of the alignment: below 16 bytes it would hand kernels
-    and NCCL misaligned buckets."""
+    """Every scratch buffer starts at a multiple of the alignment: below 16 bytes it would hand
+    kernels and NCCL misaligned scratch buffers."""
     with pytest.raises(ValueError, match="multiple of 16 bytes"):
         TracePoolAllocator(alignment=alignment)
 
 
 def test_arena_buckets_are_16_byte_aligned() -> None:
-    """Buckets of odd byte sizes and several dtypes, planned into one arena: each starts on an
-    ARENA_ALIGNMENT boundary of it, so 16-byte aligned whatever came before it."""
+    """Scratch buffers of odd byte sizes and several dtypes, planned into one arena: each starts on
+    an ARENA_ALIGNMENT boundary of it, so 16-byte aligned whatever came before it."""
     alloc = TracePoolAllocator()
     cpu = torch.device("cpu")
     specs = {"a": (7, torch.bfloat16), "b": (13, torch.float32), "c": (5, torch.uint8)}
@@ -95,19 +95,20 @@ def test_arena_buckets_are_16_byte_aligned() -> None:
 
 def run(alloc: TracePoolAllocator, steps: list[tuple[str, str, int]],
         escaping: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Replay ("alloc" | "free", key, numel) steps; fill each allocated bucket with a value of
-    its own and check that no live bucket was overwritten. Returns the buckets handed out."""
+    """Replay ("alloc" | "free", key, numel) steps; fill each allocated scratch buffer with a value
+    of its own and check that no live scratch buffer was overwritten. Returns the scratch buffers
+    handed out."""
     handed: dict[str, torch.Tensor] = {}
     fill: dict[str, float] = {}
     for op, key, numel in steps:
         if op == "alloc":
-            bucket = alloc.allocate(key, numel, F32, CPU)
+            scratch = alloc.allocate(key, numel, F32, CPU)
             if key in escaping:  # autograd saves views of it (a unit's forward)
                 alloc.pin(key)
-            assert bucket.shape == (numel,) and bucket.dtype == F32
+            assert scratch.shape == (numel,) and scratch.dtype == F32
             fill[key] = float(len(fill) + 1)
-            bucket.fill_(fill[key])
-            handed[key] = bucket
+            scratch.fill_(fill[key])
+            handed[key] = scratch
         else:
             alloc.free(key)
             fill.pop(key, None)  # a key allocated by an earlier run() has no value here
@@ -131,8 +132,8 @@ def test_first_iteration_records_then_serves_stable_addresses_from_the_arena() -
     alloc = TracePoolAllocator()
     alloc.begin_iteration()
     first = run(alloc, TRACE)
-    assert alloc.arena_bytes == 0  # recording: storage-freeing buckets
-    assert first["a"].untyped_storage().nbytes() == 0  # freed like BucketAllocator
+    assert alloc.arena_bytes == 0  # recording: storage-freeing scratch buffers
+    assert first["a"].untyped_storage().nbytes() == 0  # freed like ScratchAllocator
     assert alloc.peak_bytes == 440
     ptrs = None
     for _ in range(3):
@@ -241,9 +242,9 @@ def test_alignment_and_mixed_dtypes() -> None:
     for _ in range(2):
         alloc.begin_iteration()
         for key, numel, dtype in specs:
-            bucket = alloc.allocate(key, numel, dtype, CPU)
-            assert bucket.dtype == dtype and bucket.numel() == numel
-            bucket.fill_(1)
+            scratch = alloc.allocate(key, numel, dtype, CPU)
+            assert scratch.dtype == dtype and scratch.numel() == numel
+            scratch.fill_(1)
         for key, _, _ in specs:
             alloc.free(key)
     arena_ptr = next(iter(alloc._arenas.values())).data_ptr()
@@ -275,10 +276,10 @@ def test_live_key_allocated_again_keeps_its_contents() -> None:
     alloc = TracePoolAllocator()
     for _ in range(2):
         alloc.begin_iteration()
-        bucket = alloc.allocate("w", 8, F32, CPU)
-        bucket.fill_(3)
-        assert alloc.allocate("w", 8, F32, CPU) is bucket
-        assert bool((bucket == 3).all()) and alloc.live_bytes == 32
+        scratch = alloc.allocate("w", 8, F32, CPU)
+        scratch.fill_(3)
+        assert alloc.allocate("w", 8, F32, CPU) is scratch
+        assert bool((scratch == 3).all()) and alloc.live_bytes == 32
         alloc.free("w")
     assert alloc.planned
 
@@ -288,8 +289,8 @@ def test_inference_mode_buckets_are_normal_tensors() -> None:
     for _ in range(2):
         alloc.begin_iteration()
         with torch.inference_mode():
-            bucket = alloc.allocate("a", 4, F32, CPU)
-        assert not bucket.is_inference()
+            scratch = alloc.allocate("a", 4, F32, CPU)
+        assert not scratch.is_inference()
         alloc.free("a")
 
 

@@ -2,7 +2,7 @@
 // for every backend.
 //
 // Every message starts with the op name and names the offending argument, so a
-// failure inside a bucket of hundreds of parameters points at one of them.
+// failure inside a flat group of hundreds of parameters points at one of them.
 // These are TORCH_CHECKs (RuntimeError in Python). What the dispatcher already
 // guarantees (e.g. "this CPU kernel got a CPU flat buffer") is asserted with
 // TORCH_INTERNAL_ASSERT at the call site instead. The Python validators in

@@ -7,6 +7,7 @@ The dry run takes about 45 s of CPU time (one pass of the script, shared by the 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -90,21 +91,38 @@ def test_dry_run_passes_check_programs_on_cpu(dry_run, step: str) -> None:
     assert result == "PASS", f"{note}\n{_section(proc.stdout, step)}\n{proc.stderr[-2000:]}"
 
 
-@pytest.mark.parametrize("program,args,expected", [
+SELF_TESTS = [
     ("race.py", ["--strategies", "optim_grads"], "differs bitwise"),
     ("sync_audit.py", ["--strategies", "optim_grads", "--warmup", "1", "--steps", "1"],
      "host syncs: _local_scalar_dense at"),
     ("profile_step.py", [], "off memory_report's"),
-])
-def test_check_programs_fail_on_an_injected_defect(program: str, args: list[str],
+]
+
+
+@pytest.fixture(scope="module")
+def self_tests() -> dict[str, tuple[int, str]]:
+    """Each program's ``--self-test`` run: (exit status, stdout + stderr). One interpreter
+    imports torch and the library once and forks a process per program (tests/_forked_programs.py),
+    instead of three interpreters paying the imports."""
+    commands = [[os.path.join(CHECKS, program), "--device", "cpu", "--self-test", *args]
+                for program, args, _ in SELF_TESTS]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_forked_programs.py"),
+                           json.dumps(commands)], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {program: (code, out + err)
+            for (program, _, _), (code, out, err) in zip(SELF_TESTS, json.loads(proc.stdout))}
+
+
+@pytest.mark.parametrize("program,args,expected", SELF_TESTS)
+def test_check_programs_fail_on_an_injected_defect(self_tests: dict[str, tuple[int, str]],
+                                                   program: str, args: list[str],
                                                    expected: str) -> None:
     """``--self-test`` plants the defect each check exists for (a lost collective, a host sync
     in the step, memory the library does not report): the check must fail, naming it."""
-    proc = subprocess.run([sys.executable, os.path.join(CHECKS, program), "--device", "cpu",
-                           "--self-test", *args], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert expected in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    code, output = self_tests[program]
+    assert code == 1, output[-6000:]
+    assert expected in output, output[-6000:]
 
 
 def _k(name: str, stream: int, start: float, end: float) -> profile_step.Kernel:

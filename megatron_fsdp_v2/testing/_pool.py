@@ -3,9 +3,10 @@
 [Note: rank pools]
 A :class:`RankPool` starts ``world_size`` processes, joins them in one process group, and then
 runs tasks on them one at a time: ``fn(rank, world_size, *args, **kwargs)`` on every rank, the
-per-rank results returned in rank order. Spawning costs seconds (every rank imports torch), so
-a sweep split into one test id per case runs all its cases on the same ranks
-(:class:`RankPools`, the ``ranks`` fixture of ``tests/distributed``); a one-off call
+per-rank results returned in rank order. Starting ranks costs time (a process group; and the
+imports, paid once per session by the fork server, see the Note below), so a sweep split into
+one test id per case runs all its cases on the same ranks (:class:`RankPools`, the ``ranks``
+fixture of ``tests/distributed``); a one-off call
 (:func:`~megatron_fsdp_v2.testing.run_distributed`) is a pool that runs one task and closes.
 
 Failures are reported the same way everywhere: a rank's traceback fails the task, and ranks not
@@ -19,6 +20,17 @@ one file share the library's cached process groups (creating a gloo group per ca
 seconds each and leave thousands of idle groups behind), as they did when every file had its own
 pool. Results are collected before any rank is told to exit: gloo sometimes aborts in
 process teardown, and a result already in hand must not be lost to that.
+
+[Note: ranks fork from a preloaded server]
+A rank is not a fresh interpreter: it is forked from multiprocessing's fork server, which imports
+torch, torch._dynamo (DTensor.from_local imports it on first use, seconds with triton) and this
+library once per test session (or check program). A spawned rank spent about 6 s of CPU on those
+imports before its first task; every one-off ``run_distributed`` and every pool replaced after a
+failing case paid that again, a quarter of the full suite's time on two cores. The fork server
+runs nothing but imports (no process group, no OpenMP region, no library state), so a forked rank
+starts as a spawned one did; multiprocessing still runs the spawn preparation in it (the parent's
+``sys.path``, working directory and ``__main__``), and ``_serve`` applies the environment the
+parent has when the pool starts (the server's is the one of its own start).
 """
 
 from __future__ import annotations
@@ -41,14 +53,30 @@ class DistributedTestError(AssertionError):
     """A rank raised, or the ranks did not finish in time."""
 
 
+# Imported once by the fork server, not by every rank (see [Note: ranks fork from a preloaded
+# server]); a module missing here is only slower to start (multiprocessing skips ImportError).
+_SERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megatron_fsdp_v2"]
+
+
+def _context() -> Any:
+    """The multiprocessing context ranks start from: forked from the preloaded server."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_SERVER_PRELOAD)
+    return ctx
+
+
 def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_timeout_s: float,
-           preload: Callable[..., Any] | None, tasks: Any, results: Any) -> None:
+           preload: Callable[..., Any] | None, environ: dict[str, str], tasks: Any,
+           results: Any) -> None:
     """A rank: join the process group, then run tasks until told to stop (``None``).
 
     ``preload`` is only received, never called: unpickling it imports its module before the
     process group exists, so that module can register a backend the group then uses.
+    ``environ`` is the parent's environment when the pool started (a spawned process's own).
     """
     del preload
+    os.environ.clear()
+    os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -104,7 +132,7 @@ class RankPool:
                  pg_timeout_s: float = 60.0, preload: Callable[..., Any] | None = None) -> None:
         self.world_size = world_size
         self.closed = False
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._tmp = tempfile.TemporaryDirectory()
         init_file = os.path.join(self._tmp.name, "rendezvous")
         self._results = ctx.Queue()
@@ -112,7 +140,7 @@ class RankPool:
         self._procs = [
             ctx.Process(target=_serve, daemon=True,
                         args=(r, world_size, init_file, backend, pg_timeout_s, preload,
-                              self._tasks[r], self._results))
+                              dict(os.environ), self._tasks[r], self._results))
             for r in range(world_size)
         ]
         for p in self._procs:

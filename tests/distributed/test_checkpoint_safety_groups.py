@@ -157,30 +157,37 @@ def test_checkpoint_collectives_run_on_the_units_group(ranks: RankPools) -> None
 
 
 SHORT_TIMEOUT_S = 3  # fully_shard's collective timeout in the test below
-LATE_S = 15  # how long rank 1 stays away (alive, so its connections stay open)
+LATE_S = 15  # the longest rank 1 stays away (alive, so its connections stay open)
 
 
-def _missing_rank_worker(rank: int, world: int) -> float | None:
+def _missing_rank_worker(rank: int, world: int, failed_path: str) -> float | None:
     torch.manual_seed(0)
     model = fully_shard(OddMLP(), sharding_strategy=STRATEGY, timeout=SHORT_TIMEOUT_S)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     train(model, opt, range(1), rank)
     msd, osd = mckpt.get_state_dict(model, opt)
     dist.barrier()
-    if rank == 1:  # never calls set_state_dict
-        time.sleep(LATE_S)
+    if rank == 1:  # never calls set_state_dict; stays until rank 0 has failed (or LATE_S)
+        deadline = time.monotonic() + LATE_S
+        while not os.path.exists(failed_path) and time.monotonic() < deadline:
+            time.sleep(0.05)
         return None
     start = time.monotonic()
     try:
         mckpt.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
     except RuntimeError:
-        return time.monotonic() - start
+        elapsed = time.monotonic() - start
+        open(failed_path, "w").close()
+        return elapsed
     raise AssertionError("set_state_dict returned without rank 1")
 
 
 def test_missing_rank_fails_within_the_units_timeout() -> None:
     """A rank that never calls set_state_dict makes the others raise after fully_shard's short
-    timeout, not the default group's (60 s here) or when the missing rank exits."""
-    elapsed = run_distributed(_missing_rank_worker, WORLD, timeout_s=60)[0]
+    timeout, not the default group's (60 s here) or when the missing rank exits (it exits only
+    once rank 0 has failed, or after LATE_S)."""
+    with tempfile.TemporaryDirectory() as root:
+        elapsed = run_distributed(_missing_rank_worker, WORLD, os.path.join(root, "failed"),
+                                  timeout_s=60)[0]
     assert elapsed is not None and elapsed < LATE_S - 5, (
         f"rank 0 raised after {elapsed:.1f}s, expected about {SHORT_TIMEOUT_S}s")

@@ -18,10 +18,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import clip_grad_norm_, fully_shard
 
+from _comm_counts import CollectiveCounts
 from _models import TinyGPT, all_ranks_ok, lm_loss, shard_rows
 from _pool import RankPools
 
@@ -139,7 +139,7 @@ def _raise_together(errors: list[str], what: str) -> None:
         )
 
 
-def _all_reduces(comm: CommDebugMode) -> int:
+def _all_reduces(comm: CollectiveCounts) -> int:
     return sum(v for k, v in comm.get_comm_counts().items()
                if str(k).split(".")[-1].rstrip("_") in ("allreduce", "all_reduce"))
 
@@ -259,7 +259,7 @@ def _empty_list_check(rank: int, world: int, how: str, strategy: str, norm_type:
     _backward(ref, batch)
     params = _filtered(model, rank, how)
     max_norm = 0.05
-    with CommDebugMode() as comm:
+    with CollectiveCounts() as comm:
         norm = clip_grad_norm_(params, max_norm, norm_type)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type)
     errors = _norm_errors(norm, ref_norm, rtol=1e-5)
@@ -316,7 +316,7 @@ def _count_worker(rank: int, world: int, case: str) -> None:
         lm_loss(model, tokens).backward()
         lm_loss(ref, tokens).backward()
     expected = {"no_shard": 0, "two_groups": 2}.get(case, 1)
-    with CommDebugMode() as comm:
+    with CollectiveCounts() as comm:
         norm = clip_grad_norm_(model.parameters(), 0.05, norm_type)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type)
     errors = []

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import clip_grad_norm_, fully_shard
 
+from _comm_counts import CollectiveCounts
 from _models import ThinMLP, all_ranks_ok, shard_rows
 from _pool import RankPools
 
@@ -132,7 +132,7 @@ def _norms_worker(rank: int, world: int, strategy: str, model_kind: str) -> list
                 _backward(model, batch)
                 has_rows.append(any(q.grad is not None and q.grad.to_local().numel() > 0
                                     for q in model.parameters()))
-                with CommDebugMode() as comm:
+                with CollectiveCounts() as comm:
                     norm = _clip(form, model, 0.5, p, foreach)
                 counts = {str(k): v for k, v in comm.get_comm_counts().items()}
                 errors = []
@@ -179,7 +179,7 @@ def _bad_norm_worker(rank: int, world: int, strategy: str) -> list[str]:
     raised = []
     for form in ("ours", "torch_route", "titan"):
         for norm_type in (0.0, -1.0, float("nan"), "two"):
-            with CommDebugMode() as comm:
+            with CollectiveCounts() as comm:
                 try:
                     _clip(form, model, 0.5, norm_type, None)  # type: ignore[arg-type]
                     raised.append(f"{form} {norm_type}: nothing raised")

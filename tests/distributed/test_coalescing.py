@@ -23,12 +23,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2._runtime._coalesce import MAX_BUCKETS_IN_FLIGHT, ReductionCoalescer
+
+from _comm_counts import CollectiveCounts
 
 UNITS = 5
 STEPS = 3
@@ -75,7 +76,7 @@ class Units(nn.Module):
         return self.head(self.odd(x))
 
 
-def _collectives(comm: CommDebugMode) -> dict[str, int]:
+def _collectives(comm: CollectiveCounts) -> dict[str, int]:
     out = {"all_reduce": 0, "reduce_scatter": 0}
     for op, n in comm.get_comm_counts().items():
         name = str(op).split(".")[-1].rstrip("_")
@@ -120,7 +121,7 @@ def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, micro:
             model.fail = False
         data = [(torch.randn(world, 4, 8, generator=gen), torch.randn(world, 4, 1, generator=gen))
                 for _ in range(micro)]
-        with CommDebugMode() as comm, warnings.catch_warnings():
+        with CollectiveCounts() as comm, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the finalize variant's warning
             for i, (x, y) in enumerate(data):
                 last = i == micro - 1 and variant != "finalize"

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, memory_report
 from megatron_fsdp_v2._registry import state_of
 
+from _comm_counts import CollectiveCounts
 from _models import TinyGPT, lm_loss, make_batches
 from _pool import RankPools
 
@@ -26,7 +26,7 @@ def _expected(strategy: str, micro: int) -> tuple[int, int, int]:
     }[strategy]
 
 
-def _count(comm: CommDebugMode, *names: str) -> int:
+def _count(comm: CollectiveCounts, *names: str) -> int:
     counts = comm.get_comm_counts()
     return sum(v for k, v in counts.items() if str(k).split(".")[-1].rstrip("_") in names)
 
@@ -46,7 +46,7 @@ def _counts_worker(rank: int, world: int, strategy: str, set_to_none: bool) -> N
         batches = make_batches("lm", 3, micro, world, per_rank=2)
         observed = []
         for step in range(3):
-            with CommDebugMode() as comm:
+            with CollectiveCounts() as comm:
                 for i in range(micro):
                     model.set_is_last_backward(i == micro - 1)
                     (lm_loss(model, batches[step][i][rank]) / micro).backward()

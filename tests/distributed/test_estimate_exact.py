@@ -6,14 +6,13 @@ AdamW) and records, in the second one, ``memory_report(model, opt)`` after the l
 before ``opt.step()``, the collectives of the whole iteration (``CommDebugMode`` counts and
 ``examples/comm_counter.py`` payload bytes) and each group's buffer spans. The estimate of the
 same configuration for rank r of a fake world must equal rank r's record exactly. Also on a
-(2, 2) HSDP mesh, and with nested units (each block's fc1 a unit inside the block's). One spawn
-per world size runs every case (cached); each case is a test of its own.
+(2, 2) HSDP mesh, and with nested units (each block's fc1 a unit inside the block's). One task on
+the session's ranks of each world size runs every case (cached); each case is a test of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import sys
 from typing import Any
@@ -21,12 +20,12 @@ from typing import Any
 import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, fully_shard, memory_report
 from megatron_fsdp_v2._registry import state_of
-from megatron_fsdp_v2.testing import run_distributed
+from megatron_fsdp_v2.testing import RankPools
 
+from _comm_counts import CollectiveCounts
 from _models import Block, TinyGPT, lm_loss, make_batches
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -99,14 +98,9 @@ def _one_case(rank: int, world: int, strategy: str, micro: int, precision: str,
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     batches = make_batches("lm", 2, micro, world, per_rank=2)
     out: dict[str, Any] = {}
-    for step in range(2):
-        with CommDebugMode() as comm, CommCounter() as counter:
-            for i in range(micro):
-                model.set_is_last_backward(i == micro - 1)
-                (lm_loss(model, batches[step][i][rank]) / micro).backward()
-            report = memory_report(model, optimizer=opt)
-            opt.step()
-            opt.zero_grad()
+    _iteration(model, opt, batches[0], micro, rank)  # unrecorded: the modes cost half the case
+    with CollectiveCounts() as comm, CommCounter() as counter:
+        report = _iteration(model, opt, batches[1], micro, rank)
     counts = {str(k).split(".")[-1].rstrip("_"): v for k, v in comm.get_comm_counts().items()}
     out["memory"] = dataclasses.asdict(report)
     out["counts"] = {kind: sum(counts.get(n, 0) for n in names) for kind, names in _KINDS.items()}
@@ -117,6 +111,18 @@ def _one_case(rank: int, world: int, strategy: str, micro: int, precision: str,
     out["counter_calls"] = dict(counter.stats.calls)
     out["spans"] = _spans(model)
     return out
+
+
+def _iteration(model: torch.nn.Module, opt: torch.optim.Optimizer, micro_batches: Any,
+               micro: int, rank: int) -> Any:
+    """One training iteration; the memory report after the last backward, before the step."""
+    for i in range(micro):
+        model.set_is_last_backward(i == micro - 1)  # type: ignore[operator]
+        (lm_loss(model, micro_batches[i][rank]) / micro).backward()
+    report = memory_report(model, optimizer=opt)
+    opt.step()
+    opt.zero_grad()
+    return report
 
 
 def _worker(rank: int, world: int) -> dict[tuple[Any, ...], Any]:
@@ -131,9 +137,14 @@ def _worker(rank: int, world: int) -> dict[tuple[Any, ...], Any]:
     return results
 
 
-@functools.cache
-def _real(world: int) -> list[dict[tuple[Any, ...], Any]]:
-    return run_distributed(_worker, world, timeout_s=600)
+_REAL: dict[int, list[dict[tuple[Any, ...], Any]]] = {}
+
+
+def _real(ranks: RankPools, world: int) -> list[dict[tuple[Any, ...], Any]]:
+    """Every case of ``world``, run once on the session's ranks of that size."""
+    if world not in _REAL:
+        _REAL[world] = ranks.run(_worker, world, timeout_s=600)
+    return _REAL[world]
 
 
 @pytest.mark.timeout(900)
@@ -141,28 +152,29 @@ def _real(world: int) -> list[dict[tuple[Any, ...], Any]]:
 @pytest.mark.parametrize("micro", MICRO, ids=lambda n: f"N{n}")
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("world", WORLDS, ids=lambda w: f"world{w}")
-def test_estimate_equals_real_run(world: int, strategy: str, micro: int, precision: str) -> None:
-    _compare(world, (strategy, micro, precision, None, False))
+def test_estimate_equals_real_run(ranks: RankPools, world: int, strategy: str, micro: int,
+                                  precision: str) -> None:
+    _compare(ranks, world, (strategy, micro, precision, None, False))
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_nested_units_estimate_equals_real_run(strategy: str) -> None:
-    _compare(2, (strategy, 3, "bf16comm", None, True))
+def test_nested_units_estimate_equals_real_run(ranks: RankPools, strategy: str) -> None:
+    _compare(ranks, 2, (strategy, 3, "bf16comm", None, True))
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("micro", MICRO, ids=lambda n: f"N{n}")
 @pytest.mark.parametrize(("outer", "strategy"), HSDP, ids=[f"outer_{o}-{s}" for o, s in HSDP])
-def test_hsdp_estimate_equals_real_run(outer: str, strategy: str, micro: int,
+def test_hsdp_estimate_equals_real_run(ranks: RankPools, outer: str, strategy: str, micro: int,
                                        precision: str) -> None:
-    _compare(MESH[0] * MESH[1], (strategy, micro, precision, outer, False))
+    _compare(ranks, MESH[0] * MESH[1], (strategy, micro, precision, outer, False))
 
 
-def _compare(world: int, case: tuple[Any, ...]) -> None:
+def _compare(ranks: RankPools, world: int, case: tuple[Any, ...]) -> None:
     strategy, micro, precision, outer, nested = case
-    real = _real(world)
+    real = _real(ranks, world)
     problems = []
     for rank in range(world):
         got = real[rank][case]

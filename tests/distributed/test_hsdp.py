@@ -19,7 +19,6 @@ import torch.nn as nn
 from _hsdp_common import train_against_reference
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.debug import CommDebugMode
 
 import megatron_fsdp_v2._comm._collectives as collectives
 from megatron_fsdp_v2 import (
@@ -32,6 +31,7 @@ from megatron_fsdp_v2 import (
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2._registry import state_of
 
+from _comm_counts import CollectiveCounts
 from _models import (
     TinyGPT,
     assert_close_to_reference,
@@ -173,7 +173,7 @@ def test_replicas_start_from_rank0(ranks: RankPools, strategy: str) -> None:
 # ---------------------------------------------------------------------- collectives
 
 
-def _count(comm: CommDebugMode, *names: str) -> int:
+def _count(comm: CollectiveCounts, *names: str) -> int:
     counts = comm.get_comm_counts()
     return sum(v for k, v in counts.items() if str(k).split(".")[-1].rstrip("_") in names)
 
@@ -210,7 +210,7 @@ def _counts_worker(rank: int, world: int, strategy: str) -> None:
             observed = []
             for step in range(3):
                 all_reduce_ranks.clear()
-                with CommDebugMode() as comm:
+                with CollectiveCounts() as comm:
                     for i in range(micro):
                         model.set_is_last_backward(i == micro - 1)
                         (lm_loss(model, batches[step][i][rank]) / micro).backward()
@@ -318,7 +318,7 @@ def _errors_worker(rank: int, world: int) -> None:
     def rejected(kind: type[Exception], pattern: str, **kw) -> None:
         module = nn.Linear(4, 4)
         groups_before = dist.distributed_c10d._world.group_count
-        with CommDebugMode() as comm:
+        with CollectiveCounts() as comm:
             with pytest.raises(kind, match=pattern):
                 fully_shard(module, **kw)
         assert not isinstance(module, FSDPModule)
@@ -355,7 +355,7 @@ def _errors_worker(rank: int, world: int) -> None:
     assert model.weight.placements == (Replicate(), Shard(0))
     # Checkpoints of outer no_shard HSDP models work (tests/distributed/test_hsdp_checkpoint.py):
     # no collective for a sharded state dict, (Replicate(), Shard(0)) DTensors.
-    with CommDebugMode() as comm:
+    with CollectiveCounts() as comm:
         msd, _ = mckpt.get_state_dict(model)
     assert sum(comm.get_comm_counts().values()) == 0, comm.get_comm_counts()
     assert msd["weight"].placements == (Replicate(), Shard(0))

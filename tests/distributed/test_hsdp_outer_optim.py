@@ -18,7 +18,6 @@ import torch.nn as nn
 from _hsdp_common import train_against_reference
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
-from torch.distributed.tensor.debug import CommDebugMode
 
 import megatron_fsdp_v2._comm._collectives as collectives
 from megatron_fsdp_v2 import (
@@ -31,6 +30,7 @@ from megatron_fsdp_v2 import (
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2._registry import state_of
 
+from _comm_counts import CollectiveCounts
 from _models import (
     TinyGPT,
     check_all_ranks,
@@ -172,7 +172,7 @@ def test_window_carry(ranks: RankPools) -> None:
 # ---------------------------------------------------------------------- collectives
 
 
-def _count(comm: CommDebugMode, *names: str) -> int:
+def _count(comm: CollectiveCounts, *names: str) -> int:
     counts = comm.get_comm_counts()
     return sum(v for k, v in counts.items() if str(k).split(".")[-1].rstrip("_") in names)
 
@@ -216,7 +216,7 @@ def _counts_worker(rank: int, world: int) -> None:
                 issued.clear()
                 dist.all_reduce = clip_all_reduce  # the clipping all-reduce (utils.py)
                 try:
-                    with CommDebugMode() as comm:
+                    with CollectiveCounts() as comm:
                         for i in range(micro):
                             model.set_is_last_backward(i == micro - 1)
                             (lm_loss(model, batches[step][i][rank]) / micro).backward()
@@ -307,7 +307,7 @@ def _errors_worker(rank: int, world: int) -> None:
     def rejected(kind: type[Exception], pattern: str, **kw) -> None:
         module = nn.Linear(4, 4)
         groups_before = dist.distributed_c10d._world.group_count
-        with CommDebugMode() as comm:
+        with CollectiveCounts() as comm:
             with pytest.raises(kind, match=pattern):
                 fully_shard(module, **kw)
         assert not isinstance(module, FSDPModule)
@@ -322,7 +322,7 @@ def _errors_worker(rank: int, world: int) -> None:
     # sharded state dicts need no collective and hold each rank's own sub-shard rows.
     model = fully_shard(nn.Linear(4, 6), mesh=named, **OUTER)
     assert model.weight.placements == (Shard(0), Shard(0))
-    with CommDebugMode() as comm:
+    with CollectiveCounts() as comm:
         msd, _ = mckpt.get_state_dict(model)
         sd = model.state_dict()
     assert sum(comm.get_comm_counts().values()) == 0, comm.get_comm_counts()

@@ -21,10 +21,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2._registry import state_of
+
+from _comm_counts import CollectiveCounts
 
 UNITS = 6
 STEPS = 4
@@ -54,7 +55,7 @@ class Units(nn.Module):
         return self.head(self.odd(x))
 
 
-def _all_gathers(comm: CommDebugMode) -> int:
+def _all_gathers(comm: CollectiveCounts) -> int:
     return sum(n for op, n in comm.get_comm_counts().items()
                if "all_gather" in str(op) or "allgather" in str(op))
 
@@ -89,7 +90,7 @@ def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, mp: st
             with torch.inference_mode():
                 losses.append(F.mse_loss(model(x[rank]), y[rank]).clone())
         model.skip = 2 if variant == "skip" and step == 2 else None
-        with CommDebugMode() as comm:
+        with CollectiveCounts() as comm:
             loss = F.mse_loss(model(x[rank]), y[rank])
         live_after_forward.append(state_of(model).ctx.allocator.live_bytes)  # type: ignore
         gathers.append(_all_gathers(comm))
@@ -212,7 +213,7 @@ def _other_strategies(rank: int, world: int, strategy: str) -> list[int]:
             fully_shard(module, sharding_strategy=strategy, refresh_bucket_size_mb=bucket_mb)
         fully_shard(model, sharding_strategy=strategy, refresh_bucket_size_mb=bucket_mb)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        with CommDebugMode() as comm:
+        with CollectiveCounts() as comm:
             for _ in range(2):
                 model(torch.randn(4, 8)).sum().backward()
                 opt.step()

@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .. import _registry
 from .._comm._collective_impl import CollectiveCount, merge_counts
@@ -19,11 +21,12 @@ from .._runtime._context import TrainingState
 from .._runtime._state import FSDPState
 from ..api import ShardingStrategy
 from . import _fsdp2_compat
+from ._fsdp2_surface import FSDP2Surface
 
 __all__ = ["FSDPModule", "UnshardHandle", "fsdp_class"]
 
 
-class UnshardHandle:
+class UnshardHandle(TorchUnshardHandle):
     """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` blocks until gathered."""
 
     def __init__(self, state: FSDPState | None) -> None:
@@ -35,8 +38,11 @@ class UnshardHandle:
             self._state = None
 
 
-class FSDPModule:
-    """Mixin added to the class of every module passed to :func:`fully_shard`."""
+class FSDPModule(FSDP2Surface):
+    """Mixin added to the class of every module passed to :func:`fully_shard`. A subclass of
+    ``torch.distributed.fsdp.FSDPModule`` (scripts written for FSDP2 find our units by
+    ``isinstance``); every method of torch's class is overridden here or in
+    :class:`~._fsdp2_surface.FSDP2Surface` (see [Note: FSDP2's methods on flat buffers])."""
 
     def _mfsdp_states(self) -> list[FSDPState]:
         """States of this unit and every unit below it."""
@@ -82,11 +88,15 @@ class FSDPModule:
         self, requires_gradient_sync: bool, *, recurse: bool = True
     ) -> None:
         """FSDP2's name for :meth:`set_is_last_backward`: ``False`` defers synchronization to a
-        later backward. ``recurse=False`` applies to this unit only."""
+        later backward. ``recurse=False`` applies to this unit only. ``True`` also turns
+        :meth:`set_requires_all_reduce` (HSDP's outer reduction) back on, as in FSDP2 (``False``
+        needs not: the window stays open anyway)."""
         states = self._mfsdp_states() if recurse else [_registry.state_of(self)]  # type: ignore[arg-type]
         for state in states:
             if state is not None:
                 state.is_last_backward = bool(requires_gradient_sync)
+                if requires_gradient_sync:
+                    state.requires_all_reduce = True
 
     def _unit_states(self, recurse: bool) -> list[FSDPState]:
         if recurse:
@@ -137,7 +147,7 @@ class FSDPModule:
             states.append(state)
         return states
 
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_forward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """FSDP2's method: at this unit's pre-forward, start the all-gathers of ``modules``
         (instead of the next unit in the recorded forward order). Their own forwards then find
         the weights gathered. An empty list prefetches nothing. Applies with ``overlap=True``
@@ -147,7 +157,7 @@ class FSDPModule:
         assert state is not None
         state.forward_prefetch = states
 
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+    def set_modules_to_backward_prefetch(self, modules: list[TorchFSDPModule]) -> None:
         """FSDP2's method: at this unit's pre-backward, start the all-gathers of ``modules``
         (instead of the previous unit in the recorded forward order), for those whose
         backward has not run yet. Same conditions as
@@ -262,7 +272,11 @@ class FSDPModule:
         caller initializes). Any other change (dtype, device) raises ``NotImplementedError``
         before anything changes. Buffers and ignored parameters convert as usual."""
         assert isinstance(self, nn.Module)
-        module_apply = functools.partial(super()._apply, fn, recurse)  # type: ignore[misc]
+        # The original class's _apply, past torch's FSDPModule._apply (FSDP2's, which would
+        # reach FSDP2 state this module does not have).
+        module_apply = functools.partial(
+            super(TorchFSDPModule, self)._apply, fn, recurse
+        )
         if _conversions.applying():  # a unit above handles this subtree's parameters
             return module_apply()
         return _conversions.apply_to_units(self, self._unit_states(recurse), fn, module_apply)

@@ -55,7 +55,8 @@ def fully_shard(
     ``fully_shard``. Each call makes one *unit*: the module's parameters minus those of wrapped
     submodules, grouped by (device, dtype, requires_grad) into row-aligned flat buffers.
     ``module`` is changed in place (its class becomes ``FSDP<Class>``, a subclass of
-    :class:`FSDPModule` and the original class) and returned. Build the optimizer afterwards:
+    :class:`FSDPModule`, itself a ``torch.distributed.fsdp.FSDPModule``, and the original
+    class) and returned. Build the optimizer afterwards:
     ``module.parameters()`` are then DTensor parameters (``Shard(0)``, uneven; ``Replicate()``
     for ``no_shard``) viewing persistent flat buffers, and their gradients are DTensors too.
 
@@ -90,7 +91,8 @@ def fully_shard(
             ``CPUOffloadPolicy`` raises ``NotImplementedError``: CPU offload is not supported.
         ignored_params: parameters left as plain, unmanaged ``nn.Parameter`` s.
         gradient_scaling_factor: ``None`` averages gradients over the mesh (DDP/FSDP2); a number
-            sums them and multiplies by it (Megatron-FSDP).
+            sums them and multiplies by it (Megatron-FSDP). FSDP2's
+            ``set_gradient_divide_factor(f)`` later sets ``1/f`` for one unit.
         max_padding_ratio: split a group into several flat groups when row alignment would pad it
             by more than this fraction.
         check_ranks: verify with one small all-gather that every rank wraps the same module

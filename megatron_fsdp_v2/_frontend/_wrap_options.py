@@ -102,12 +102,15 @@ def parse_options(
     """Check ``module`` and every argument of ``fully_shard`` (``TypeError``/``ValueError``/
     ``NotImplementedError``), without a collective except what creating the default mesh does.
     Nothing is changed yet."""
-    check_module(module)
-    if isinstance(module, FSDPModule) or _registry.state_of(module) is not None:
+    # Before check_module: our units are torch FSDPModules too, and this is the message for them.
+    if isinstance(module, nn.Module) and (
+        isinstance(module, FSDPModule) or _registry.state_of(module) is not None
+    ):
         raise ValueError(
             f"{type(module).__name__} is already wrapped by fully_shard; wrap each module once "
             "(children first, then the root)"
         )
+    check_module(module)
     strategy = ShardingStrategy.parse(sharding_strategy)
     outer_strategy = parse_outer_strategy(outer_dp_sharding_strategy)
     mp_policy = _fsdp2_compat.convert_mp_policy(mp_policy)

@@ -372,7 +372,8 @@ def finalize_unsynchronized(groups: Iterable[FlatParamGroup], where: str) -> Non
     if finalized:
         warnings.warn(
             f"{where} found gradients that were never synchronized across ranks: every backward "
-            "since the last step ran with set_is_last_backward(False) (or inside no_sync()). "
+            "since the last step ran with set_is_last_backward(False) (or inside no_sync(), or "
+            "with set_requires_all_reduce(False) on an HSDP unit). "
             "fully_shard reduced them now, without overlap; call "
             "model.set_is_last_backward(True) before the last micro-batch's backward (or leave "
             "the no_sync() context for it) so the reduction overlaps backward",

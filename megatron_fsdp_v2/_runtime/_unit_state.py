@@ -48,7 +48,14 @@ class UnitState:
         self.allocator = allocator
         self.ctx: FSDPContext | None = None
         self.training_state = TrainingState.IDLE
-        self.is_last_backward = True
+        # set_is_last_backward's flag; see the ``is_last_backward`` property.
+        self.marked_last_backward = True
+        # FSDP2's set_requires_all_reduce: False keeps an HSDP unit's window open.
+        self.requires_all_reduce = True
+        # FSDP2's set_force_sum_reduction_for_comms: kept for reading back only (every
+        # reduction here is a SUM of pre-scaled gradients; see [Note: FSDP2's methods on flat
+        # buffers] in _frontend/_fsdp2_surface.py).
+        self.force_sum_reduction_for_comms = False
         self.pending_post_backward = 0  # forward calls whose post-backward has not run yet
         self.needs_post_backward = False
         self.backward_done = False  # post-backward ran in the current backward
@@ -115,6 +122,19 @@ class UnitState:
         self.slots.register_compute_params()
         for group in self.groups:
             group.note_views_exposed()  # see [Note: trace-planned pool]
+
+    @property
+    def is_last_backward(self) -> bool:
+        """Whether the next backward ends the unit's accumulation window: marked so by
+        ``set_is_last_backward`` and, for an HSDP unit (one with an outer reduction), not held
+        open by ``set_requires_all_reduce(False)``."""
+        if self.requires_all_reduce or not any(g.plan.window_steps for g in self.groups):
+            return self.marked_last_backward
+        return False
+
+    @is_last_backward.setter
+    def is_last_backward(self, value: bool) -> None:
+        self.marked_last_backward = value
 
     @property
     def is_root(self) -> bool:

@@ -1,0 +1,186 @@
+"""Our units are ``torch.distributed.fsdp.FSDPModule`` instances, and every method torch's class
+defines means what FSDP2 means on them or refuses with a ``NotImplementedError`` naming the
+alternative (see [Note: FSDP2's methods on flat buffers] in ``_frontend/_fsdp2_surface.py``).
+
+The classification test enumerates torch's ``FSDPModule``: a method a newer torch adds fails it
+until it is implemented or refused here. ``set_requires_all_reduce`` on HSDP and
+``reset_iter_state`` after a failed forward train like the reference and FSDP2.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from _fsdp2_api import TIMEOUT_S, _loss, _net, _param_errors
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from megatron_fsdp_v2 import FSDPModule, fully_shard
+from megatron_fsdp_v2._frontend._fsdp2_surface import REFUSED
+
+from _pool import RankPools
+
+pytestmark = pytest.mark.timeout(600)
+
+# Methods of torch's FSDPModule with FSDP2's meaning here (some accept only part of FSDP2's
+# values; see README "Coming from FSDP2").
+SUPPORTED = {
+    "__new__", "_apply", "reshard", "unshard", "reset_iter_state", "set_is_last_backward",
+    "set_requires_gradient_sync", "set_requires_all_reduce", "set_reshard_after_forward",
+    "set_reshard_after_backward", "set_modules_to_forward_prefetch",
+    "set_modules_to_backward_prefetch", "set_gradient_divide_factor",
+    "set_reduce_scatter_divide_factor", "set_force_sum_reduction_for_comms",
+    "set_reduce_scatter_unused_params",
+}
+NOT_METHODS = {"__annotations__", "__dict__", "__doc__", "__module__", "__weakref__",
+               "_orig_cls_mro_index"}
+# Arguments for calling each refused method.
+REFUSED_CALLS: dict[str, tuple[Any, ...]] = {
+    "set_custom_all_gather": (object(),), "set_custom_reduce_scatter": (object(),),
+    "set_all_reduce_hook": (lambda t: None,), "set_post_optim_event": (object(),),
+    "set_symm_mem_for_comm": ("NCCL",), "set_allocate_memory_from_process_group_for_comm": (True,),
+    "set_reduce_scatter_max_input_buffers": (2,), "set_separate_reduce_scatter_group": (True,),
+    "set_unshard_in_backward": (False,), "_set_unshard_async_op": (True,),
+    "_get_fsdp_state": (),
+}
+
+
+def test_every_torch_fsdp_module_method_is_classified_and_overridden() -> None:
+    names = set(vars(TorchFSDPModule)) - NOT_METHODS
+    unclassified = names - SUPPORTED - set(REFUSED)
+    assert not unclassified, (
+        f"torch's FSDPModule has methods fully_shard has not classified: {sorted(unclassified)}"
+        "; implement them with FSDP2's meaning or add them to REFUSED in _fsdp2_surface.py"
+    )
+    assert not (SUPPORTED & set(REFUSED)), SUPPORTED & set(REFUSED)
+    assert set(REFUSED_CALLS) == set(REFUSED)
+    for name in sorted(names):
+        owner = next(c for c in FSDPModule.__mro__ if name in vars(c))
+        assert owner is not TorchFSDPModule, f"{name} is inherited from torch's FSDPModule"
+    assert issubclass(FSDPModule, TorchFSDPModule)
+
+
+# ---------------------------------------------------------------------- on wrapped modules
+
+def _surface_worker(rank: int, world: int) -> list[str]:
+    found: list[str] = []
+    mesh = init_device_mesh("cpu", (world,))
+    model, _ = _net()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    units = [m for m in model.modules() if isinstance(m, TorchFSDPModule)]
+    if len(units) != 4:
+        found.append(f"isinstance finds {len(units)} units, want 4")
+    for name, args in REFUSED_CALLS.items():
+        try:
+            getattr(model, name)(*args)
+            found.append(f"{name}: no error")
+        except NotImplementedError as e:
+            if REFUSED[name] not in str(e) or name not in str(e):
+                found.append(f"{name}: message {e}")
+    model.set_unshard_in_backward(True)  # FSDP2's default: accepted
+    replicated = nn.Linear(3, 3)
+    fully_shard(replicated, mesh=mesh, sharding_strategy="optim_grads")
+    replicated.set_unshard_in_backward(False)  # type: ignore[operator]  # nothing to gather
+    model.set_reduce_scatter_unused_params(True)
+    model.set_reduce_scatter_unused_params(False, recurse=False)
+    model.set_force_sum_reduction_for_comms(True)
+    from megatron_fsdp_v2._registry import state_of
+    if not state_of(model).force_sum_reduction_for_comms:  # type: ignore[union-attr]
+        found.append("force_sum_reduction_for_comms not kept")
+    # FSDP2's __new__: building FSDP<Sequential> (what slicing does) gives a plain module.
+    block = model.blocks[0]
+    part = block[0:1]
+    if type(part) is not nn.Sequential or isinstance(part, TorchFSDPModule):
+        found.append(f"slicing a unit gave {type(part).__name__}")
+    # reset_iter_state: a no-op before the first forward; then refused on a non-root unit; on
+    # the root after a failed forward, training goes on.
+    model.blocks[1].reset_iter_state()
+    model(torch.randn(3, 5)).sum().backward()
+    try:
+        model.blocks[1].reset_iter_state()
+        found.append("reset_iter_state on a non-root unit: no error")
+    except RuntimeError:
+        pass
+    model.reset_iter_state()  # between steps: nothing to undo
+    handle = model.blocks[2].register_forward_hook(lambda *a: (_ for _ in ()).throw(KeyError()))
+    try:
+        model(torch.randn(3, 5))
+    except KeyError:
+        pass
+    handle.remove()
+    model.reset_iter_state()
+    model(torch.randn(3, 5)).sum().backward()
+    return found
+
+
+def test_surface_on_wrapped_modules(ranks: RankPools) -> None:
+    for rank, found in enumerate(ranks.run(_surface_worker, 2, timeout_s=TIMEOUT_S)):
+        assert not found, f"rank {rank}: {found}"
+
+
+def _requires_all_reduce_worker(rank: int, world: int, outer: str,
+                                reenable: str) -> dict[str, Any]:
+    """HSDP 2x2, 3 micro-batches: the first two with ``set_requires_all_reduce(False)``, the
+    last with ``set_requires_all_reduce(True)`` or ``set_requires_gradient_sync(True)`` (which
+    turns the all-reduce back on too, in FSDP2); every rank its own data, the reference
+    averages over all of them."""
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    g = torch.Generator().manual_seed(3)
+    batches = [[[(torch.randn(4, 5, generator=g), torch.randn(4, 2, generator=g))
+                 for _ in range(world)] for _ in range(3)] for _ in range(2)]
+    out: dict[str, Any] = {}
+    calls: dict[str, int] = {}
+    unclosed: list[str] = []
+    ref = None
+    for name in ("ours", "fsdp2", "ours_unmarked"):
+        model, ref = _net()
+        wrap = [fully_shard, torch_fully_shard][name == "fsdp2"]
+        kw = {"outer_dp_sharding_strategy": outer} if name != "fsdp2" else {}
+        for block in model.blocks:
+            wrap(block, mesh=mesh, **kw)
+        wrap(model, mesh=mesh, **kw)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for parts in batches:
+            for i, per_rank in enumerate(parts):
+                last = i == len(parts) - 1
+                if name != "ours_unmarked":
+                    if last and reenable == "gradient_sync":
+                        model.set_requires_gradient_sync(True)
+                    else:
+                        model.set_requires_all_reduce(last)
+                _loss(model, per_rank[rank]).backward()
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                opt.step()  # warns if no backward closed the window
+            unclosed += [f"{name}: {w.message}" for w in seen if "never" in str(w.message)]
+            opt.zero_grad()
+        out[name] = model
+        if name != "fsdp2":
+            calls[name] = sum(c.calls for c in model.collective_stats().values())
+    # Held open, the outer reduction runs once per window instead of once per micro-batch.
+    fewer = [] if calls["ours"] < calls["ours_unmarked"] else [f"collective calls {calls}"]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)  # type: ignore[union-attr]
+    for parts in batches:
+        for per_rank in parts:
+            for batch in per_rank:
+                (_loss(ref, batch) / world).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    errors = {name: _param_errors(m, ref) for name, m in out.items()}
+    return {"calls": fewer, "unclosed": unclosed, **errors}
+
+
+@pytest.mark.parametrize("reenable", ["requires_all_reduce", "gradient_sync"])
+@pytest.mark.parametrize("outer", ["no_shard", "optim"])
+def test_requires_all_reduce_hsdp(ranks: RankPools, outer: str, reenable: str) -> None:
+    results = ranks.run(_requires_all_reduce_worker, 4, outer, reenable, timeout_s=TIMEOUT_S)
+    for rank, r in enumerate(results):
+        for name, errors in r.items():
+            assert not errors, f"rank {rank} {name}: " + "\n".join(errors[:4])

@@ -49,6 +49,8 @@ def _disable_division(model: torch.nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, fsdp_module):
             module.set_gradient_divide_factor(1.0)
+            # gloo has no PREMUL_SUM: FSDP2 needs a plain SUM here (ours always sums).
+            module.set_force_sum_reduction_for_comms(True)
             reached += 1
     return reached
 

@@ -39,8 +39,8 @@ comm_groups: dict[tuple[tuple[int, ...], float, str, str], Any] = {}
 default_meshes: dict[str, Any] = {}
 # Side streams for collectives, per device (see _collectives.CommStreams).
 comm_streams: dict[Any, Any] = {}
-# Meshes of fully_shard units, [mesh, outer_optim] each: their Shard DTensors may be uneven
-# (see [Note: uneven redistribution] in _redistribute.py).
+# Meshes of fully_shard units, [mesh, outer_optim, tensor-parallel dims] each: their Shard
+# DTensors may be uneven (see [Note: uneven redistribution] in _redistribute.py).
 uneven_meshes: list[list[Any]] = []
 # FSDP<Class> subclasses, per original class.
 fsdp_classes: dict[type, type] = {}

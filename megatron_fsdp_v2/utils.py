@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _registry
 from ._comm._backends import collective_device
@@ -48,6 +49,10 @@ def _process_group(p: DTensor, record: ParamRecord | None) -> dist.ProcessGroup:
     # see fully_shard's ``timeout``); the mesh's group otherwise.
     # On an HSDP mesh with outer optim it spans the whole mesh (every rank holds a distinct
     # sub-shard); otherwise the inner group (outer replicas hold the same gradients).
+    # A tensor-parallel parameter sharded by TP too: the dp x TP ranks (see [Note: 2-D
+    # parameters] in _dtensor/_tp_params.py).
+    if record is not None and (tp_group := record.group.tp_norm_groups[record.index]) is not None:
+        return tp_group
     return record.group.norm_process_group if record is not None else p.device_mesh.get_group()
 
 
@@ -200,7 +205,7 @@ def _shard_ranks(t: DTensor) -> tuple[int, ...]:
     mesh = t.device_mesh
     index: list[int | slice] = []
     for dim, placement in enumerate(t.placements):
-        if isinstance(placement, Shard):
+        if isinstance(placement, (Shard, _StridedShard)):  # FSDP x TP: a strided dp shard
             index.append(slice(None))
         else:
             index.append(mesh.get_local_rank(dim) if mesh.ndim > 1 else 0)

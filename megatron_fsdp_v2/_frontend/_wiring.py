@@ -16,7 +16,8 @@ from .. import _registry, _torch_patches
 from .._buffers._allocator import ScratchAllocator
 from .._buffers._layout import build_layout, split_for_padding
 from .._comm._collectives import broadcast_from_first
-from .._comm._comm_groups import comm_group, mesh_comm_group
+from .._comm._comm_groups import comm_group, mesh_comm_group, whole_mesh_group
+from .._dtensor._tp_params import TPFace
 from .._dtensor._uneven_meshes import register_mesh
 from .._init import _materialize
 from .._runtime import _state_dict_hooks
@@ -81,16 +82,17 @@ def build_groups(
     allocator = ScratchAllocator()
     flat_groups: list[FlatParamGroup] = []
     for members in by_kind.values():
-        shapes = [managed[i].param.shape for i in members]
+        shapes = [managed[i].local.shape for i in members]
         for split in split_for_padding(shapes, world_size, options.max_padding_ratio):
             indices = [members[j] for j in split]
-            layout = build_layout([managed[i].param.shape for i in indices], world_size)
+            layout = build_layout([managed[i].local.shape for i in indices], world_size)
             fqns = [managed[i].fqn for i in indices]
             warn_if_padded(layout, fqns, options.max_padding_ratio)
             flat_groups.append(
                 FlatParamGroup(
                     group_id=(id(module), len(flat_groups)),
                     params=[managed[i].param for i in indices],
+                    tp_faces=[managed[i].tp for i in indices],
                     fqns=fqns,
                     layout=layout,
                     mesh=options.mesh,
@@ -106,7 +108,26 @@ def build_groups(
                     collective_impl=options.collective_impl,
                 )
             )
+            flat_groups[-1].tp_norm_groups = [
+                None if face is None else tp_norm_group(face, flat_groups[-1], options.timeout)
+                for face in flat_groups[-1].tp_faces
+            ]
     return flat_groups, allocator
+
+
+def tp_norm_group(face: TPFace, group: FlatParamGroup, timeout: Any) -> dist.ProcessGroup | None:
+    """Where ``clip_grad_norm_`` all-reduces the sum of squares of a tensor-parallel
+    parameter's gradients: the ranks across which its optimizer-facing placements shard it
+    (dp and TP dims; not HSDP's replicas), or None where only the dp axis shards it (the
+    group's own ``norm_process_group``). Created here, at wrap time, by every rank."""
+    placements = face.dist_placements(group._placements)
+    names = face.dist_mesh.mesh_dim_names
+    assert names is not None  # checked by tp_face_of
+    sharded = [i for i, p in enumerate(placements)
+               if not p.is_replicate() and face.dist_mesh.size(i) > 1]
+    if all(i < face.dp_ndim for i in sharded):
+        return None
+    return whole_mesh_group(face.dist_mesh[tuple(names[i] for i in sharded)], timeout)
 
 
 def broadcast_buffers(module: nn.Module, groups: UnitProcessGroups) -> None:
@@ -154,6 +175,9 @@ def install_unit(
         _registry.set_state(member, state)
     # DTensor redistribution of uneven shards.
     register_mesh(options.mesh, outer_optim=options.outer_optim)
+    for face in (f for group in flat_groups for f in group.tp_faces if f is not None):
+        register_mesh(face.dist_mesh, outer_optim=options.outer_optim,
+                      tp_dims=tuple(range(face.dp_ndim, face.dist_mesh.ndim)))
     _torch_patches.install_all()  # once; see _torch_patches/__init__.py for the list
     state.register_dist_params()
     for target in targets:

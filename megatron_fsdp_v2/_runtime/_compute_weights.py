@@ -22,7 +22,17 @@ if TYPE_CHECKING:
     from ._grads import GroupGrads
     from ._refresh_buckets import RefreshBucket
 
-__all__ = ["ComputeWeights"]
+__all__ = ["ComputeWeights", "set_compute_local"]
+
+
+def set_compute_local(record: ParamRecord, local: torch.Tensor) -> None:
+    """Make ``local`` what the compute parameter computes with: its ``.data``, or for a
+    tensor-parallel DTensor parameter its local tensor (the DTensor keeps its TP mesh and
+    placements; see [Note: 2-D parameters] in ``_dtensor/_tp_params.py``)."""
+    if record.tp is None:
+        record.compute_param.data = local
+    else:
+        record.compute_param._local_tensor = local  # type: ignore[attr-defined]
 
 
 class ComputeWeights:
@@ -61,9 +71,8 @@ class ComputeWeights:
             return
         with torch.no_grad():
             for record in self.records:
-                record.compute_param.data = torch.empty(
-                    0, dtype=self.dtypes.model, device=self.device
-                )
+                set_compute_local(record, torch.empty(0, dtype=self.dtypes.model,
+                                                      device=self.device))
 
     def _bind_compute_views(self, unsharded_model_weight: torch.Tensor) -> None:
         # Outside inference mode: a view made inside it could never be updated in place again.
@@ -71,7 +80,7 @@ class ComputeWeights:
             for record in self.records:
                 item = record.item
                 flat = unsharded_model_weight[item.offset : item.end]
-                record.compute_param.data = flat.view(item.shape)
+                set_compute_local(record, flat.view(item.shape))
         self._views_bound = True
         self._bound_to = unsharded_model_weight
         self.views_generation += 1

@@ -85,6 +85,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
         # a backward writes through them, each armed parameter's alias version (else None).
         self._alias_base: torch.Tensor | None = None
         self._aliases: list[torch.Tensor] = []
+        self._grad_aliases: list[torch.Tensor] = []  # what .grad is set to (TP: DTensors)
         self._armed: list[int | None] | None = None
 
     # ------------------------------------------------------------------ main_grad

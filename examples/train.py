@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node=4 examples/train.py --strategy optim_grads
     torchrun --nproc_per_node=4 examples/train.py --mesh 2,2   # HSDP: 2 replicas x 2 shards
+    torchrun --nproc_per_node=4 examples/train.py --fp8        # torchao float8, FP8 all-gathers
 
 Runs on CPU over gloo by default, and on GPUs over NCCL (one GPU per local rank) when CUDA is
 available. Every step rank 0 prints the loss (mean over ranks), throughput, the bytes this rank
@@ -16,6 +17,12 @@ reduce-scatter whose full buffer is S bytes. The per-step logging collectives ru
 Memory per rank: ``memory_report`` (bytes of fully_shard's buffers: compute weights, main
 weights, main grads, peak scratch buffers; and the optimizer's state) and the process peak:
 resident-set high-water mark on CPU, ``torch.cuda.max_memory_allocated`` on GPU.
+
+``--fp8`` converts the blocks' linears to torchao float8 training (``Float8LinearConfig(
+enable_fsdp_float8_all_gather=True)``: FP8 matmuls and weights gathered as FP8 bytes; torchao is
+imported only then) and calls ``precompute_float8_dynamic_scale_for_fsdp`` after wrapping and
+after every optimizer step (one all-reduce of every weight's amax). The tied output head stays
+a plain linear. 1-D meshes only (no ``--mesh``).
 
 ``--help`` prints once (rank 0) with every option's default. ``examples/train_hf.py`` trains
 Hugging Face models with this same loop (``train``).
@@ -93,6 +100,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=4, help="transformer blocks")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
     p.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    p.add_argument("--fp8", action="store_true",
+                   help="torchao float8 linears in the blocks, with FP8 all-gathers (needs "
+                        "torchao; dims multiples of 16)")
     return p
 
 
@@ -155,10 +165,45 @@ def main(argv: list[str] | None = None) -> None:
                     heads=args.heads)
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = GPT(cfg).to(device)
+    if args.fp8:
+        to_float8(model)
     title = (f"GPT {model.num_params() / 1e6:.2f}M params (dim={cfg.dim} layers={cfg.layers} "
              f"heads={cfg.heads} vocab={cfg.vocab} seq={cfg.seq_len})")
     train(model, list(model.blocks), args, device, title=title, loss_fn=lm_loss,
           batch_len=args.seq_len, vocab=args.vocab)
+
+
+def float8_api() -> tuple[Callable[..., torch.nn.Module], Callable[[torch.nn.Module], None],
+                         type]:
+    """torchao's (convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp,
+    Float8LinearConfig), imported only for ``--fp8``; a clear error if torchao is missing."""
+    try:
+        from torchao.float8 import (
+            Float8LinearConfig,
+            convert_to_float8_training,
+            precompute_float8_dynamic_scale_for_fsdp,
+        )
+    except ImportError as e:
+        raise SystemExit(
+            f"--fp8 needs torchao (float8 training), which is not importable here ({e}); "
+            "install it with `pip install --no-deps torchao==0.18.0` (the version "
+            "scripts/install.sh pins), or run without --fp8"
+        ) from None
+    return convert_to_float8_training, precompute_float8_dynamic_scale_for_fsdp, Float8LinearConfig
+
+
+def to_float8(model: torch.nn.Module) -> None:
+    """Convert the blocks' linears to torchao float8 training with FP8 all-gathers (the output
+    head is tied to the embedding and stays plain)."""
+    convert, _, config_cls = float8_api()
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name.startswith("blocks.") and (
+            module.in_features % 16 or module.out_features % 16
+        ):
+            raise SystemExit(f"--fp8: {name} is {module.in_features}x{module.out_features}; "
+                             "float8 matmuls need both dims multiples of 16 (choose --dim)")
+    convert(model, config=config_cls(enable_fsdp_float8_all_gather=True),
+            module_filter_fn=lambda module, fqn: fqn.startswith("blocks."))
 
 
 def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.Namespace,
@@ -183,6 +228,11 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
     for block in blocks:
         mfsdp.fully_shard(block, **wrap)
     mfsdp.fully_shard(model, **wrap)
+    fp8 = getattr(args, "fp8", False)
+    # torchao float8 scales from the all-reduced amax of every weight: after wrapping (a rank
+    # may hold no row of a weight) and after every optimizer step.
+    precompute = float8_api()[1] if fp8 else (lambda module: None)
+    precompute(model)
     # Built after wrapping, on the sharded (DTensor) parameters.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
                                   weight_decay=0.1)
@@ -195,7 +245,8 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
               f"device={device.type} "
               f"backend={dist.get_backend()} | {args.micro_batches} micro-batches x "
               f"{args.batch_size} seqs/rank = {tokens_per_step} tokens/step | "
-              f"{'bf16 compute, fp32 main' if args.bf16 else 'fp32'}", flush=True)
+              f"{'bf16 compute, fp32 main' if args.bf16 else 'fp32'}"
+              f"{', float8 linears (FP8 all-gathers)' if fp8 else ''}", flush=True)
         peak = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
                 else "RSS high-water mark")
         print("comm = ring-algorithm bytes sent by this rank, counted by a TorchDispatchMode over "
@@ -222,6 +273,7 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
                 mfsdp.clip_grad_norm_(model.parameters(), args.clip)
             optimizer.step()
             optimizer.zero_grad()
+            precompute(model)
             if device.type == "cuda":
                 torch.cuda.synchronize()
         elapsed = time.perf_counter() - start

@@ -40,6 +40,22 @@ def test_train_example_runs() -> None:
     assert "memory_report rank 1:" in proc.stdout
 
 
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_train_example_fp8(strategy: str) -> None:
+    """``--fp8``: torchao float8 linears with FP8 all-gathers train (finite, decreasing loss)."""
+    pytest.importorskip("torchao")
+    proc = _torchrun("train.py", ["--fp8", "--strategy", strategy, "--steps", "3",
+                                  "--micro-batches", "2", "--batch-size", "2", "--seq-len", "16",
+                                  "--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64"],
+                     timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "float8 linears (FP8 all-gathers)" in proc.stdout, proc.stdout
+    steps = re.findall(r"step\s+(\d+)/3 \| loss ([0-9.]+) ", proc.stdout)
+    assert [int(s) for s, _ in steps] == [1, 2, 3], proc.stdout
+    losses = [float(loss) for _, loss in steps]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+
+
 def test_train_example_hsdp_mesh() -> None:
     """``--mesh 2,2``: HSDP (2 replicas x 2 shards, outer no_shard) on 4 CPU ranks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",

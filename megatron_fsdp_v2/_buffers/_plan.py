@@ -85,6 +85,12 @@ class Refresh(enum.Enum):
     that slot in place, so no persistent compute-dtype shard exists (``model_weight`` is empty). One
     cast per gather (2N per iteration) instead of one per optimizer step, for a shard's worth of
     compute-dtype memory (FSDP2 also casts into its all-gather input at each gather)."""
+    EXTENSION_OWN_SLOT_THEN_GATHER = "pre-all-gather own slot, all-gather"
+    """ZeRO-1/2 with parameters that define FSDP2's all-gather extensions: the subclass's
+    ``fsdp_pre_all_gather`` turns this rank's main shard into its all-gather inputs (FP8 bytes),
+    copied into its slot of persistent replicated buffers of their own dtype, then one in-place
+    all-gather per input buffer; ``model_weight`` is empty (see [Note: FSDP2 all-gather
+    extensions] in ``_runtime/_subclass_gather.py``)."""
     CAST_OWN_SLOT_THEN_OUTER_GATHER = "cast own slot, outer all-gather"
     """HSDP outer ``optim``: cast the main sub-shard into its slot of the inner-shard model
     weights (a no-op when they alias), then one in-place all-gather over the outer axis rebuilds
@@ -157,7 +163,7 @@ class BufferPlan:
     def keeps_model_weight(self) -> bool:
         """Whether ``model_weight`` is a persistent buffer (empty with
         :attr:`Refresh.CAST_AT_GATHER`: the main shard is cast into each gather instead)."""
-        return self.refresh is not Refresh.CAST_AT_GATHER
+        return self.refresh not in (Refresh.CAST_AT_GATHER, Refresh.EXTENSION_OWN_SLOT_THEN_GATHER)
 
     @property
     def reduces_in_place(self) -> bool:
@@ -187,6 +193,7 @@ def layout_world_size(shard_size: int, outer: ShardingStrategy, outer_size: int)
 def make_plan(
     strategy: ShardingStrategy, dtypes: ResolvedDtypes, layout: BufferLayout, rank: int,
     outer: ShardingStrategy | None = None, outer_rank: int = 0, outer_size: int = 1,
+    extensions: bool = False,
 ) -> BufferPlan:
     """The plan of one group. The only place that turns a strategy into buffer decisions.
 
@@ -195,7 +202,12 @@ def make_plan(
     ``None`` otherwise. ``NO_SHARD``: ``layout`` is over the inner axis, one outer all-reduce per
     window. ``OPTIM`` (inner ``OPTIM_GRADS_PARAMS`` only): ``layout`` is over ``outer_size *
     S`` sub-shards and ``outer_rank`` is this rank's index along the outer axis (see
-    [Note: buffer plan])."""
+    [Note: buffer plan]). ``extensions``: the group's parameters define FSDP2's all-gather
+    extensions (1-D meshes only): where weights are sharded, the main weights get their own
+    buffer and the gathered compute weights are the extensions' (``CAST_AT_GATHER`` under
+    ZeRO-3, ``EXTENSION_OWN_SLOT_THEN_GATHER`` under ZeRO-1/2), never a compute-dtype copy."""
+    if extensions and outer is not None:
+        raise NotImplementedError("all-gather extensions on an HSDP (2-D) mesh")
     if outer is ShardingStrategy.OPTIM:
         return _outer_optim_plan(strategy, dtypes, layout, rank, outer_rank, outer_size)
     if outer is not None and outer is not ShardingStrategy.NO_SHARD:
@@ -207,7 +219,7 @@ def make_plan(
     shards_main = strategy.shards_main_weights
     shards_grads = strategy.shards_grads
     gathers = strategy.shards_model_weights
-    separate = dtypes.main != dtypes.model
+    separate = dtypes.main != dtypes.model or (extensions and shards_main)
     main_extent = Extent.SHARD if shards_main else Extent.FULL
     grad_path = (
         GradPath.REDUCE_EACH_MICRO_BATCH if shards_grads else GradPath.ACCUMULATE_THEN_REDUCE
@@ -217,7 +229,8 @@ def make_plan(
     if gathers:
         refresh = Refresh.CAST_AT_GATHER if separate else Refresh.NONE
     elif shards_main:
-        refresh = Refresh.CAST_OWN_SLOT_THEN_GATHER
+        refresh = (Refresh.EXTENSION_OWN_SLOT_THEN_GATHER if extensions
+                   else Refresh.CAST_OWN_SLOT_THEN_GATHER)
     else:
         refresh = Refresh.CAST if separate else Refresh.NONE
     temporaries: list[str] = []
@@ -253,7 +266,8 @@ def make_plan(
         refresh=refresh,
         refresh_steps=(
             (CollectiveStep(Collective.ALL_GATHER),)
-            if refresh is Refresh.CAST_OWN_SLOT_THEN_GATHER else ()
+            if refresh in (Refresh.CAST_OWN_SLOT_THEN_GATHER,
+                           Refresh.EXTENSION_OWN_SLOT_THEN_GATHER) else ()
         ),
         gather_steps=(CollectiveStep(Collective.ALL_GATHER),) if gathers else (),
         window_steps=window_steps,

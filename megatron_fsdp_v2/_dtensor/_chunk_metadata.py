@@ -238,11 +238,15 @@ def is_row_sharded(group: FlatParamGroup) -> bool:
 
 def row_mismatch(value: DTensor, group: FlatParamGroup, index: int, key: str) -> str | None:
     """Why ``value`` does not follow the row sharding of parameter ``index``, or None."""
-    shape = group.layout.items[index].shape
+    face = group.tp_faces[index]
+    shape = group.layout.items[index].shape if face is None else face.shape
+    placements = (
+        tuple(group._placements) if face is None else face.dist_placements(group._placements)
+    )
     lo, hi = group.local_row_range(index)
     local = value._local_tensor
     if (
-        tuple(value.placements) != tuple(group._placements)
+        tuple(value.placements) != placements
         or value.dim() == 0
         or value.shape[0] != shape[0]
         or local.dim() != value.dim()
@@ -269,6 +273,9 @@ def attach_chunk_metadata(value: DTensor, group: FlatParamGroup, index: int, key
     lo, hi = group.local_row_range(index)
     local = value._local_tensor
     offsets = (lo,) + (0,) * (value.dim() - 1)
+    face = group.tp_faces[index]
+    if face is not None:  # rows of the TP-local tensor, which sits at TP's own offsets
+        offsets = tuple(a + b for a, b in zip(offsets, face.tp_offsets()))
     sizes = tuple(local.shape)
     _mark(
         local,

@@ -28,10 +28,10 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from ._uneven_gather import gather_sizes
-from ._uneven_meshes import mesh_kind
+from ._uneven_meshes import mesh_kind, tp_dims_of
 
 __all__ = ["random_op"]
 
@@ -85,6 +85,13 @@ def random_op(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     """``dtensor.<random op>_(...)`` (see [Note: random init of uneven shards]), or
     ``NotImplemented`` for DTensor's own path (not on a registered mesh, or ``Partial``)."""
     target = args[0]
+    if isinstance(target, DTensor) and tp_dims_of(target.device_mesh):
+        raise NotImplementedError(
+            f"random init of a DTensor on a data-parallel x tensor-parallel mesh "
+            f"({target.placements}, FSDP x TP): not supported yet; initialize the model before "
+            "parallelize_module/fully_shard, or load its weights (e.g. torch's "
+            "set_model_state_dict with full_state_dict=True)"
+        )
     if not _is_ours(target):
         return NotImplemented
     local = target._local_tensor

@@ -74,7 +74,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from .. import _registry
 from ._uneven_gather import ALTERNATIVE, gather_shard, gather_sizes, is_shard_like
-from ._uneven_meshes import mesh_kind
+from ._uneven_meshes import mesh_kind, tp_dims_of
 
 __all__ = ["redistribute_local_args", "redistribute_local_tensor"]
 
@@ -95,6 +95,10 @@ def redistribute_local_tensor(
     if outer_optim is None or mesh != target_spec.mesh:
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
     source, target = tuple(current_spec.placements), tuple(target_spec.placements)
+    tp_dims = tp_dims_of(mesh)
+    if tp_dims:
+        return _redistribute_2d(torch_redistribute, local_tensor, current_spec, target_spec,
+                                tp_dims, **kwargs)
     sharded = [i for i, p in enumerate(source) if is_shard_like(p) and mesh.size(i) > 1]
     if not sharded or not mesh._is_current_rank_part_of_mesh():
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
@@ -114,7 +118,19 @@ def redistribute_local_tensor(
             )
         # Never ours: on other registered meshes a unit shards over one mesh dimension.
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
-    i = sharded[0]
+    return _gather_then_torch(torch_redistribute, local_tensor, current_spec, target_spec,
+                              sharded[0], what, **kwargs)
+
+
+def _gather_then_torch(
+    torch_redistribute: TorchRedistribute, local_tensor: torch.Tensor, current_spec: Any,
+    target_spec: Any, i: int, what: str, **kwargs: Any,
+) -> torch.Tensor:
+    """The source's uneven mesh dimension ``i`` gathered with the true sizes, then torch's
+    redistribution for the rest (nothing to gather when ``i`` and the layout-reading dims keep
+    their placements)."""
+    mesh = current_spec.mesh
+    source, target = tuple(current_spec.placements), tuple(target_spec.placements)
     others_keep_layout = all(
         t == s or (s.is_partial() and t.is_replicate())
         for j, (s, t) in enumerate(zip(source, target)) if j != i
@@ -142,6 +158,72 @@ def redistribute_local_tensor(
     if replicated.placements == target:
         return gathered
     return torch_redistribute(gathered, replicated, target_spec, **kwargs)
+
+
+def _redistribute_2d(
+    torch_redistribute: TorchRedistribute, local_tensor: torch.Tensor, current_spec: Any,
+    target_spec: Any, tp_dims: tuple[int, ...], **kwargs: Any,
+) -> torch.Tensor:
+    """A dp x TP mesh ([Note: 2-D parameters] in ``_tp_params.py``): the one dp dimension that
+    shards holds uneven rows of the TP-local tensor (``Shard(0)``, or ``_StridedShard(0)`` where
+    TP shards dim 0 too: a piece of each TP-local tensor either way), the TP dimensions
+    ``torch.chunk`` pieces. Whenever anything changes, the dp dimension is gathered first (the
+    TP-local tensor, whatever the TP placements), then torch does the TP part, whose layout is
+    its own; a change that leaves the dp dimension and its layout alone (``Partial ->
+    Replicate`` over TP) goes to torch as it is."""
+    mesh = current_spec.mesh
+    source, target = tuple(current_spec.placements), tuple(target_spec.placements)
+    what = f"redistributing a DTensor {source} -> {target} on {mesh}"
+    sharded = [
+        i for i, p in enumerate(source)
+        if i not in tp_dims and is_shard_like(p) and mesh.size(i) > 1
+    ]
+    # A plain dp Shard(d) next to a TP Shard(d) is DTensor's nested meaning (dp chunk first,
+    # e.g. distribute_tensor on the root mesh), never a unit's (those are _StridedShard): torch's.
+    ndim = max(len(current_spec.shape), 1)
+    tp_shard_dims = {cast(Any, source[j]).dim % ndim for j in tp_dims if source[j].is_shard()}
+    if not sharded or not mesh._is_current_rank_part_of_mesh() or any(
+        source[j].is_shard() and cast(Any, source[j]).dim % ndim in tp_shard_dims
+        for j in sharded
+    ):
+        return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
+    if len(sharded) > 1 and not (sharded == [0, 1] and mesh_kind(mesh)):
+        raise NotImplementedError(
+            f"{what}: a DTensor sharded over two data-parallel mesh dimensions that are not "
+            f"an HSDP outer-optim unit's; {ALTERNATIVE}"
+        )
+    i = sharded[-1]
+    if source[i] == target[i] and all(
+        s == t or (s.is_partial() and t.is_replicate()) for s, t in zip(source, target)
+    ):
+        return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+    from torch.distributed.tensor._redistribute import _are_we_tracing
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if _are_we_tracing():
+        raise NotImplementedError(
+            f"{what} while tracing (torch.compile / export): fully_shard's shards are uneven "
+            "and their gather needs the sizes of every rank at run time; redistribute "
+            f"outside the compiled region, or {ALTERNATIVE}"
+        )
+    replicated = tuple(Replicate() if j in sharded else p for j, p in enumerate(source))
+    # The gathered tensor is this rank's TP-local tensor: check its size, not the global one.
+    tp_local_shape, _ = compute_local_shape_and_global_offset(current_spec.shape, mesh,
+                                                              replicated)
+    dim = cast(Any, source[i]).dim % local_tensor.dim()
+    if len(sharded) > 1:
+        # HSDP outer optim: rank (r, s) holds sub-shard s * R + r of the TP-local rows (inner
+        # first, see design.md §9), so the outer gather rebuilds inner shard s, the inner one
+        # the rest. The only DTensors sharded over both dp dims of a dp x TP mesh are the
+        # unit's own (and derived ones); the same spec from distribute_tensor on this 3-D mesh
+        # would mean outer first and is read in this order too.
+        local_tensor = gather_shard(local_tensor, mesh, 0, dim, None, what)
+    gathered = gather_shard(local_tensor, mesh, i, dim, tuple(tp_local_shape), what)
+    if replicated == target:
+        return gathered
+    mid = DTensorSpec(mesh, replicated, tensor_meta=current_spec.tensor_meta)
+    return torch_redistribute(gathered, mid, target_spec, **kwargs)
 
 
 def redistribute_local_args(

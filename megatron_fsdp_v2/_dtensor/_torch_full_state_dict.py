@@ -38,11 +38,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _registry
 from . import _chunk_metadata as _sd
-from ._uneven_meshes import mesh_is_registered
+from ._uneven_meshes import mesh_is_registered, tp_dims_of
 
 __all__ = ["distribute_state_dict", "distribute_tensors"]
 
@@ -67,11 +67,26 @@ def _own_rows(target: DTensor, full: torch.Tensor, rows: tuple[int, int],
     """A copy of rows ``rows`` of ``full`` on ``device``, as a DTensor shaped like ``full`` with
     ``target``'s placements, marked with its rows."""
     lo, hi = rows
-    local = full.detach()[lo:hi].to(device=device, copy=True)
+    local = _tp_local(target, full.detach())[lo:hi].to(device=device, copy=True)
     out = DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
                              shape=full.shape, stride=full.stride())
     _sd.mark_rows(out._local_tensor, (lo, hi))
     return out
+
+
+def _tp_local(target: DTensor, full: torch.Tensor) -> torch.Tensor:
+    """``full`` itself, or for a DTensor on a dp x TP mesh ([Note: 2-D parameters] in
+    ``_tp_params.py``) this rank's TP-local piece of it (TP's own ``torch.chunk`` offsets), whose
+    rows our rows then index."""
+    mesh = target.device_mesh
+    tp_dims = tp_dims_of(mesh)
+    if not tp_dims:
+        return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = [p if i in tp_dims else Replicate() for i, p in enumerate(target.placements)]
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def distribute_state_dict(torch_fn: Callable[..., None], full_state_dict: dict[str, Any],

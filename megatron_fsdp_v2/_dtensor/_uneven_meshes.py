@@ -8,18 +8,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _registry
 
-__all__ = ["mesh_is_registered", "mesh_kind", "register_mesh"]
+__all__ = ["mesh_is_registered", "mesh_kind", "register_mesh", "tp_dims_of"]
 
 
-def register_mesh(mesh: DeviceMesh, *, outer_optim: bool) -> None:
+def register_mesh(mesh: DeviceMesh, *, outer_optim: bool, tp_dims: tuple[int, ...] = ()) -> None:
     """Mark ``mesh`` as one whose ``Shard`` DTensors may hold uneven row ranges; ``outer_optim``:
-    a 2-D mesh whose units shard over both dimensions in inner-first order. The torch patches
-    that read this are installed by ``fully_shard`` (``_torch_patches.install_all``)."""
+    a 2-D mesh whose units shard over both dimensions in inner-first order. ``tp_dims``: the
+    mesh dimensions that are tensor parallelism's (a dp x TP mesh of 2-D parameters, see [Note:
+    2-D parameters] in ``_tp_params.py``): their shards are DTensor's own ``torch.chunk``
+    pieces; only the other (dp) dimensions hold uneven rows. The torch patches that read this
+    are installed by ``fully_shard`` (``_torch_patches.install_all``)."""
     for entry in _registry.uneven_meshes:
-        if entry[0] is mesh:
+        # Every unit builds its own dp x TP mesh object; equal ones are one entry.
+        if entry[0] is mesh or (tp_dims and entry[2] == tuple(tp_dims) and entry[0] == mesh):
             entry[1] = entry[1] or outer_optim
             return
-    _registry.uneven_meshes.append([mesh, outer_optim])
+    _registry.uneven_meshes.append([mesh, outer_optim, tuple(tp_dims)])
 
 
 def mesh_is_registered(mesh: DeviceMesh) -> bool:
@@ -30,7 +34,15 @@ def mesh_is_registered(mesh: DeviceMesh) -> bool:
 def mesh_kind(mesh: DeviceMesh) -> bool | None:
     """``None``: not registered; else whether it is an outer-optim mesh."""
     found: bool | None = None
-    for registered, outer_optim in _registry.uneven_meshes:
+    for registered, outer_optim, _ in _registry.uneven_meshes:
         if registered is mesh or registered == mesh:
             found = bool(found) or outer_optim
     return found
+
+
+def tp_dims_of(mesh: DeviceMesh) -> tuple[int, ...]:
+    """The tensor-parallel dimensions of a registered ``mesh`` (none for a dp-only mesh)."""
+    for registered, _, tp_dims in _registry.uneven_meshes:
+        if (registered is mesh or registered == mesh) and tp_dims:
+            return tuple(tp_dims)
+    return ()

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-__all__ = ["check_param_class"]
+from .._runtime._subclass_gather import has_all_gather_extensions
+
+__all__ = ["check_param_class", "extension_refusal"]
 
 # [Note: tensor-subclass parameters]
 # The library keeps a managed parameter's values in flat buffers of plain dtype and gives the
@@ -20,6 +22,14 @@ __all__ = ["check_param_class"]
 # the inner tensors from wrap time -- training on stale weights with no error. Such a parameter,
 # and any subclass that overrides ``__torch_function__``/``__torch_dispatch__``, is refused at
 # wrap time by ``check_param_class``, before any buffer is built.
+#
+# The exception is a subclass that implements FSDP2's all-gather extensions
+# (``fsdp_pre_all_gather``/``fsdp_post_all_gather``) around exactly one inner tensor with the
+# parameter's shape and dtype (torchao's ``WeightWithDynamicFloat8CastTensor``): the flat buffers
+# hold that inner tensor, and the library rebuilds the subclass over its buffer views and calls
+# the extensions (see [Note: FSDP2 all-gather extensions] in ``_runtime/_subclass_gather.py``).
+# A protocol over several inner tensors (torchao's ``NF4Tensor``) or on an HSDP (2-D) mesh is
+# refused: the flat buffers cannot honour it.
 
 _PLAIN_TORCH_FUNCTION = nn.Parameter.__torch_function__
 _PLAIN_TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -38,28 +48,62 @@ def _is_plain_parameter_class(cls: type) -> bool:
     )
 
 
-def check_param_class(fqn: str, param: torch.Tensor) -> None:
+def extension_refusal(param: torch.Tensor) -> str | None:
+    """Why ``param``'s all-gather extensions cannot be honoured by the flat buffers, or None if
+    they can (see [Note: tensor-subclass parameters]). Only asked of a class that defines both
+    extension methods."""
+    flatten = getattr(param, "__tensor_flatten__", None)
+    if flatten is None:
+        return "it does not define __tensor_flatten__/__tensor_unflatten__"
+    inner_names, _ = flatten()
+    inner = [getattr(param, n) for n in inner_names]
+    inner = [t for t in inner if isinstance(t, torch.Tensor)]
+    if len(inner) != 1 or inner[0].shape != param.shape or inner[0].dtype != param.dtype:
+        return (f"its values are held by {len(inner)} inner tensors ({', '.join(inner_names)}), "
+                "not by one inner tensor of the parameter's shape and dtype, which is what the "
+                "flat buffers can hold")
+    return None
+
+
+def check_param_class(fqn: str, param: torch.Tensor, mesh_ndim: int = 1) -> None:
     """Refuse a parameter of a tensor subclass the flat buffers cannot hold, naming it, its class
-    and what to do (see [Note: tensor-subclass parameters])."""
+    and what to do (see [Note: tensor-subclass parameters]). ``mesh_ndim``: of the unit's mesh
+    (all-gather extensions are supported on a 1-D mesh only)."""
     cls = type(param)
     if _is_plain_parameter_class(cls):
         return
     name = f"{cls.__module__}.{cls.__qualname__}"
+    if has_all_gather_extensions(param) and not isinstance(param, nn.UninitializedParameter):
+        why = extension_refusal(param)
+        if why is None and param.device.type == "meta":
+            raise NotImplementedError(
+                f"parameter '{fqn}' is a {name} on the meta device: fully_shard does not "
+                "materialize parameters with FSDP2 all-gather extensions yet; build the model "
+                "on a real device before fully_shard (or convert it to float8 with "
+                "enable_fsdp_float8_all_gather=False)"
+            )
+        if why is None and mesh_ndim == 1:
+            return  # gathered through its extensions (_runtime/_subclass_gather.py)
+        if why is None:
+            raise NotImplementedError(
+                f"parameter '{fqn}' is a {name}, whose FSDP2 all-gather extensions "
+                "(fsdp_pre_all_gather/fsdp_post_all_gather) fully_shard supports on a 1-D mesh "
+                "only, not on an HSDP (2-D) mesh; use a 1-D mesh, or convert it to a plain "
+                "nn.Parameter (e.g. torchao float8 with enable_fsdp_float8_all_gather=False)"
+            )
+        raise TypeError(
+            f"parameter '{fqn}' is a tensor subclass ({name}) with FSDP2 all-gather extensions "
+            f"that fully_shard cannot honour: {why}. If it is frozen (e.g. the quantized base "
+            "weights of QLoRA), pass it in ignored_params: it then stays whole and unmanaged on "
+            "every rank; otherwise convert it to a plain nn.Parameter before fully_shard"
+        )
     if isinstance(param, nn.UninitializedParameter):
         raise TypeError(
             f"parameter '{fqn}' is a {name} of a lazy module (nn.Lazy*), which has no shape "
             "yet; run one forward pass (or module.initialize_parameters(...)) to materialize "
             "it before fully_shard"
         )
-    if cls.__module__.startswith("torchao.float8"):
-        hint = (
-            "torchao float8 training with enable_fsdp_float8_all_gather=True is not supported "
-            "yet: convert with Float8LinearConfig(enable_fsdp_float8_all_gather=False) (weights "
-            "are gathered in full precision and cast to float8 in each forward, which is "
-            "supported)"
-        )
-    else:
-        hint = (
+    hint = (
             "fully_shard holds plain tensors only (a wrapper subclass would keep computing with "
             "its inner tensors from wrap time while the optimizer updates the flat buffers). "
             "If it is frozen (e.g. the quantized base weights of QLoRA), pass it in "

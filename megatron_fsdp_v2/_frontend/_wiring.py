@@ -16,13 +16,15 @@ from .. import _registry, _torch_patches
 from .._buffers._allocator import ScratchAllocator
 from .._buffers._layout import build_layout, split_for_padding
 from .._comm._collectives import broadcast_from_first
-from .._comm._comm_groups import comm_group, mesh_comm_group
+from .._comm._comm_groups import comm_group, mesh_comm_group, whole_mesh_group
+from .._dtensor._tp_params import TPFace
 from .._dtensor._uneven_meshes import register_mesh
 from .._init import _materialize
 from .._runtime import _state_dict_hooks
 from .._runtime._flat_param_group import FlatParamGroup, mesh_device
 from .._runtime._optimizer_hooks import note_wrap
 from .._runtime._state import FSDPState
+from .._runtime._subclass_gather import has_all_gather_extensions
 from ._fsdp_module import fsdp_class
 from ._wrap_checks import warn_if_padded
 from ._wrap_options import Axes, LocalUnit, WrapOptions
@@ -77,20 +79,24 @@ def build_groups(
     world_size = options.layout_world_size
     by_kind: dict[tuple[Any, ...], list[int]] = {}
     for i, m in enumerate(managed):
-        by_kind.setdefault((m.param.device, m.param.dtype, m.param.requires_grad), []).append(i)
+        # Parameters gathered through all-gather extensions (FP8) form groups of their own.
+        kind = (m.param.device, m.param.dtype, m.param.requires_grad,
+                has_all_gather_extensions(m.param))
+        by_kind.setdefault(kind, []).append(i)
     allocator = ScratchAllocator()
     flat_groups: list[FlatParamGroup] = []
     for members in by_kind.values():
-        shapes = [managed[i].param.shape for i in members]
+        shapes = [managed[i].local.shape for i in members]
         for split in split_for_padding(shapes, world_size, options.max_padding_ratio):
             indices = [members[j] for j in split]
-            layout = build_layout([managed[i].param.shape for i in indices], world_size)
+            layout = build_layout([managed[i].local.shape for i in indices], world_size)
             fqns = [managed[i].fqn for i in indices]
             warn_if_padded(layout, fqns, options.max_padding_ratio)
             flat_groups.append(
                 FlatParamGroup(
                     group_id=(id(module), len(flat_groups)),
                     params=[managed[i].param for i in indices],
+                    tp_faces=[managed[i].tp for i in indices],
                     fqns=fqns,
                     layout=layout,
                     mesh=options.mesh,
@@ -106,7 +112,26 @@ def build_groups(
                     collective_impl=options.collective_impl,
                 )
             )
+            flat_groups[-1].tp_norm_groups = [
+                None if face is None else tp_norm_group(face, flat_groups[-1], options.timeout)
+                for face in flat_groups[-1].tp_faces
+            ]
     return flat_groups, allocator
+
+
+def tp_norm_group(face: TPFace, group: FlatParamGroup, timeout: Any) -> dist.ProcessGroup | None:
+    """Where ``clip_grad_norm_`` all-reduces the sum of squares of a tensor-parallel
+    parameter's gradients: the ranks across which its optimizer-facing placements shard it
+    (dp and TP dims; not HSDP's replicas), or None where only the dp axis shards it (the
+    group's own ``norm_process_group``). Created here, at wrap time, by every rank."""
+    placements = face.dist_placements(group._placements)
+    names = face.dist_mesh.mesh_dim_names
+    assert names is not None  # checked by tp_face_of
+    sharded = [i for i, p in enumerate(placements)
+               if not p.is_replicate() and face.dist_mesh.size(i) > 1]
+    if all(i < face.dp_ndim for i in sharded):
+        return None
+    return whole_mesh_group(face.dist_mesh[tuple(names[i] for i in sharded)], timeout)
 
 
 def broadcast_buffers(module: nn.Module, groups: UnitProcessGroups) -> None:
@@ -126,38 +151,52 @@ def broadcast_buffers(module: nn.Module, groups: UnitProcessGroups) -> None:
 def install_unit(
     module: nn.Module, options: WrapOptions, unit: LocalUnit,
     flat_groups: list[FlatParamGroup], allocator: ScratchAllocator,
+    members: list[nn.Module] | None = None,
 ) -> FSDPState:
     """Make ``module`` a unit: bind its parameters to the groups' buffers, register its state,
     records and hooks, change its class to ``FSDP<Class>``, and install the process-wide hooks
-    on the first wrap. Every group is built: only now is the module changed."""
+    on the first wrap. Every group is built: only now is the module changed. ``members``: the
+    modules of a unit wrapped from a list, which ``module`` (their internal holder) groups; they
+    get the state, the hooks and ``FSDP<Class>`` (see [Note: several modules as one unit])."""
     if unit.meta_init:
         _materialize.adopt_meta_unit(
             module, flat_groups, mesh_device(options.mesh), options.param_init_fn
         )
     owner = f"{type(module).__name__} at 0x{id(module):x}"
     for group in flat_groups:
+        if group.extension is not None:  # what fsdp_pre_all_gather's 5-argument form gets
+            group.extension.owners = [module.get_submodule(fqn.rpartition(".")[0])
+                                      for fqn in group.fqns]
+            group.extension.mp_policy = options.mp_policy
         group.bind()
         group.owner = owner
         _registry.register_records(group.records)
-    state = FSDPState(module, flat_groups, options.mp_policy, allocator)
+    state = FSDPState(module, flat_groups, options.mp_policy, allocator, members)
     state.overlap = options.overlap
     state.reduce_bucket_size_mb = options.reduce_bucket_size_mb
     state.refresh_bucket_size_mb = options.refresh_bucket_size_mb
     state.reshard_after_forward = options.reshard_after_forward
     state.enable_trace_pool = options.enable_trace_pool
     _registry.set_state(module, state)
+    targets = state.members  # ``module`` itself, or the members of a list
+    for member in targets:
+        _registry.set_state(member, state)
     # DTensor redistribution of uneven shards.
     register_mesh(options.mesh, outer_optim=options.outer_optim)
+    for face in (f for group in flat_groups for f in group.tp_faces if f is not None):
+        register_mesh(face.dist_mesh, outer_optim=options.outer_optim,
+                      tp_dims=tuple(range(face.dp_ndim, face.dist_mesh.ndim)))
     _torch_patches.install_all()  # once; see _torch_patches/__init__.py for the list
     state.register_dist_params()
-    module.register_load_state_dict_post_hook(_mark_loaded)
-    # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.
-    module.register_state_dict_post_hook(_state_dict_hooks.state_dict_post_hook)
-    module.register_load_state_dict_pre_hook(_state_dict_hooks.load_state_dict_pre_hook)
-    if unit.meta_init:  # values before anything reads or writes them (see _materialize.py)
-        module.register_state_dict_pre_hook(_materialize.materialize_hook)
-        module.register_load_state_dict_pre_hook(_materialize.materialize_hook)
-    module.__class__ = fsdp_class(type(module))
+    for target in targets:
+        target.register_load_state_dict_post_hook(_mark_loaded)
+        # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.
+        target.register_state_dict_post_hook(_state_dict_hooks.state_dict_post_hook)
+        target.register_load_state_dict_pre_hook(_state_dict_hooks.load_state_dict_pre_hook)
+        if unit.meta_init:  # values before anything reads or writes them (_materialize.py)
+            target.register_state_dict_pre_hook(_materialize.materialize_hook)
+            target.register_load_state_dict_pre_hook(_materialize.materialize_hook)
+        target.__class__ = fsdp_class(type(target))
     note_wrap()  # optimizer step hooks (first wrap); optimizers cached before are checked again
     return state
 

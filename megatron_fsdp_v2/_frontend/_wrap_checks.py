@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from .. import _registry
 from .._buffers._layout import BufferLayout
+from .._dtensor._tp_params import TPFace, tp_face_of
+from .._runtime._subclass_gather import has_all_gather_extensions
 from ..api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 from ._param_classes import check_param_class
 
@@ -113,6 +114,12 @@ def check_module(module: Any) -> None:
 class ManagedParam:
     fqn: str
     param: nn.Parameter
+    tp: TPFace | None = None  # a tensor-parallel DTensor parameter (see [Note: 2-D parameters])
+
+    @property
+    def local(self) -> torch.Tensor:
+        """What the flat buffers hold: the parameter, or its TP-local tensor."""
+        return self.param._local_tensor if self.tp is not None else self.param  # type: ignore[attr-defined]
 
 
 def _is_wrapped(module: nn.Module) -> bool:
@@ -183,16 +190,18 @@ def collect_managed_params(
                     "Also wrap children before their parents: a parent's unit already manages "
                     "its children's parameters"
                 )
-            if isinstance(param, DTensor):
-                raise ValueError(
-                    f"parameter '{fqn}' is already a DTensor on mesh {param.device_mesh} (e.g. "
-                    "from tensor parallelism or torch's fully_shard); fully_shard shards plain "
-                    "tensors only: pass it in ignored_params, or wrap the module before "
-                    "distributing its parameters otherwise"
+            tp = tp_face_of(fqn, param, mesh)  # None for a plain tensor; raises if unusable
+            check_param_class(fqn, param if tp is None else param._local_tensor, mesh.ndim)
+            if tp is not None and has_all_gather_extensions(param._local_tensor):
+                raise NotImplementedError(
+                    f"parameter '{fqn}' is a tensor-parallel DTensor whose local tensor is a "
+                    f"{type(param._local_tensor).__name__} with FSDP2 all-gather extensions: FP8 "
+                    "(or other extension) all-gathers are supported on a data-parallel mesh "
+                    "only; convert the model without FP8 all-gathers (e.g. torchao's "
+                    "enable_fsdp_float8_all_gather=False) or drop tensor parallelism"
                 )
-            check_param_class(fqn, param)
             _check_dense_gradients(submodule, name, fqn)
-            managed.append(ManagedParam(fqn, param))
+            managed.append(ManagedParam(fqn, param, tp))
     for m in managed:
         p = m.param
         if p.dtype not in SUPPORTED_DTYPES:
@@ -279,6 +288,7 @@ def unit_signature(
     lines += [
         f"parameter {m.fqn}: shape={tuple(m.param.shape)} dtype={m.param.dtype} "
         f"requires_grad={m.param.requires_grad}"
+        + ("" if m.tp is None else f" local={tuple(m.local.shape)} tp={m.tp.tp_placements}")
         for m in managed
     ]
     return lines

@@ -21,8 +21,19 @@ if TYPE_CHECKING:
     from ._flat_param_group import ParamRecord
     from ._grads import GroupGrads
     from ._refresh_buckets import RefreshBucket
+    from ._subclass_gather import ExtensionGather
 
-__all__ = ["ComputeWeights"]
+__all__ = ["ComputeWeights", "set_compute_local"]
+
+
+def set_compute_local(record: ParamRecord, local: torch.Tensor) -> None:
+    """Make ``local`` what the compute parameter computes with: its ``.data``, or for a
+    tensor-parallel DTensor parameter its local tensor (the DTensor keeps its TP mesh and
+    placements; see [Note: 2-D parameters] in ``_dtensor/_tp_params.py``)."""
+    if record.tp is None:
+        record.compute_param.data = local
+    else:
+        record.compute_param._local_tensor = local  # type: ignore[attr-defined]
 
 
 class ComputeWeights:
@@ -40,6 +51,7 @@ class ComputeWeights:
     model_weight: torch.Tensor
     main_weight: torch.Tensor
     refresh_bucket: RefreshBucket | None
+    extension: ExtensionGather | None
     views_generation: int
     _views_bound: bool
     _bound_to: torch.Tensor | None
@@ -55,15 +67,21 @@ class ComputeWeights:
         """Make the compute parameters zero-copy views of the unsharded weights, which releases
         their original storage. A group that gathers has no unsharded scratch buffer until its first
         gather (so wrapping never holds a full-size copy): until then they hold an empty
-        placeholder."""
+        placeholder. Parameters with all-gather extensions: see ``_subclass_gather.py``."""
+        if self.extension is not None:
+            if self.plan.keeps_model_weight:  # no_shard: full precision, cast per forward
+                self.extension.bind_full_precision(self.model_weight)
+            else:  # rebuilt from the gathered inputs at the first gather or refresh
+                for index, record in enumerate(self.records):
+                    record.compute_param = self.extension.placeholder(index)
+            return
         if not self.plan.gathers_weights:
             self._bind_compute_views(self.model_weight)
             return
         with torch.no_grad():
             for record in self.records:
-                record.compute_param.data = torch.empty(
-                    0, dtype=self.dtypes.model, device=self.device
-                )
+                set_compute_local(record, torch.empty(0, dtype=self.dtypes.model,
+                                                      device=self.device))
 
     def _bind_compute_views(self, unsharded_model_weight: torch.Tensor) -> None:
         # Outside inference mode: a view made inside it could never be updated in place again.
@@ -71,7 +89,7 @@ class ComputeWeights:
             for record in self.records:
                 item = record.item
                 flat = unsharded_model_weight[item.offset : item.end]
-                record.compute_param.data = flat.view(item.shape)
+                set_compute_local(record, flat.view(item.shape))
         self._views_bound = True
         self._bound_to = unsharded_model_weight
         self.views_generation += 1
@@ -80,7 +98,9 @@ class ComputeWeights:
         """The compute parameters are about to be used (forward, recompute, backward): tensors
         autograd saves may view the gathered scratch buffer until backward, so it must get the same
         memory whenever it is gathered again in this iteration (``ScratchAllocator.pin``)."""
-        if self._gathered:
+        if self._gathered and self.extension is not None:
+            self.extension.pin_scratch()
+        elif self._gathered:
             self.allocator.pin(self.temporary_key("unsharded_model_weight"))
 
     def drop_gathered_views(self) -> None:
@@ -89,6 +109,10 @@ class ComputeWeights:
         was replaced or released is freed; the next gather binds them again. Likewise the
         gradient aliases cached over a scratch buffer (any group)."""
         self.grads.forget_temporary_aliases()
+        if self.extension is not None:
+            if self.plan.gathers_weights and not self._gathered:
+                self.extension.forget_compute_params()
+            return
         if not self.plan.gathers_weights or self._gathered or not self._views_bound:
             return
         self.bind()
@@ -136,6 +160,11 @@ class ComputeWeights:
     def _gather(self, async_op: bool) -> bool:
         if self._gathered:
             return False
+        if self.extension is not None:
+            self._weights_stale = False
+            self._pending_weights = self.extension.gather_scratch(async_op)
+            self._gathered = True
+            return True
         refresh: Pending | None = None
         cast_at_gather = self.plan.refresh is Refresh.CAST_AT_GATHER
         if self._weights_stale:
@@ -168,6 +197,10 @@ class ComputeWeights:
     def _refresh(self, async_op: bool) -> bool:
         if not self._weights_stale:
             return False
+        if self.extension is not None and not self.plan.keeps_model_weight:
+            self._weights_stale = False
+            self._pending_weights = self.extension.refresh_persistent(async_op)
+            return True
         bucket = self.refresh_bucket
         if bucket is not None:  # issuing it makes this group fresh (take_refresh)
             return bucket.coalescer.issue_through(bucket, async_op)
@@ -196,7 +229,10 @@ class ComputeWeights:
         self.wait_for_compute_weights()
         if not self._gathered:
             return False
-        self.allocator.free(self.temporary_key("unsharded_model_weight"))
+        if self.extension is not None:
+            self.extension.free_scratch()
+        else:
+            self.allocator.free(self.temporary_key("unsharded_model_weight"))
         self._gathered = False
         return True
 

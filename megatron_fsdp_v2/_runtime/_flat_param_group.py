@@ -42,10 +42,12 @@ from .._buffers._layout import BufferLayout, ItemLayout
 from .._buffers._plan import Extent, make_plan
 from .._comm import _collectives as comm
 from .._comm._collective_impl import GroupCollectives
+from .._dtensor._tp_params import TPFace
 from ..api import ResolvedDtypes, ShardingStrategy
 from ._compute_weights import ComputeWeights
 from ._grads import GroupGrads
 from ._issuer import GroupIssuer, Pending
+from ._subclass_gather import ExtensionGather, has_all_gather_extensions, inner_values
 
 if TYPE_CHECKING:
     from ._refresh_buckets import RefreshBucket
@@ -63,7 +65,8 @@ class ParamRecord:
     item: ItemLayout
     compute_param: nn.Parameter  # the module's original object; autograd sees it in forward
     dist_param: nn.Parameter  # the optimizer-facing DTensor parameter
-    local_rows: tuple[int, int]  # global dim-0 rows of the optimizer-facing local shard
+    local_rows: tuple[int, int]  # dim-0 rows (of the TP-local tensor, if tp) of the local shard
+    tp: TPFace | None = None  # a tensor-parallel parameter (see [Note: 2-D parameters])
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
@@ -94,6 +97,7 @@ class FlatParamGroup(ComputeWeights):
         *,
         group_id: tuple[int, int],
         params: Sequence[nn.Parameter],
+        tp_faces: Sequence[TPFace | None] | None = None,
         fqns: Sequence[str],
         layout: BufferLayout,
         mesh: DeviceMesh,
@@ -118,17 +122,24 @@ class FlatParamGroup(ComputeWeights):
         ``outer_strategy`` applies along dim 0 of a 2-D mesh (see [Note: buffer plan]); with
         ``OPTIM`` the layout is over ``R * S`` sub-shards, and ``mesh_process_group`` (a group
         over the whole mesh) is where gradient norms are all-reduced. ``collective_impl``: see
-        [Note: collective implementation] in ``_collective_impl.py``."""
+        [Note: collective implementation] in ``_collective_impl.py``. ``tp_faces``: per
+        parameter, its :class:`TPFace` when tensor parallelism made it a DTensor (the buffers
+        then hold its TP-local tensor; see [Note: 2-D parameters])."""
         self.layout = layout
+        self.tp_faces = list(tp_faces) if tp_faces is not None else [None] * len(params)
+        # Per parameter: where clip_grad_norm_ reduces a TP-sharded gradient's norm (wiring).
+        self.tp_norm_groups: list[dist.ProcessGroup | None] = [None] * len(params)
         self.mesh = mesh  # the optimizer-facing DTensors live on it (all of its dims)
         inner = mesh.ndim - 1
         self.rank = mesh.get_local_rank(inner)
         self.world_size = mesh.size(inner)  # of the inner axis
         self.strategy = strategy
         replicas = mesh.size(0) if mesh.ndim == 2 else 1
+        extensions = has_all_gather_extensions(params[0])  # the whole group (build_groups)
         self.plan = make_plan(
             strategy, dtypes, layout, self.rank, outer=outer_strategy if replicas > 1 else None,
             outer_rank=mesh.get_local_rank(0) if replicas > 1 else 0, outer_size=replicas,
+            extensions=extensions,
         )
         if self.plan.norm_axis == "mesh" and mesh_process_group is None:
             mesh_process_group = mesh._flatten().get_group()
@@ -167,19 +178,21 @@ class FlatParamGroup(ComputeWeights):
         self.owner = ""  # "<Class> at 0x...": the unit, in error messages (set by fully_shard)
         self.uncovered = layout.uncovered_ranges()  # padding and alignment gaps
         self._group_id = group_id
+        self.extension = ExtensionGather(self, list(params)) if extensions else None  # FP8
 
         self._build_weight_buffers(
             None if self.pending_init else self._initial_flat(params, sync_from_rank0)
         )
         self.records = [
             ParamRecord(fqn, self, index, item, self._compute_param(param),
-                        self._build_dist_param(param, index), self._local_rows(index))
+                        self._build_dist_param(param, index), self._local_rows(index),
+                        self.tp_faces[index])
             for index, (param, fqn, item) in enumerate(zip(params, fqns, layout.items))
         ]
         self.requires_grad = params[0].requires_grad
         self.grads = GroupGrads(self)  # main_grad, the gradient path, what the optimizer sees
         self._pending_weights: Pending | None = None
-        self._weights_stale = False
+        self._weights_stale = self.extension is not None  # FP8 bytes exist after a refresh
         # The refresh bucket planned for this group's next refresh, if any (see [Note: refresh
         # buckets] in _refresh_buckets.py).
         self.refresh_bucket: RefreshBucket | None = None
@@ -213,7 +226,9 @@ class FlatParamGroup(ComputeWeights):
         flat = torch.zeros(self.layout.total_numel, dtype=params[0].dtype, device=self.device)
         offsets = [item.offset for item in self.layout.items]
         # .contiguous() copies only the rare non-contiguous parameter (e.g. a strided view).
-        ops.pack_([p.detach().contiguous().view(-1) for p in params], offsets, flat)
+        locals_ = [p if face is None else p._local_tensor  # type: ignore[attr-defined]
+                   for p, face in zip(params, self.tp_faces)]
+        ops.pack_([inner_values(p).contiguous().view(-1) for p in locals_], offsets, flat)
         if sync_from_rank0:
             # Outer axis first (from its first rank), then the inner one: every rank ends with
             # mesh rank (0, 0)'s values.
@@ -340,6 +355,12 @@ class FlatParamGroup(ComputeWeights):
         return start, start + (hi - lo) // item.row_numel
 
     def to_dtensor(self, local: torch.Tensor, index: int) -> DTensor:
+        """``local`` (this rank's rows of parameter ``index`` in a main-weight-span buffer) as
+        the optimizer-facing DTensor: on the group's mesh, or for a tensor-parallel parameter
+        on the dp x TP mesh (see [Note: 2-D parameters])."""
+        face = self.tp_faces[index]
+        if face is not None:
+            return face.dist_dtensor(local, self._placements)
         shape = self.layout.items[index].shape
         return DTensor.from_local(
             local, self.mesh, self._placements, run_check=False, shape=shape,
@@ -348,10 +369,13 @@ class FlatParamGroup(ComputeWeights):
 
     def _build_dist_param(self, param: nn.Parameter, index: int) -> nn.Parameter:
         local = self.local_view(self.main_weight, index)
+        if self.extension is not None:  # the subclass over its rows; its inner state not copied
+            local = self.extension.wrap_local(index, local)
         dist_param = nn.Parameter(self.to_dtensor(local, index), requires_grad=param.requires_grad)
         # Optimizer grouping and user code read attributes set on the original parameters.
         for name, value in vars(param).items():
-            setattr(dist_param, name, value)
+            if self.extension is None or not name.startswith("_"):
+                setattr(dist_param, name, value)
         return dist_param
 
     # ------------------------------------------------------------------ weights (ComputeWeights)
@@ -393,6 +417,8 @@ class FlatParamGroup(ComputeWeights):
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of each persistent buffer role this rank holds (grads at their step-time size)."""
         model = self.model_weight.numel() * self.model_weight.element_size()
+        if self.extension is not None:  # the gathered FP8 bytes of optim/optim_grads
+            model += self.extension.persistent_bytes()
         main = (
             self.main_weight.numel() * self.main_weight.element_size()
             if self.plan.main_weight_separate else 0

@@ -83,6 +83,7 @@ class GradStaging:
     _received: list[bool]
     _alias_base: torch.Tensor | None
     _aliases: list[torch.Tensor]
+    _grad_aliases: list[torch.Tensor]
     _armed: list[int | None] | None
 
     if TYPE_CHECKING:  # defined by GroupGrads or its other part
@@ -155,6 +156,12 @@ class GradStaging:
                         )
                     )
             self._aliases, self._alias_base = aliases, buffer
+            # What a tensor-parallel parameter's ``.grad`` is set to: its alias as a DTensor
+            # in the parameter's TP placements ([Note: 2-D parameters]).
+            self._grad_aliases = [
+                alias if face is None else face.compute_dtensor(alias)
+                for alias, face in zip(aliases, self.group.tp_faces)
+            ]
         return self._aliases
 
     def forget_temporary_aliases(self) -> None:
@@ -165,7 +172,7 @@ class GradStaging:
         if self._armed is None and self._alias_base is not None and (
             self._alias_base is not self._main_grad
         ):
-            self._aliases, self._alias_base = [], None
+            self._aliases, self._grad_aliases, self._alias_base = [], [], None
 
     def prepare_backward(self) -> None:
         """Before this group's parameters receive gradients in a backward (the unit's
@@ -180,16 +187,19 @@ class GradStaging:
         if buffer is None:
             return
         armed: list[int | None] = []
-        for record, alias in zip(group.records, self._aliases_of(buffer)):
+        aliases = self._aliases_of(buffer)
+        for record, alias, grad_alias in zip(group.records, aliases, self._grad_aliases):
             param = record.compute_param
             if not param.requires_grad:
                 armed.append(None)
                 continue
             if param.grad is not None:  # left by user code: keep its contribution
                 with torch.no_grad():  # entered only here: a measurable cost per group
-                    alias.add_(param.grad)
-            param.grad = alias
-            armed.append(alias._version)
+                    left = param.grad if record.tp is None else record.tp.local_grad(param.grad)
+                    alias.add_(left)
+            param.grad = grad_alias
+            # The object autograd adds into: a DTensor's own counter moves, not its local's.
+            armed.append(grad_alias._version)
         self._armed = armed
 
     def _disarm(self) -> None:
@@ -219,13 +229,15 @@ class GradStaging:
         for index, record in enumerate(self.group.records):
             grad = record.compute_param.grad
             version = None if armed is None else armed[index]
-            if version is not None and grad is self._aliases[index]:
+            if version is not None and grad is self._grad_aliases[index]:
                 received = grad._version != version
                 grad = None  # in the buffer already
             else:
                 received = grad is not None
                 if grad is not None and grad.requires_grad:  # create_graph=True
                     grad = grad.detach()
+                if grad is not None and record.tp is not None:
+                    grad = record.tp.local_grad(grad)
             grads.append(grad)
             if received:
                 has_new = self._received[index] = True

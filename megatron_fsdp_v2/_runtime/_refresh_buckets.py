@@ -40,7 +40,9 @@ temporary outlives the forward.
 Opt-in, because it changes the documented count (one refresh all-gather per group per step) and
 costs the copies and the buckets' memory, which do not pay off for large units. A 2-D (HSDP)
 mesh is refused; ``no_shard`` (no all-gather) and ``optim_grads_params`` (its gathers are per
-unit, freed after use) are unaffected.
+unit, freed after use) are unaffected, and so are groups gathered through FSDP2's all-gather
+extensions (FP8 parameters: one all-gather per input buffer of the group; see [Note: FSDP2
+all-gather extensions] in ``_subclass_gather.py``).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import ops
-from .._buffers._plan import Collective
+from .._buffers._plan import Collective, Refresh
 from .._profiling import traced
 from ._issuer import CollectiveLaunch, Pending
 
@@ -68,7 +70,8 @@ def coalescible(group: FlatParamGroup) -> bool:
     ``optim``/``optim_grads``), which a bucket can carry."""
     steps = group.plan.refresh_steps
     return (
-        not group.plan.gathers_weights and len(steps) == 1
+        group.plan.refresh is Refresh.CAST_OWN_SLOT_THEN_GATHER
+        and not group.plan.gathers_weights and len(steps) == 1
         and steps[0].op is Collective.ALL_GATHER and steps[0].axis == "shard"
     )
 

@@ -19,6 +19,7 @@ from .. import _registry
 from ._compile import eager_hook
 
 if TYPE_CHECKING:
+    from ._flat_param_group import ParamRecord
     from ._unit_state import UnitState
 
 __all__ = ["ParamSlots"]
@@ -35,6 +36,15 @@ class ParamSlots:
     def __init__(self, state: UnitState, module: nn.Module) -> None:
         self._state = state
         faces = {id(r.compute_param): r for g in state.groups for r in g.records}
+        # Parameters with all-gather extensions: the module held the wrapped objects; their
+        # compute parameters are rebuilt by the gathers (see _subclass_gather.py), so their
+        # slots take whatever the record holds when registered.
+        rebuilt: set[int] = set()
+        for g in state.groups:
+            if g.extension is not None:
+                for original, r in zip(g.extension.original_ids, g.records):
+                    faces[original] = r
+                    rebuilt.add(id(r))
         compute: dict[int, Registration] = {}
         dist: dict[int, Registration] = {}
         # A tied parameter appears under every (submodule, name) slot it occupies.
@@ -47,6 +57,13 @@ class ParamSlots:
                 compute.setdefault(id(submodule), (slots, {}))[1][name] = record.compute_param
                 dist.setdefault(id(submodule), (slots, {}))[1][name] = record.dist_param
         self.compute_registration = list(compute.values())
+        # (mapping, slot name, record) of each slot whose compute parameter is rebuilt.
+        self._rebuilt_slots: list[tuple[dict[str, Any], str, ParamRecord]] = []
+        for submodule in module.modules():
+            for name, param in submodule._parameters.items():
+                record = faces.get(id(param)) if param is not None else None
+                if record is not None and id(record) in rebuilt:
+                    self._rebuilt_slots.append((compute[id(submodule)][1], name, record))
         self.dist_registration = list(dist.values())
         self.compute_registered = False
         # Every slot of the owned modules as wrapping left it (managed parameters as their
@@ -62,7 +79,11 @@ class ParamSlots:
         self._outside_unit_hook = eager_hook(self._called_outside_unit)
         for _, submodule in owned:
             has_params = any(p is not None for p in submodule._parameters.values())
-            if submodule is not module and has_params:
+            # A member of a unit wrapped from a list is called by the model: its own hooks
+            # unshard the unit first.
+            if submodule is not module and has_params and not any(
+                submodule is member for member in state.members
+            ):
                 handle = submodule.register_forward_pre_hook(self._outside_unit_hook)
                 self._idle_hooks.append((submodule._forward_pre_hooks, handle.id))
 
@@ -75,6 +96,8 @@ class ParamSlots:
         self.compute_registered = False
 
     def register_compute_params(self) -> None:
+        for mapping, name, record in self._rebuilt_slots:
+            mapping[name] = record.compute_param
         for parameters, mapping in self.compute_registration:
             parameters.update(mapping)
         if not self.compute_registered:

@@ -33,6 +33,7 @@ from . import (
     _autograd_grad,
     _clip_grad,
     _copy_handler,
+    _foreach_norm,
     _full_state_dict,
     _optim_state_dict,
     _random_ops,
@@ -51,6 +52,7 @@ __all__ = [
 PATCHES: tuple[Patch, ...] = (
     _redistribute.PATCH,  # redistribute_local_tensor (4 modules), OpDispatcher's local args
     _copy_handler.PATCH,  # DTensor op table: aten.copy_
+    _foreach_norm.PATCH,  # DTensor op table: aten._foreach_norm.Scalar
     _random_ops.PATCH,  # DTensor op table: 10 in-place random ops
     _optim_state_dict.PATCH,  # checkpoint.state_dict._get_optim_state_dict
     _full_state_dict.PATCH,  # _state_dict_utils._distribute_state_dict / _distribute_tensors

@@ -21,7 +21,7 @@ from typing import Any
 
 from ._slots import op_table
 
-__all__ = ["Logic", "make_handler"]
+__all__ = ["Logic", "call_default", "make_handler"]
 
 # The library's handling of one op: the result, or ``NotImplemented`` for DTensor's own path.
 Logic = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -34,13 +34,18 @@ def make_handler(logic: Logic) -> Callable[[Any, tuple[Any, ...], dict[str, Any]
         result = logic(op_call, args, kwargs)
         if result is not NotImplemented:
             return result
-        # See [Note: falling back to DTensor's own handling of an op].
-        table = op_table()
-        mine = table.pop(op_call)
-        try:
-            return op_call(*args, **kwargs)
-        finally:
-            table[op_call] = mine
+        return call_default(op_call, args, kwargs)
 
     handler.__qualname__ = handler.__name__ = f"megatron_fsdp_v2_{logic.__name__}"
     return handler
+
+
+def call_default(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """DTensor's own handling of ``op_call`` on ``args`` (see [Note: falling back to DTensor's
+    own handling of an op])."""
+    table = op_table()
+    mine = table.pop(op_call)
+    try:
+        return op_call(*args, **kwargs)
+    finally:
+        table[op_call] = mine

@@ -157,7 +157,7 @@ def _local_cases(rank: int, world: int) -> list[tuple[str, Callable[[], None]]]:
             m.weight = nn.Parameter(dtensor.detach().clone())
             return m
         expect_rejected(make, fully_shard, ValueError,
-                        r"parameter 'weight' is already a DTensor on mesh .*tensor parallelism",
+                        r"parameter 'weight' is a DTensor on .*: the data-parallel mesh itself",
                         collectives="check")
 
     ddp = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))  # collective

@@ -1,12 +1,14 @@
-"""Tensor-subclass parameters ([Note: tensor-subclass parameters] in ``_wrap_checks.py``).
+"""Tensor-subclass parameters ([Note: tensor-subclass parameters] in ``_param_classes.py``).
 
-A wrapper subclass (torchao float8 with FP8 all-gathers, NF4, MX, torch's ``TwoTensor``), a
-subclass that overrides ``__torch_function__``, and a lazy module's uninitialized parameter
-are refused by ``fully_shard`` with a ``TypeError`` that names the parameter, its class and what
-to do; the module is left untouched and the only collective is the cross-rank check that shares
-the error. The controls train: a Python subclass of ``nn.Parameter`` that only carries
-attributes, and torchao float8 linears whose weights are gathered in full precision, each equal
-to single-process PyTorch on the same model and data.
+A wrapper subclass without FSDP2's all-gather extensions (MX, torch's ``TwoTensor``) or with
+extensions the flat buffers cannot honour (NF4: several inner tensors), a subclass that
+overrides ``__torch_function__``, and a lazy module's uninitialized parameter are refused by
+``fully_shard`` with a ``TypeError`` that names the parameter, its class and what to do; the
+module is left untouched and the only collective is the cross-rank check that shares the error.
+The supported ones train, each equal to single-process PyTorch on the same model and data: a
+Python subclass of ``nn.Parameter`` that only carries attributes, torchao float8 linears whose
+weights are gathered in full precision, and torchao float8 with FP8 all-gathers (its parity
+with FSDP2 is ``test_fp8_params.py``).
 """
 
 from __future__ import annotations
@@ -82,15 +84,11 @@ def _lazy() -> nn.Module:
 
 # case -> (module factory, pattern the message must match, needs torchao)
 REFUSED: dict[str, tuple[Callable[[], nn.Module], str, bool]] = {
-    "torchao_float8_fp8_all_gather": (
-        lambda: _float8(fp8_all_gather=True),
-        r"parameter '0\.weight' is a tensor subclass "
-        r"\(torchao\.float8\.fsdp_utils\.WeightWithDynamicFloat8CastTensor\).*"
-        r"enable_fsdp_float8_all_gather=False", True),
     "torchao_nf4": (
         _with_weight(_nf4),
-        r"parameter '2\.weight' is a tensor subclass \(torchao\..*NF4Tensor\).*frozen.*"
-        r"ignored_params", True),
+        r"parameter '2\.weight' is a tensor subclass \(torchao\..*NF4Tensor\) with FSDP2 "
+        r"all-gather extensions that fully_shard cannot honour: its values are held by 5 inner "
+        r"tensors.*frozen.*ignored_params", True),
     "torchao_mx": (
         _with_weight(_mx),
         r"parameter '2\.weight' is a tensor subclass \(torchao\..*MXTensor\).*ignored_params",
@@ -134,9 +132,11 @@ def _train_like_torch(rank: int, world: int, case: str, strategy: str) -> None:
     if case == "tagged_parameter":
         model = _with_weight(lambda w: TaggedParameter(w))()
     else:
-        model = _float8(fp8_all_gather=False)
+        model = _float8(fp8_all_gather=case == "torchao_float8_fp8_all_gather")
     ref = copy.deepcopy(model)
     fully_shard(model, sharding_strategy=strategy)
+    precompute = _precompute_for(case)
+    precompute(model)  # a rank holds no row of one FP8 weight here: torchao needs a scale first
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(5)
@@ -145,6 +145,7 @@ def _train_like_torch(rank: int, world: int, case: str, strategy: str) -> None:
         y = torch.randn(world * 16, 32, generator=g)
         rows = slice(rank * 16, (rank + 1) * 16)
         loss = step_mean_loss(F.mse_loss(model(x[rows]), y[rows]), opt)
+        precompute(model)
         # The mean of the ranks' losses, each on its own rows (DDP's gradient): float8 scales
         # come from each forward's own amax, so one forward of the whole batch would differ.
         ref_loss = sum(F.mse_loss(ref(x[r * 16:(r + 1) * 16]), y[r * 16:(r + 1) * 16])
@@ -158,11 +159,24 @@ def _train_like_torch(rank: int, world: int, case: str, strategy: str) -> None:
           lambda: assert_close_to_reference(model, ref, rtol=1e-5, atol=1e-6))
 
 
-@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
-@pytest.mark.parametrize("case", ["tagged_parameter", "torchao_float8_full_precision_gather"])
+def _precompute_for(case: str) -> Callable[[nn.Module], None]:
+    """torchao's scale precompute after each step (FP8 all-gathers), else nothing. The
+    single-process reference casts each forward with the same scale (amax of the whole
+    weight)."""
+    if case != "torchao_float8_fp8_all_gather":
+        return lambda model: None
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    return precompute_float8_dynamic_scale_for_fsdp
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads_params"])
+@pytest.mark.parametrize("case", ["tagged_parameter", "torchao_float8_full_precision_gather",
+                                  "torchao_float8_fp8_all_gather"])
 def test_supported_parameter_classes_train(ranks: RankPools, case: str, strategy: str) -> None:
     """The check is not broader than it must be: these wrap and train like single-process
-    torch (losses and parameters, 3 AdamW steps, world 2)."""
+    torch (losses and parameters, 3 AdamW steps, world 2); torchao float8 with FP8 all-gathers
+    was refused before, now trains right."""
     if case.startswith("torchao"):
         pytest.importorskip("torchao")
     ranks.run(_train_like_torch, WORLD, case, strategy, timeout_s=TIMEOUT_S)

@@ -17,6 +17,9 @@ call ``set_gradient_divide_factor(world)`` (FSDP2's method, as torchtitan does),
 gradient is that of single-process training on the global batch; tests/distributed/
 test_moe_example.py checks losses and parameters against one process holding every expert.
 
+``--clip`` clips to the 2-norm over the whole model, every EP rank's experts included
+(``clip_grad_norm_ep_``: a plain ``clip_grad_norm_`` would see only this rank's experts).
+
 gloo on CPU, NCCL on GPU (one per local rank). Rank 0 prints per step the loss (mean over
 ranks), throughput and the bytes this rank communicated (all-gathers, reduce-scatters and the
 all-to-alls), counted by ``comm_counter.CommCounter``.
@@ -34,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,8 +62,6 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=int, default=256, help="vocabulary size")
     p.add_argument("--fsdp2", action="store_true",
                    help="wrap with torch's FSDP2 instead (the control; --strategy ignored)")
-    # Clipping a model whose units live on two meshes is not this example's subject.
-    p.set_defaults(clip=0.0)
     return p
 
 
@@ -105,8 +107,40 @@ def wrap(model: MoEGPT, flat: DeviceMesh, ep_mesh: DeviceMesh, *, fsdp2: bool = 
     shard(model, mesh=flat, **options)
 
 
+def clip_grad_norm_ep_(model: torch.nn.Module, max_norm: float,
+                       ep_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Clip every gradient to a global 2-norm over the whole model, experts of every EP rank
+    included; returns that norm (the same on every rank).
+
+    A plain ``clip_grad_norm_`` over ``model.parameters()`` would not do: an expert gradient is
+    a DTensor on the edp sub-mesh, so its norm is reduced over the ranks that hold the *same*
+    experts only, and ranks of different EP indices would clip by different norms. So: the
+    dense gradients' norm (over the world), the local experts' norm (over edp), the latter's
+    square summed over the EP group, as torchtitan does for its expert parameters. The norms
+    come from ``torch.nn.utils.get_total_norm``, which fully_shard routes to the library's for
+    its gradients; FSDP2's come back as DTensors.
+    """
+    dense, experts = [], []
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            (experts if ".moe.experts." in name else dense).append(p)
+
+    def norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])  # type: ignore[misc]
+        return (total.full_tensor() if isinstance(total, DTensor) else total).float()
+
+    experts_sq = norm(experts) ** 2
+    if ep_group is not None:
+        dist.all_reduce(experts_sq, group=ep_group)
+    total = (norm(dense) ** 2 + experts_sq).sqrt()
+    for params in (dense, experts):  # one list per mesh: DTensor foreach ops refuse mixed ones
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return total
+
+
 def train_step(model: torch.nn.Module, batches: list[torch.Tensor],
-               optimizer: torch.optim.Optimizer, clip: float = 0.0) -> torch.Tensor:
+               optimizer: torch.optim.Optimizer, clip: float = 0.0,
+               ep_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """One optimizer step over ``batches`` (micro-batches); returns this rank's loss. Also the
     single-process reference's step (a plain module: no window to close)."""
     loss_sum = torch.zeros((), device=batches[0].device)
@@ -118,7 +152,7 @@ def train_step(model: torch.nn.Module, batches: list[torch.Tensor],
         loss.backward()
         loss_sum += loss.detach()
     if clip > 0:
-        mfsdp.clip_grad_norm_(model.parameters(), clip)
+        clip_grad_norm_ep_(model, clip, ep_group)
     optimizer.step()
     optimizer.zero_grad()
     return loss_sum
@@ -160,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
         batches = step_batches(args, step, rank, device)
         start = time.perf_counter()
         with counter:
-            loss = train_step(model, batches, optimizer, args.clip)
+            loss = train_step(model, batches, optimizer, args.clip, ep_mesh["ep"].get_group())
             if device.type == "cuda":
                 torch.cuda.synchronize()
         elapsed = time.perf_counter() - start

@@ -46,10 +46,11 @@ TINY = ["--steps", "3", "--micro-batches", "2", "--batch-size", "2", "--seq-len"
 LR = 0.5  # large enough that a gradient off by the EP degree moves parameters visibly
 
 
-def _moe_worker(rank: int, world: int, control: str) -> dict[str, Any]:
-    """``control``: a strategy (ours) or ``"fsdp2"``. This rank's losses (mean over ranks),
-    the reference's, and this rank's parameters' mismatches against the reference's."""
-    args = make_parser().parse_args(TINY)
+def _moe_worker(rank: int, world: int, control: str, extra: list[str]) -> dict[str, Any]:
+    """``control``: a strategy (ours) or ``"fsdp2"``; ``extra``: more options. This rank's
+    losses (mean over ranks), the reference's, and this rank's parameters' mismatches against
+    the reference's (clipped with torch's ``clip_grad_norm_`` where ``--clip`` is set)."""
+    args = make_parser().parse_args([*TINY, *extra])
     cpu = torch.device("cpu")
     flat, ep_mesh = build_meshes(args.ep, cpu)
     cfg = config_from(args)
@@ -59,7 +60,8 @@ def _moe_worker(rank: int, world: int, control: str) -> dict[str, Any]:
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for step in range(args.steps):
-        loss = train_step(model, step_batches(args, step, rank), optimizer)
+        loss = train_step(model, step_batches(args, step, rank), optimizer, args.clip,
+                          ep_mesh["ep"].get_group())
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
 
@@ -70,17 +72,32 @@ def _moe_worker(rank: int, world: int, control: str) -> dict[str, Any]:
     for step in range(args.steps):
         per_rank = [step_batches(args, step, r) for r in range(world)]
         global_batches = [torch.cat([b[i] for b in per_rank]) for i in range(args.micro_batches)]
-        ref_losses.append(train_step(ref, global_batches, ref_optimizer).item())
+        ref_losses.append(train_step(ref, global_batches, ref_optimizer, args.clip).item())
     keep_local_experts(ref, ep_mesh.get_local_rank("ep"), args.ep, None)  # this rank's view
     return {"losses": losses, "ref_losses": ref_losses, "errors": _param_errors(model, ref)}
 
 
-@pytest.mark.parametrize("control", [*STRATEGIES, "fsdp2"])
-def test_moe_example_matches_single_process(ranks: RankPools, control: str) -> None:
-    for rank, r in enumerate(ranks.run(_moe_worker, 4, control, timeout_s=TIMEOUT_S)):
+def _check(results: list[dict[str, Any]], control: str) -> None:
+    for rank, r in enumerate(results):
         assert not r["errors"], f"rank {rank} {control}:\n" + "\n".join(r["errors"][:4])
         torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"rank {rank} {control} losses: {m}")
+
+
+@pytest.mark.parametrize("control", [*STRATEGIES, "fsdp2"])
+def test_moe_example_matches_single_process(ranks: RankPools, control: str) -> None:
+    """Top-2 routing, no clipping."""
+    _check(ranks.run(_moe_worker, 4, control, ["--clip", "0"], timeout_s=TIMEOUT_S), control)
+
+
+@pytest.mark.parametrize("control", ["optim_grads_params", "fsdp2"])
+@pytest.mark.parametrize("extra", [["--top-k", "1", "--clip", "0"], ["--clip", "0.05"]],
+                         ids=["top1", "clipped"])
+def test_moe_example_top1_and_clipping(ranks: RankPools, control: str,
+                                       extra: list[str]) -> None:
+    """Top-1 routing; and gradients clipped to a norm over every rank's experts (0.05 is
+    below the gradient norm of every step, so the clip always acts)."""
+    _check(ranks.run(_moe_worker, 4, control, extra, timeout_s=TIMEOUT_S), control)
 
 
 @pytest.mark.parametrize("extra", [["--strategy", "optim_grads_params"], ["--fsdp2"]])

@@ -65,6 +65,10 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return make_parser().parse_args(argv)
+
+
 def config_from(args: argparse.Namespace) -> MoEConfig:
     return MoEConfig(vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, layers=args.layers,
                      heads=args.heads, experts=args.experts, top_k=args.top_k,
@@ -167,7 +171,7 @@ def step_batches(args: argparse.Namespace, step: int, rank: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = make_parser().parse_args(argv)
+    args = parse_args(argv)
     if args.mesh is not None:
         raise SystemExit("train_moe.py builds its own (ep, edp) mesh: use --ep, not --mesh")
     device = setup_distributed()

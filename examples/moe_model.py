@@ -14,6 +14,7 @@ capacity limit, no dropped token), so the two compute the same function of the s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,17 +54,20 @@ def all_to_all(rows: torch.Tensor, recv_splits: list[int], send_splits: list[int
     return out
 
 
+@dataclass
 class MoEConfig(GPTConfig):
     """``GPTConfig`` plus the MoE layer's shape: ``experts`` in total, each token sent to the
     ``top_k`` experts of largest router probability, each expert a ``dim -> hidden -> dim``
     GELU MLP."""
 
-    def __init__(self, *, experts: int = 4, top_k: int = 1, hidden: int = 64,
-                 **gpt: int) -> None:
-        super().__init__(**gpt)
-        if not 1 <= top_k <= experts:
-            raise ValueError(f"top_k={top_k} must be in 1..experts={experts}")
-        self.experts, self.top_k, self.hidden = experts, top_k, hidden
+    experts: int = 4
+    top_k: int = 1
+    hidden: int = 64
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k={self.top_k} must be in 1..experts={self.experts}")
 
 
 class Expert(nn.Module):

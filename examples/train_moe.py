@@ -89,8 +89,10 @@ def build_model(cfg: MoEConfig, seed: int, ep_mesh: DeviceMesh,
     """Every expert built from ``seed`` (the reference's weights), then only this rank's kept."""
     torch.manual_seed(seed)
     model = MoEGPT(cfg).to(device)
-    keep_local_experts(model, ep_mesh.get_local_rank("ep"), ep_mesh.size(0),
-                       ep_mesh["ep"].get_group())
+    ep = ep_mesh.size(0)
+    # --ep 1: every rank holds every expert, nothing to exchange.
+    keep_local_experts(model, ep_mesh.get_local_rank("ep"), ep,
+                       ep_mesh["ep"].get_group() if ep > 1 else None)
     return model
 
 

@@ -20,8 +20,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 if TYPE_CHECKING:
     from ._init._materialize import PendingUnit
-    from ._runtime._flat_param_group import FlatParamGroup, ParamRecord
+    from ._runtime._flat_param_group import FlatParamGroup
     from ._runtime._optimizer_local import LocalSwap, ParamPositions
+    from ._runtime._param_record import ParamRecord
     from ._runtime._state import FSDPState
 
 __all__ = [

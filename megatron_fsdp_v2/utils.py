@@ -13,8 +13,9 @@ from . import _registry
 from ._comm._backends import collective_device
 from ._comm._comm_groups import library_comm_groups
 from ._dtensor import _grad_norm
-from ._runtime._flat_param_group import FlatParamGroup, ParamRecord
+from ._runtime._flat_param_group import FlatParamGroup
 from ._runtime._grads import finalize_unsynchronized
+from ._runtime._param_record import ParamRecord
 
 __all__ = ["clip_grad_norm_", "get_total_norm"]
 

@@ -21,8 +21,9 @@ from .._dtensor._tp_params import TPFace
 from .._dtensor._uneven_meshes import register_mesh
 from .._init import _materialize
 from .._runtime import _state_dict_hooks
-from .._runtime._flat_param_group import FlatParamGroup, mesh_device
+from .._runtime._flat_param_group import FlatParamGroup
 from .._runtime._optimizer_hooks import note_wrap
+from .._runtime._param_record import mesh_device
 from .._runtime._state import FSDPState
 from .._runtime._subclass_gather import has_all_gather_extensions
 from ._fsdp_module import fsdp_class

@@ -18,8 +18,8 @@ from ._gather import cast_and_gather_weights, gather_weights, refresh_weights
 from ._issuer import GroupIssuer, Pending
 
 if TYPE_CHECKING:
-    from ._flat_param_group import ParamRecord
     from ._grads import GroupGrads
+    from ._param_record import ParamRecord
     from ._refresh_buckets import RefreshBucket
     from ._subclass_gather import ExtensionGather
 

@@ -27,7 +27,6 @@ replicated-buffer refresh] in ``_gather.py`` says.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,7 +37,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from .. import ops
 from .._buffers._allocator import ScratchAllocator
-from .._buffers._layout import BufferLayout, ItemLayout
+from .._buffers._layout import BufferLayout
 from .._buffers._plan import Extent, make_plan
 from .._comm import _collectives as comm
 from .._comm._collective_impl import GroupCollectives
@@ -47,46 +46,13 @@ from ..api import ResolvedDtypes, ShardingStrategy
 from ._compute_weights import ComputeWeights
 from ._grads import GroupGrads
 from ._issuer import GroupIssuer, Pending
+from ._param_record import ParamRecord, contiguous_stride, mesh_device
 from ._subclass_gather import ExtensionGather, has_all_gather_extensions, inner_values
 
 if TYPE_CHECKING:
     from ._refresh_buckets import RefreshBucket
 
-__all__ = ["FlatParamGroup", "ParamRecord", "mesh_device"]
-
-
-@dataclass(eq=False)
-class ParamRecord:
-    """One managed parameter (FSDP2's ``FSDPParam``): its names, its two faces and its place."""
-
-    fqn: str  # relative to the unit's module
-    group: FlatParamGroup
-    index: int  # in the group
-    item: ItemLayout
-    compute_param: nn.Parameter  # the module's original object; autograd sees it in forward
-    dist_param: nn.Parameter  # the optimizer-facing DTensor parameter
-    local_rows: tuple[int, int]  # dim-0 rows (of the TP-local tensor, if tp) of the local shard
-    tp: TPFace | None = None  # a tensor-parallel parameter (see [Note: 2-D parameters])
-
-
-def mesh_device(mesh: DeviceMesh) -> torch.device:
-    """The device this rank's buffers live on for ``mesh`` (the current CUDA device for a
-    ``cuda`` mesh; the meta device while estimating, see [Note: meta buffers] in _registry)."""
-    from .. import _registry  # noqa: PLC0415 - _registry imports this module for typing only
-
-    if _registry.meta_buffers[0]:
-        return torch.device("meta")
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))
+__all__ = ["FlatParamGroup"]
 
 
 class FlatParamGroup(ComputeWeights):
@@ -364,7 +330,7 @@ class FlatParamGroup(ComputeWeights):
         shape = self.layout.items[index].shape
         return DTensor.from_local(
             local, self.mesh, self._placements, run_check=False, shape=shape,
-            stride=_contiguous_stride(shape),
+            stride=contiguous_stride(shape),
         )
 
     def _build_dist_param(self, param: nn.Parameter, index: int) -> nn.Parameter:

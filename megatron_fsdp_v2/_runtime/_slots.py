@@ -19,7 +19,7 @@ from .. import _registry
 from ._compile import eager_hook
 
 if TYPE_CHECKING:
-    from ._flat_param_group import ParamRecord
+    from ._param_record import ParamRecord
     from ._unit_state import UnitState
 
 __all__ = ["ParamSlots"]

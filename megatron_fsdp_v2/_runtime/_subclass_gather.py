@@ -56,7 +56,8 @@ from .._profiling import traced
 from ._issuer import CollectiveLaunch, Pending
 
 if TYPE_CHECKING:
-    from ._flat_param_group import FlatParamGroup, ParamRecord
+    from ._flat_param_group import FlatParamGroup
+    from ._param_record import ParamRecord
 
 __all__ = ["ExtensionGather", "has_all_gather_extensions", "inner_values", "rewrap"]
 

@@ -1,0 +1,56 @@
+"""A managed parameter's record (:class:`ParamRecord`: its names, its compute and
+optimizer-facing objects, its place in a flat group) and the device a mesh's buffers live on.
+Kept apart from ``_flat_param_group.py`` so that modules which only read records (slots, the
+registry, the extension gathers, clipping) need not import the group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .._buffers._layout import ItemLayout
+from .._dtensor._tp_params import TPFace
+
+if TYPE_CHECKING:
+    from ._flat_param_group import FlatParamGroup
+
+__all__ = ["ParamRecord", "contiguous_stride", "mesh_device"]
+
+
+@dataclass(eq=False)
+class ParamRecord:
+    """One managed parameter (FSDP2's ``FSDPParam``): its names, its two faces and its place."""
+
+    fqn: str  # relative to the unit's module
+    group: FlatParamGroup
+    index: int  # in the group
+    item: ItemLayout
+    compute_param: nn.Parameter  # the module's original object; autograd sees it in forward
+    dist_param: nn.Parameter  # the optimizer-facing DTensor parameter
+    local_rows: tuple[int, int]  # dim-0 rows (of the TP-local tensor, if tp) of the local shard
+    tp: TPFace | None = None  # a tensor-parallel parameter (see [Note: 2-D parameters])
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's buffers live on for ``mesh`` (the current CUDA device for a
+    ``cuda`` mesh; the meta device while estimating, see [Note: meta buffers] in _registry)."""
+    from .. import _registry  # noqa: PLC0415 - _registry imports this module for typing only
+
+    if _registry.meta_buffers[0]:
+        return torch.device("meta")
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (a zero-size dim counts as 1)."""
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))

@@ -125,8 +125,9 @@ def tp_plan(model: str) -> dict[str, Any]:
     )
 
     if model == "llama":
-        col, row = ("q", "k", "v", "gate", "up"), ("o", "down")
-        norms = ("attn_norm", "mlp_norm")
+        col: tuple[str, ...] = ("q", "k", "v", "gate", "up")
+        row: tuple[str, ...] = ("o", "down")
+        norms: tuple[str, ...] = ("attn_norm", "mlp_norm")
         plan: dict[str, Any] = {
             "embed": RowwiseParallel(input_layouts=Replicate()),
             "norm": SequenceParallel(),

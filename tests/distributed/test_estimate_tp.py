@@ -19,14 +19,22 @@ from typing import Any
 
 import pytest
 import torch
-from _tp_common import STRATEGIES, TPBlock, TPModel, apply_tp, batches, build_model, dp_tp_mesh
-from _tp_common import loss_of, wrap_ours
+from _tp_common import (
+    STRATEGIES,
+    TPBlock,
+    TPModel,
+    apply_tp,
+    batches,
+    build_model,
+    dp_tp_mesh,
+    loss_of,
+    wrap_ours,
+)
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, memory_report
 from megatron_fsdp_v2._registry import state_of
-
 from megatron_fsdp_v2.testing import RankPools
 
 MICRO = 2

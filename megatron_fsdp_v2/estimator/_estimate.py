@@ -54,6 +54,7 @@ from .._buffers._plan import Collective, GradPath
 from .._frontend._fully_shard import fully_shard
 from .._runtime._flat_param_group import FlatParamGroup
 from .._runtime._memory import MemoryReport, memory_report
+from .._runtime._subclass_gather import has_all_gather_extensions
 from ..api import MixedPrecisionPolicy, ShardingStrategy
 from ._replay import replay_temporaries
 
@@ -237,6 +238,7 @@ def estimate(
                 "torch.device('meta') so that nothing is allocated: do not pass device=... or "
                 "move the model inside model_fn"
             )
+        _refuse_all_gather_extensions(model)
         if tp_mesh is not None:
             from torch.distributed.tensor.parallel import parallelize_module
 
@@ -258,6 +260,22 @@ def estimate(
         dist.destroy_process_group()
         if tp > 1:
             _forget_dtensor_shardings()
+
+
+def _refuse_all_gather_extensions(model: nn.Module) -> None:
+    """FP8 parameters (torchao float8 with FP8 all-gather, or any subclass with FSDP2's
+    all-gather extensions) fill their FP8 buffers in ``fsdp_pre_all_gather`` at the first
+    gather or refresh, which an estimate never runs; their gathered bytes, scratch buffers and
+    scale all-reduce are not yet derived from the plan, so the estimate refuses them rather than
+    report the numbers of the plain dtype."""
+    name = next((n for n, p in model.named_parameters() if has_all_gather_extensions(p)), None)
+    if name is not None:
+        raise NotImplementedError(
+            f"parameter {name!r} is a {type(model.get_parameter(name)).__name__} with FSDP2 "
+            "all-gather extensions (e.g. torchao float8 with enable_fsdp_float8_all_gather): "
+            "estimate does not count FP8 parameters yet; estimate the model before "
+            "convert_to_float8_training for its numbers in the compute dtype of mp_policy"
+        )
 
 
 def _forget_dtensor_shardings() -> None:

@@ -47,6 +47,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .. import _registry
+
 __all__ = ["TPFace", "tp_face_of"]
 
 _RULE = (
@@ -156,7 +158,9 @@ def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh) -> TPFace | N
     except RuntimeError as error:
         raise ValueError(f"{what}, which cannot be combined with the data-parallel mesh "
                          f"{dp_mesh} ({error}). {_RULE}") from None
-    if param.device.type == "meta":
+    # The estimator wraps meta models with storage-free buffers (see [Note: meta buffers] in
+    # _registry): there the TP-local meta shapes are all it needs.
+    if param.device.type == "meta" and not _registry.meta_buffers[0]:
         raise NotImplementedError(
             f"{what}, on the meta device: fully_shard composes with tensor parallelism for "
             "materialized models; call module.to_empty(device=...) and initialize before "

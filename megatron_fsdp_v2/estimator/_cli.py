@@ -64,7 +64,7 @@ def table(rows: list[tuple[str, Estimate]], budget_gib: float | None) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from ._presets import PRESETS, build_preset
+    from ._presets import PRESETS, build_preset, tp_plan
 
     parser = argparse.ArgumentParser(
         prog="python -m megatron_fsdp_v2.estimator",
@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batches", type=int, default=1)
     parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
                         help="compute dtype (main weights and gradients stay fp32)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel degree: the preset's Megatron-style TP plan on a "
+                             "(world-size/tp, tp) mesh, then every strategy over the dp ranks "
+                             "(memory and dp collectives; TP's own collectives are not counted)")
     parser.add_argument("--mesh", type=_parse_mesh, action="append", default=[],
                         help="also estimate HSDP on an RxS mesh (repeatable)")
     parser.add_argument("--budget-gib", type=float, default=None)
@@ -94,6 +98,10 @@ def main(argv: list[str] | None = None) -> None:
     rows: list[tuple[str, Estimate]] = []
     common: dict[str, Any] = dict(world_size=args.world_size, wrap=(block,), mp_policy=mp,
                                   micro_batches=args.micro_batches, rank=args.rank)
+    if args.tp > 1:
+        if args.mesh:
+            parser.error("--tp with --mesh (HSDP x TP) is not modelled")
+        common.update(tp=args.tp, tp_plan=tp_plan(args.model))
     configs: list[tuple[str, tuple[int, int] | None, str]] = [
         (s, None, "no_shard") for s in STRATEGIES
     ]
@@ -112,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((label, est))
     params = sum(p.numel() for p in _count_model(model_fn))
     print(f"{args.model}: {params / 1e9:.2f}B parameters, world size {args.world_size}, "
-          f"{args.micro_batches} micro-batch(es), {args.param_dtype} compute, rank {args.rank}")
+          f"{args.micro_batches} micro-batch(es), {args.param_dtype} compute, rank {args.rank}"
+          + (f", tp {args.tp} (dp {args.world_size // args.tp})" if args.tp > 1 else ""))
     print(table(rows, args.budget_gib))
     padded = {str(w.message).split("'")[1] for w in caught if "padded" in str(w.message)}
     if padded:

@@ -24,6 +24,16 @@ of the squared norm when gradients are sharded), and the iterations after the fi
 has no refresh to do). Activations and the model's own non-parameter buffers are not modelled.
 The command line (``python -m megatron_fsdp_v2.estimator``) is ``main`` in ``_cli.py``.
 
+[Note: estimating FSDP x TP]
+With ``tp > 1`` the model is parallelized as a real run does it (``parallelize_module`` with the
+caller's plan on the ``"tp"`` dimension of a ``(dp, tp)`` mesh, on meta tensors under the fake
+group), so each parameter is a DTensor whose local tensor has the TP-local shape of this rank,
+and ``fully_shard`` over the ``"dp"`` dimension lays out and shards those local tensors exactly
+as in a real run (see [Note: 2-D parameters] in ``_dtensor/_tp_params.py``). Everything below is
+then the dp accounting above, per rank: memory, and the dp collectives (their process group has
+``world_size // tp`` ranks). Not counted: TP's own collectives (activations, and the all-reduce
+of a ``Replicate()`` parameter's ``Partial()`` gradient), which are the model's, not FSDP's.
+
 A process that already has a default process group cannot host the fake one: ``estimate``
 raises ``RuntimeError`` there (run it before ``init_process_group``, or in another process).
 """
@@ -31,7 +41,7 @@ raises ``RuntimeError`` there (run it before ``init_process_group``, or in anoth
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +54,7 @@ from .._buffers._plan import Collective, GradPath
 from .._frontend._fully_shard import fully_shard
 from .._runtime._flat_param_group import FlatParamGroup
 from .._runtime._memory import MemoryReport, memory_report
+from .._runtime._subclass_gather import has_all_gather_extensions
 from ..api import MixedPrecisionPolicy, ShardingStrategy
 from ._replay import replay_temporaries
 
@@ -135,6 +146,28 @@ def _check_args(world_size: int, rank: int, micro_batches: int, optimizer: str,
         )
 
 
+def _check_tp(tp: int, tp_plan: Mapping[str, Any] | None, world_size: int,
+              mesh_shape: tuple[int, int] | None) -> None:
+    if not isinstance(tp, int) or tp < 1 or world_size % tp:
+        raise ValueError(f"tp must be a positive int dividing world_size ({world_size}), got "
+                         f"{tp!r}")
+    if tp == 1:
+        if tp_plan is not None:
+            raise ValueError("tp_plan given with tp=1: pass tp=N (the TP degree) as well")
+        return
+    if not isinstance(tp_plan, Mapping) or not tp_plan:
+        raise ValueError(
+            "tp > 1 needs tp_plan: a parallelize_module plan of the root module, e.g. "
+            "{'blocks.*.up': ColwiseParallel(), 'blocks.*.down': RowwiseParallel()} (the "
+            "presets' tp_plan functions build one)"
+        )
+    if mesh_shape is not None:
+        raise NotImplementedError(
+            "estimate(tp=...) with mesh_shape (HSDP x TP) is not modelled; estimate the dp x tp "
+            "layout (mesh_shape=None) instead"
+        )
+
+
 def _unit_selector(wrap: Any) -> Callable[[nn.Module], bool]:
     if isinstance(wrap, tuple) and all(isinstance(c, type) for c in wrap):
         return lambda m: isinstance(m, wrap)
@@ -158,6 +191,8 @@ def estimate(
     rank: int = 0,
     optimizer: str = "adamw",
     max_padding_ratio: float = 0.01,
+    tp: int = 1,
+    tp_plan: Mapping[str, Any] | None = None,
 ) -> Estimate:
     """Estimate ``rank``'s memory and the collectives of one training iteration when the model
     ``model_fn()`` builds is wrapped with ``fully_shard`` (each module ``wrap`` selects, then the
@@ -170,15 +205,25 @@ def estimate(
     ``memory.optimizer_state`` reports (``"adamw"``: two moments of the main weights plus a
     4-byte step per parameter; ``"sgd"``: none; ``"sgd_momentum"``: one buffer); every one of
     them is in ``optimizer_state``. Leaves no process group and no library state behind.
+
+    ``tp > 1``: FSDP x tensor parallelism (see [Note: estimating FSDP x TP]): ``world_size``
+    ranks on a ``(world_size // tp, tp)`` mesh named ``("dp", "tp")``, ``tp_plan`` (required) a
+    ``parallelize_module`` plan of the root (``{"blocks.*.up": ColwiseParallel(), ...}``; the
+    presets' ``tp_plan`` functions build one), then ``fully_shard`` over the dp mesh.
     """
     _check_args(world_size, rank, micro_batches, optimizer, mesh_shape)
+    _check_tp(tp, tp_plan, world_size, mesh_shape)
     selects = _unit_selector(wrap)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        if mesh_shape is None:
+        tp_mesh = None
+        if tp > 1:
+            root_mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+            mesh, tp_mesh = root_mesh["dp"], root_mesh["tp"]
+        elif mesh_shape is None:
             mesh = init_device_mesh("cpu", (world_size,))
         else:
             mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
@@ -193,6 +238,12 @@ def estimate(
                 "torch.device('meta') so that nothing is allocated: do not pass device=... or "
                 "move the model inside model_fn"
             )
+        _refuse_all_gather_extensions(model)
+        if tp_mesh is not None:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            _forget_dtensor_shardings()
+            parallelize_module(model, tp_mesh, dict(tp_plan or {}))
         units = [m for m in model.modules() if m is not model and selects(m)]
         options: dict[str, Any] = dict(
             mesh=mesh, sharding_strategy=sharding_strategy, mp_policy=mp_policy,
@@ -207,6 +258,35 @@ def estimate(
     finally:
         _registry.reset()
         dist.destroy_process_group()
+        if tp > 1:
+            _forget_dtensor_shardings()
+
+
+def _refuse_all_gather_extensions(model: nn.Module) -> None:
+    """FP8 parameters (torchao float8 with FP8 all-gather, or any subclass with FSDP2's
+    all-gather extensions) fill their FP8 buffers in ``fsdp_pre_all_gather`` at the first
+    gather or refresh, which an estimate never runs; their gathered bytes, scratch buffers and
+    scale all-reduce are not yet derived from the plan, so the estimate refuses them rather than
+    report the numbers of the plain dtype."""
+    name = next((n for n, p in model.named_parameters() if has_all_gather_extensions(p)), None)
+    if name is not None:
+        raise NotImplementedError(
+            f"parameter {name!r} is a {type(model.get_parameter(name)).__name__} with FSDP2 "
+            "all-gather extensions (e.g. torchao float8 with enable_fsdp_float8_all_gather): "
+            "estimate does not count FP8 parameters yet; estimate the model before "
+            "convert_to_float8_training for its numbers in the compute dtype of mp_policy"
+        )
+
+
+def _forget_dtensor_shardings() -> None:
+    """Empty DTensor's sharding-propagation caches (Python and the C++ fast path). Their
+    entries hold the device meshes of the calls that filled them, and a mesh compares equal to
+    another estimate's mesh of the same shape whose process groups differ: ``nn.Parameter(dtensor)``
+    in ``parallelize_module`` would come back on a mesh whose groups were destroyed with an
+    earlier estimate's fake process group."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
 
 
 def _states(model: nn.Module) -> list[tuple[str, Any]]:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTBlock", "GPTDecoder", "LlamaBlock", "LlamaDecoder", "PRESETS", "build_preset"]
+__all__ = [
+    "GPTBlock", "GPTDecoder", "LlamaBlock", "LlamaDecoder", "PRESETS", "build_preset", "tp_plan",
+]
 
 
 class LlamaBlock(nn.Module):
@@ -104,6 +107,41 @@ class GPTDecoder(nn.Module):
 
 
 PRESETS = {"llama": LlamaBlock, "gpt": GPTBlock}
+
+
+def tp_plan(model: str) -> dict[str, Any]:
+    """The ``parallelize_module`` plan (of the decoder root) that ``--tp`` applies to preset
+    ``model``, Megatron-style as torchtitan's llama plan writes it: the Linears that fan out
+    (attention inputs, MLP up/gate) colwise, those that fan back in (attention output, MLP down)
+    rowwise, the norms sequence-parallel (replicated parameters). Llama also splits the
+    embedding by rows and the head by columns; the GPT preset's head is tied to its embedding,
+    so both stay whole (replicated on every TP rank). Only parameter shapes matter to the
+    estimate, so activation layouts are left at their defaults."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if model == "llama":
+        col: tuple[str, ...] = ("q", "k", "v", "gate", "up")
+        row: tuple[str, ...] = ("o", "down")
+        norms: tuple[str, ...] = ("attn_norm", "mlp_norm")
+        plan: dict[str, Any] = {
+            "embed": RowwiseParallel(input_layouts=Replicate()),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(),
+        }
+    elif model == "gpt":
+        col, row, norms = ("qkv", "fc1"), ("proj", "fc2"), ("ln1", "ln2")
+        plan = {"ln": SequenceParallel()}
+    else:
+        raise ValueError(f"unknown preset {model!r}; choose one of {sorted(PRESETS)}")
+    plan.update({f"blocks.*.{n}": ColwiseParallel() for n in col})
+    plan.update({f"blocks.*.{n}": RowwiseParallel() for n in row})
+    plan.update({f"blocks.*.{n}": SequenceParallel() for n in norms})
+    return plan
 
 
 def build_preset(args: argparse.Namespace) -> tuple[Callable[[], nn.Module], type]:

@@ -155,3 +155,36 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
           "--heads", "4", "--world-size", "8", "--budget-gib", "0.0000001"])
     out = capsys.readouterr().out
     assert "nothing fits" in out and "\n* " not in out
+
+
+def test_fp8_parameters_refused() -> None:
+    """FP8 weights are not counted yet: a clear refusal, not the plain dtype's numbers."""
+    pytest.importorskip("torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def fp8_model() -> nn.Module:
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        return convert_to_float8_training(nn.Sequential(nn.Linear(32, 64)), config=config)
+
+    with pytest.raises(NotImplementedError, match="does not count FP8 parameters"):
+        estimate(fp8_model, world_size=2)
+    assert not dist.is_initialized()
+
+
+def test_tp_presets_divide_the_weights(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp: the preset's plan leaves each TP rank about 1/tp of the block weights."""
+    def llama() -> nn.Module:
+        return LlamaDecoder(2, 64, 128, 96, 4, 2)
+
+    from megatron_fsdp_v2.estimator._presets import tp_plan
+
+    for model, block, name in ((llama, LlamaBlock, "llama"),
+                               (lambda: GPTDecoder(2, 64, 128, 96, 4, 16), GPTBlock, "gpt")):
+        whole = estimate(model, world_size=2, wrap=(block,), sharding_strategy="no_shard")
+        split = estimate(model, world_size=4, tp=2, tp_plan=tp_plan(name), wrap=(block,),
+                         sharding_strategy="no_shard")
+        assert whole.memory.model_weights / 2 < split.memory.model_weights
+        assert split.memory.model_weights < 0.6 * whole.memory.model_weights
+    main(["--world-size", "4", "--tp", "2", "--layers", "1", "--dim", "64", "--ffn", "128",
+          "--vocab", "96", "--heads", "4", "--kv-heads", "2"])
+    assert "tp 2 (dp 2)" in capsys.readouterr().out

@@ -169,7 +169,8 @@ def inspect_unit(
     cross-rank check, so that every rank raises the same error at once instead of the others
     waiting for the timeout. Without it (or on one rank) it is raised here."""
     try:
-        managed = collect_managed_params(module, options.mesh, ignored_params)
+        managed = collect_managed_params(module, options.mesh, ignored_params,
+                                         options.outer_optim)
         meta_init = has_meta_state(module)
         dtypes = [options.mp_policy.resolve(m.param.dtype) for m in managed]
     except (TypeError, ValueError) as e:

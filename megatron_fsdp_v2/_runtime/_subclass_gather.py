@@ -120,6 +120,11 @@ class ExtensionGather:
                 for r in range(layout.world_size)))
             for i in range(len(params))
         ] if group.plan.main_weight_span != (0, layout.total_numel) else [False] * len(params)
+        # The mesh fsdp_pre_all_gather gets, as FSDP2's ``shard_mesh``: the shard axis the inputs
+        # are gathered over (on HSDP the inner axis; torchao all-reduces a dynamic amax there,
+        # which every replica computes alike).
+        mesh = group.mesh
+        self.shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
         self._persistent: list[torch.Tensor] = []  # optim/optim_grads: the gathered inputs
         self._viewed: list[torch.Tensor] | None = None  # the buffers compute params view
 
@@ -181,12 +186,12 @@ class ExtensionGather:
         group = self.group
         params = inspect.signature(local.fsdp_pre_all_gather).parameters
         if len(params) == 1:
-            inputs, metadata = local.fsdp_pre_all_gather(group.mesh)
+            inputs, metadata = local.fsdp_pre_all_gather(self.shard_mesh)
         else:
             item = record.item
             stride = tuple(torch.empty(item.shape, device="meta").stride())
             inputs, metadata = local.fsdp_pre_all_gather(
-                group.mesh, item.shape, stride, self.owners[record.index], self.mp_policy)
+                self.shard_mesh, item.shape, stride, self.owners[record.index], self.mp_policy)
         for t in inputs:
             if t.shape != local.shape:
                 raise NotImplementedError(

@@ -123,8 +123,8 @@ class ExtensionGather:
         # The mesh fsdp_pre_all_gather gets, as FSDP2's ``shard_mesh``: the shard axis the inputs
         # are gathered over (on HSDP the inner axis; torchao all-reduces a dynamic amax there,
         # which every replica computes alike).
-        mesh = group.mesh
-        self.shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
+        mesh, names = group.mesh, group.mesh.mesh_dim_names
+        self.shard_mesh = mesh if mesh.ndim == 1 or names is None else mesh[names[-1]]
         self._persistent: list[torch.Tensor] = []  # optim/optim_grads: the gathered inputs
         self._viewed: list[torch.Tensor] | None = None  # the buffers compute params view
 
@@ -183,7 +183,6 @@ class ExtensionGather:
 
     def _pre_all_gather(self, record: ParamRecord) -> tuple[tuple[torch.Tensor, ...], Any]:
         local = record.dist_param._local_tensor  # type: ignore[attr-defined]
-        group = self.group
         params = inspect.signature(local.fsdp_pre_all_gather).parameters
         if len(params) == 1:
             inputs, metadata = local.fsdp_pre_all_gather(self.shard_mesh)

@@ -36,6 +36,7 @@ from test_fp8_params import (
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+from megatron_fsdp_v2._runtime._subclass_gather import ExtensionGather
 
 from _models import agree
 from _pool import RankPools
@@ -119,6 +120,40 @@ def test_fp8_hsdp_matches_fsdp2_hsdp(ranks: RankPools, strategy: str, dtype_name
     """HSDP 2x2, outer ``no_shard``, 2 micro-batches, 5 AdamW steps: losses and parameters equal
     FSDP2's HSDP + torchao; the weight all-gathers move FP8 bytes."""
     ranks.run(_hsdp_parity, WORLD, strategy, dtype_name, timeout_s=TIMEOUT_S)
+
+
+def _dynamic_scale(rank: int, world: int) -> None:
+    """No precomputed scale, the fused cast off: torchao's own ``fsdp_pre_all_gather`` computes
+    each weight's amax and all-reduces it over the mesh it is given, which must be the shard
+    axis (as FSDP2's ``shard_mesh``): forward and backward equal FSDP2's HSDP."""
+    mesh = _mesh()
+    ours, control = _model(DIM), _model(DIM)
+    for layer in ours:  # one unit per linear: every rank holds rows of each weight
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh, sharding_strategy="optim_grads_params")
+    fully_shard(ours, mesh=mesh, sharding_strategy="optim_grads_params")
+    _fsdp2_hsdp(control, mesh, torch.float32)
+    x, y = _batches(world, DIM)[0][0]
+    rows = slice(rank * 8, (rank + 1) * 8)
+    ExtensionGather.fuse_float8 = False
+    try:
+        out = ours(x[rows])
+    finally:
+        ExtensionGather.fuse_float8 = True
+    expected = control(x[rows])
+    out.sub(y[rows]).square().mean().backward()
+    expected.sub(y[rows]).square().mean().backward()
+    agree("dynamic scale: output", lambda: torch.testing.assert_close(
+        out, expected, rtol=0.0, atol=0.0))
+    grads = {n: p.grad.full_tensor() for n, p in control.named_parameters()}
+    for name, p in ours.named_parameters():
+        got = p.grad.full_tensor()  # type: ignore[union-attr]
+        agree(f"dynamic scale: gradient of {name}", lambda: torch.testing.assert_close(
+            got, grads[name], rtol=0.0, atol=1e-7))
+
+
+def test_dynamic_scale_over_the_shard_axis(ranks: RankPools) -> None:
+    ranks.run(_dynamic_scale, WORLD, timeout_s=TIMEOUT_S)
 
 
 def _precompute_over_mesh(rank: int, world: int) -> None:

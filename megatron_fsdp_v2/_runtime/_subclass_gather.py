@@ -329,6 +329,33 @@ class ExtensionGather:
     def persistent_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._persistent)
 
+    def side_tensors(self) -> list[torch.Tensor]:
+        """The tensors this group's parameter objects hold outside its flat buffers: the inner
+        tensors (``__tensor_flatten__``) of each compute weight and each optimizer-facing local
+        tensor that view none of the group's buffers -- torchao's scales (``_scale`` of the
+        gathered ``Float8TrainingTensor``, ``_precomputed_scale`` of the weight). For
+        ``memory_report``, which counts each storage once."""
+        group = self.group
+        own = {t.untyped_storage()._cdata for t in (group.main_weight, group.model_weight,
+                                                     *self._persistent)}
+        k = 0
+        while (scratch := group.allocator.get(self._key(k))) is not None:
+            own.add(scratch.untyped_storage()._cdata)
+            k += 1
+        found: list[torch.Tensor] = []
+        for record in group.records:
+            for holder in (record.compute_param,
+                           record.dist_param._local_tensor):  # type: ignore[attr-defined]
+                flatten = getattr(holder, "__tensor_flatten__", None)
+                if flatten is None:
+                    continue
+                for name in flatten()[0]:
+                    inner = getattr(holder, name, None)
+                    if isinstance(inner, torch.Tensor) and \
+                            inner.untyped_storage()._cdata not in own:
+                        found.append(inner)
+        return found
+
     def _post_all_gather(self, buffers: list[torch.Tensor], metadata: list[Any],
                          trailing: list[torch.Size]) -> None:
         group = self.group

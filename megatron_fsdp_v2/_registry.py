@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "group_of", "owned_modules", "record_of", "register_records", "reset", "set_state", "state_of",
+    "unit_states",
 ]
 
 _states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Module -> FSDPState
@@ -69,6 +70,19 @@ applying_depth = [0]
 # buffers of groups built from meta parameters go on the meta device instead of the mesh's, so
 # wrapping allocates no storage and ``memory_bytes`` still reads numel * element_size.
 meta_buffers = [False]
+
+
+def unit_states(module: nn.Module) -> list[tuple[str, FSDPState]]:
+    """Every unit state in ``module``'s tree, once each (a unit wrapped from a list of modules
+    is found under its first member's name), in module order."""
+    seen: set[int] = set()
+    found = []
+    for name, m in module.named_modules():
+        state = state_of(m)
+        if state is not None and id(state) not in seen:
+            seen.add(id(state))
+            found.append((name, state))
+    return found
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
@@ -127,13 +141,17 @@ def reset() -> None:
 
 
 def owned_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``module`` and its submodules, minus wrapped children and everything below them."""
+    """``module`` and its submodules, minus wrapped children and everything below them. The
+    members of a unit wrapped from a list share its state and are its own (see [Note: several
+    modules as one unit] in ``_frontend/_grouped_modules.py``)."""
     owned: list[tuple[str, nn.Module]] = []
     wrapped: list[str] = []
+    own_state = state_of(module)
     for prefix, submodule in module.named_modules():
         if any(prefix.startswith(w + ".") for w in wrapped):
             continue
-        if submodule is not module and state_of(submodule) is not None:
+        sub_state = state_of(submodule) if submodule is not module else None
+        if sub_state is not None and (own_state is None or sub_state is not own_state):
             wrapped.append(prefix)
             continue
         owned.append((prefix, submodule))

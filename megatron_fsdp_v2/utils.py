@@ -21,9 +21,13 @@ __all__ = ["clip_grad_norm_", "get_total_norm"]
 
 # [Note: clipping collectives]
 # Every rank must issue the same all-reduces, in the same order, whatever its parameter list
-# holds: a rank whose local shards are all empty has no gradients (``grad=None``), so a list
-# filtered with ``p.grad is not None`` can be empty on that rank only. Participation is therefore
-# decided from the parameters and from wrap-time state, never from gradients:
+# holds. A rank holds a gradient of every parameter it used, zero rows where its shard is empty
+# ([Note: gradients the optimizer sees] in _runtime/_grad_views.py), so a list filtered with
+# ``p.grad is not None`` is the same on every rank when every rank used the same parameters
+# (FSDP2's own requirement); it can still differ for a parameter some ranks did not use, on a
+# rank holding no rows of it, and a list filtered by something rank-local (rows held) can be
+# empty on some ranks only. Participation is therefore decided from the parameters and from
+# wrap-time state, never from gradients:
 #
 # * each process group of a sharded (``Shard``) DTensor parameter in the list (the unit's
 #   communication group for fully_shard parameters, the 1-D mesh's group otherwise);
@@ -115,13 +119,15 @@ def clip_grad_norm_(
     from wrap-time state, never from which gradients this rank holds:
 
     * one all-reduce on each process group of a sharded DTensor parameter in the list;
-    * if the list holds no fully_shard parameter at all (e.g. it is empty because it was
-      filtered with ``p.grad is not None`` on a rank whose shards are all empty) and every
-      ``fully_shard`` call of the process used one 1-D mesh and one ``timeout`` (one library
-      communication group), one all-reduce on that group, so the rank joins its peers'.
+    * if the list holds no fully_shard parameter at all (e.g. empty on a rank that filtered
+      it by something rank-local) and every ``fully_shard`` call of the process used one 1-D
+      mesh and one ``timeout`` (one library communication group), one all-reduce on that
+      group, so the rank joins its peers'.
 
-    So the lists may differ across ranks (filtered by gradient, or ``model.parameters()`` on
-    some ranks only) when the job has one library group. With several (several meshes or
+    A list filtered with ``p.grad is not None`` is the same on every rank that used the same
+    parameters (a rank holding no rows of a parameter holds a zero-row gradient of it). Other
+    lists may differ across ranks (``model.parameters()`` on some ranks only, or a parameter
+    some ranks did not use) when the job has one library group. With several (several meshes or
     timeouts, or ``timeout=None``, whose units use the mesh's own group, which the second rule
     does not see) every rank's list must hold a sharded parameter of each group that any rank
     all-reduces on: pass ``model.parameters()`` unfiltered, or filter with

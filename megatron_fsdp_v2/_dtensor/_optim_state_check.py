@@ -1,8 +1,10 @@
 """The check in front of torch's full optimizer state dict (``get_optimizer_state_dict`` with
 ``full_state_dict=True``; installed by ``_torch_patches/_optim_state_dict.py``): torch gathers
-each state tensor rank by rank, in the order of each rank's own ``optimizer.state``, and a
-rank whose shard of a parameter is empty has no gradient, hence no state, for it, so the ranks
-would pair different tensors. Refused on every rank, before any gather."""
+each state tensor rank by rank, in the order of each rank's own ``optimizer.state``. A rank
+whose shard of a parameter is empty holds a zero-row gradient of it, hence state (empty
+tensors), like every other rank; but a parameter only some ranks used (or an optimizer loaded
+with state on some ranks only) leaves the ranks pairing different tensors. Refused on every
+rank, before any gather."""
 
 from __future__ import annotations
 
@@ -51,7 +53,7 @@ def _check_states_everywhere(optimizer: torch.optim.Optimizer) -> None:
             raise NotImplementedError(
                 f"get_optimizer_state_dict(full_state_dict=True): optimizer state of "
                 f"{uneven[:3]}{' ...' if len(uneven) > 3 else ''} exists on some ranks only "
-                "(a fully_shard rank whose shard of a parameter is empty has no gradient and "
-                "no optimizer state for it), so torch would gather different tensors together; "
+                "(a parameter some ranks did not use has no gradient and no optimizer state "
+                "there), so torch would gather different tensors together; "
                 f"nothing was gathered. {ALTERNATIVE}"
             )

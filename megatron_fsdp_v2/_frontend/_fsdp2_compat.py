@@ -14,7 +14,14 @@ Each FSDP2 argument either maps onto this library with FSDP2's semantics or is r
   another strategy is a contradiction (``ValueError``) and ``False`` there changes nothing. An
   ``int`` (reshard to a smaller group) is not supported.
 * ``offload_policy``: only the default ``OffloadPolicy()`` (no offload).
-* a list of modules as one unit: not supported; wrap a common parent instead.
+* ``dp_mesh_dims``: the data-parallel dims of one SPMD mesh, resolved in ``_mesh.py`` (see
+  [Note: SPMD meshes and dp_mesh_dims] there).
+* ``shard_placement_fn``: called once per managed parameter, as FSDP2 does; ``None`` or
+  ``Shard(0)`` (FSDP2's default) is what every parameter gets. Any other placement (another
+  dim, or a ``ShardPlacementResult`` with its own mesh) raises ``NotImplementedError`` naming
+  the parameter: flat buffers shard a parameter by rows, contiguous spans of dim 0 (uneven
+  over ranks), so no other dim can be the sharded one without a copy per gather.
+* a list of modules as one unit: see [Note: several modules as one unit] in ``_grouped_modules.py``.
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ from .. import _registry
 from ..api import MixedPrecisionPolicy, ShardingStrategy
 
 __all__ = [
-    "check_modules_argument",
     "check_offload_policy",
+    "check_shard_placements",
     "convert_mp_policy",
     "parse_reshard_after_forward",
     "routed_clip_grad_norm_",
@@ -106,14 +113,31 @@ def parse_reshard_after_forward(value: object, strategy: ShardingStrategy) -> bo
     return value
 
 
-def check_modules_argument(module: object) -> None:
-    """FSDP2's ``fully_shard([m1, m2])`` (several modules as one unit) is not supported."""
-    if isinstance(module, (list, tuple)) and all(isinstance(m, nn.Module) for m in module):
+def check_shard_placements(fn: object, managed: Iterable[tuple[str, nn.Parameter]]) -> None:
+    """FSDP2's ``shard_placement_fn`` (see [Note: FSDP2 arguments]): every parameter must get
+    ``None`` or ``Shard(0)``. No collective; the function is called once per parameter."""
+    if fn is None:
+        return
+    if not callable(fn):
+        raise TypeError(f"shard_placement_fn must be callable or None, got {type(fn).__name__}")
+    from torch.distributed.tensor import Shard
+
+    for fqn, param in managed:
+        placement = fn(param)
+        if placement is None:
+            continue
+        if isinstance(placement, Shard) and placement.dim in (0, -max(param.dim(), 1)):
+            continue
+        if isinstance(placement, Shard):
+            what = f"Shard({placement.dim})"
+        else:
+            what = f"a {type(placement).__name__} ({placement!r})"
         raise NotImplementedError(
-            f"fully_shard of a {type(module).__name__} of {len(module)} modules (one unit over "
-            "several modules) is not supported. Wrap a module that contains them all (their "
-            "common parent, or an nn.ModuleList holding them that is part of the model), or "
-            "wrap each of them separately"
+            f"shard_placement_fn returned {what} for parameter {fqn!r}: megatron_fsdp_v2 "
+            "shards every parameter by rows (Shard(0), uneven across ranks) because its flat "
+            "buffers hold contiguous spans of dim 0; another dim or a mesh of its own is not "
+            "supported. Return None or Shard(0) for it, or leave the parameter out of the unit "
+            "(ignored_params)"
         )
 
 

@@ -54,7 +54,7 @@ class FSDPModule(FSDP2Surface):
             # it: its parameters are managed already). Saves a module walk with a registry
             # look-up per module on every set_is_last_backward call (0.3 ms on 64 units).
             return list(ctx.states)
-        return [s for m in self.modules() if (s := _registry.state_of(m)) is not None]
+        return [s for _, s in _registry.unit_states(self)]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather (ZeRO-3) or refresh (ZeRO-1/2) this unit's compute weights ahead of use.

@@ -18,6 +18,7 @@ from .._comm._comm_groups import DEFAULT_TIMEOUT
 from .._runtime._memory import MemoryReport, memory_report
 from ..api import MixedPrecisionPolicy, ShardingStrategy
 from ._fsdp_module import FSDPModule, UnshardHandle
+from ._grouped_modules import resolve_modules_argument
 from ._wiring import broadcast_buffers, build_groups, install_unit, make_process_groups
 from ._wrap_options import check_same_unit_everywhere, inspect_unit, parse_options
 
@@ -25,7 +26,7 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MemoryReport", "memory
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     sharding_strategy: ShardingStrategy | str | int = "optim_grads_params",
@@ -45,6 +46,8 @@ def fully_shard(
     collective_impl: str = "native",
     reduce_bucket_size_mb: float | None = None,
     refresh_bucket_size_mb: float | None = None,
+    dp_mesh_dims: Any | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
 ) -> FSDPModule:
     """Shard ``module``'s parameters, gradients and/or optimizer state over a data-parallel mesh.
 
@@ -165,6 +168,16 @@ def fully_shard(
             ``optim_grads_params`` are unaffected. Every unit of a model must pass the same
             value (``ValueError`` at the first forward); a 2-D (HSDP) mesh raises
             ``NotImplementedError``. See README "Many small units".
+        dp_mesh_dims: FSDP2's argument: a ``torch.distributed.fsdp.DataParallelMeshDims``
+            naming the data-parallel dims of ``mesh``, one SPMD mesh of all parallelisms
+            (torchtitan's default). ``shard`` dims (several are flattened into one) are the
+            mesh sharded over; with ``replicate`` dims too, the 2-D HSDP mesh (replicate,
+            shard). The mesh's other dims must have size 1 for now (``NotImplementedError``
+            otherwise); ``replicate`` alone raises ``NotImplementedError`` naming the
+            ``no_shard`` equivalent. Parameters may be plain tensors.
+        shard_placement_fn: FSDP2's argument, called once per parameter of the unit: ``None``
+            or ``Shard(0)`` are accepted (every parameter is sharded by rows); another
+            placement raises ``NotImplementedError`` naming the parameter.
 
     Coming from FSDP2: ``reshard_after_forward``, FSDP2's ``MixedPrecisionPolicy`` (with
     ``output_dtype``) and ``offload_policy=OffloadPolicy()`` are accepted; FSDP2's methods
@@ -172,14 +185,20 @@ def fully_shard(
     ``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch`` and
     ``set_requires_gradient_sync`` are on :class:`FSDPModule`; after the first call,
     ``torch.nn.utils.clip_grad_norm_`` on these parameters runs
-    ``megatron_fsdp_v2.clip_grad_norm_``. ``fully_shard([m1, m2])`` (several modules as one
-    unit) raises ``NotImplementedError``: wrap a module containing them.
+    ``megatron_fsdp_v2.clip_grad_norm_``. ``fully_shard([m1, m2])`` makes one unit of several
+    modules, as FSDP2 (returns the list; each module becomes ``FSDP<Class>``): one parameter
+    group, gathered before whichever member runs first, reduced after the backward of every
+    call of every member (see [Note: several modules as one unit]).
 
     Invalid arguments raise ``TypeError``/``ValueError`` before any collective, leaving
     ``module`` untouched. An invalid parameter found on some ranks only (with ``check_ranks``)
     is shared in the cross-rank check, so every rank raises the same error promptly.
     """
     _torch_patches.check_torch_version()  # before anything changes (see design.md)
+    arg_module = module
+    # A list of modules is one unit over an internal holder of them (see [Note: several
+    # modules as one unit] in _grouped_modules.py).
+    module, members = resolve_modules_argument(module)
     options = parse_options(
         module, mesh=mesh, sharding_strategy=sharding_strategy,
         reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
@@ -189,13 +208,19 @@ def fully_shard(
         outer_dp_sharding_strategy=outer_dp_sharding_strategy, param_init_fn=param_init_fn,
         enable_trace_pool=enable_trace_pool, collective_impl=collective_impl,
         reduce_bucket_size_mb=reduce_bucket_size_mb,
-        refresh_bucket_size_mb=refresh_bucket_size_mb,
+        refresh_bucket_size_mb=refresh_bucket_size_mb, dp_mesh_dims=dp_mesh_dims,
     )
-    unit = inspect_unit(module, options, ignored_params)  # this rank's parameters
+    unit = inspect_unit(module, options, ignored_params, shard_placement_fn)
+    if members is not None and unit.meta_init:
+        raise NotImplementedError(
+            "fully_shard of a list of modules built on the meta device is not supported: "
+            "materialize them first (to_empty + reset_parameters), or wrap a module that "
+            "contains them all"
+        )
     process_groups = make_process_groups(options, unit)
     check_same_unit_everywhere(module, options, unit, process_groups.checked_axes(options))
     flat_groups, allocator = build_groups(module, options, unit, process_groups)
     if options.sync_module_states:
         broadcast_buffers(module, process_groups)
-    install_unit(module, options, unit, flat_groups, allocator)  # the first change to module
-    return module  # type: ignore[return-value]
+    install_unit(module, options, unit, flat_groups, allocator, members)  # the first change
+    return arg_module  # type: ignore[return-value]

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .._comm._comm_groups import LAUNCH_HINT, default_mesh
 from ..api import ShardingStrategy
 
-__all__ = ["MeshAxes", "parse_outer_strategy", "validate_mesh"]
+__all__ = ["MeshAxes", "parse_outer_strategy", "resolve_dp_mesh", "validate_mesh"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,92 @@ _HSDP_MESH_HINT = (
     "init_device_mesh(device_type, (R, S), mesh_dim_names=('replicate', 'shard')): dim 0 is "
     "the outer (replicate) axis, dim 1 the inner (shard) axis"
 )
+
+
+# [Note: SPMD meshes and dp_mesh_dims]
+# FSDP2's ``dp_mesh_dims`` (torch's ``DataParallelMeshDims(shard=..., replicate=...)``) names
+# which dims of one SPMD mesh (e.g. ``("dp_replicate", "dp_shard", "cp", "tp")``) are data
+# parallel; the others belong to other parallelisms. :func:`resolve_dp_mesh` turns that into
+# the mesh this library shards over, exactly as FSDP2 does: the ``shard`` dims (flattened into
+# one dim when several, e.g. ``("dp_shard", "cp")``) are the inner axis; with ``replicate``
+# dims too (flattened likewise) the result is the 2-D ``(replicate, shard)`` HSDP mesh; a
+# ``replicate`` without ``shard`` (FSDP2's DDP mode) is refused with the equivalent here
+# (``mesh=mesh[replicate]``, ``sharding_strategy="no_shard"``). The other dims must have size 1
+# for now: parameters split over them (tensor parallel) are DTensors on the SPMD mesh, which a
+# later change maps (this function is the one place the mesh is resolved). Parameters may be
+# plain tensors, as with any ``mesh=``; FSDP2 requires DTensors on the SPMD mesh there.
+
+
+def _flat_submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The 1-D mesh over the named dims of ``mesh`` (flattened when several, as FSDP2)."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    ordered = tuple(n for n in mesh.mesh_dim_names or () if n in names)
+    return mesh[ordered]._flatten("_".join(ordered))
+
+
+def _dim_names(value: Any, field: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    names = (value,) if isinstance(value, str) else tuple(value)
+    if not names or not all(isinstance(n, str) for n in names):
+        raise TypeError(
+            f"dp_mesh_dims.{field} must be a mesh dim name or a tuple of names, got {value!r}"
+        )
+    return names
+
+
+def resolve_dp_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any) -> DeviceMesh | None:
+    """The data-parallel mesh ``fully_shard`` works on: ``mesh`` itself, or with
+    ``dp_mesh_dims`` its data-parallel dims as a 1-D (shard) or 2-D (replicate, shard) mesh (see
+    [Note: SPMD meshes and dp_mesh_dims]). No collective, except flattening several dims into
+    one (which creates that group, as FSDP2 does)."""
+    if dp_mesh_dims is None:
+        return mesh
+    if not (hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")):
+        raise TypeError(
+            "dp_mesh_dims must be a torch.distributed.fsdp.DataParallelMeshDims(shard=..., "
+            f"replicate=...), got {type(dp_mesh_dims).__name__}"
+        )
+    if not isinstance(mesh, DeviceMesh) or mesh.mesh_dim_names is None:
+        raise ValueError(
+            "dp_mesh_dims names dims of mesh, so mesh must be a DeviceMesh with dimension names "
+            "(init_device_mesh(..., mesh_dim_names=(...))), got "
+            f"{'an unnamed mesh' if isinstance(mesh, DeviceMesh) else type(mesh).__name__}"
+        )
+    shard = _dim_names(dp_mesh_dims.shard, "shard")
+    replicate = _dim_names(dp_mesh_dims.replicate, "replicate")
+    all_names = mesh.mesh_dim_names
+    for name in shard + replicate:
+        if name not in all_names:
+            raise ValueError(
+                f"dp_mesh_dims names the mesh dim {name!r}, which the mesh does not have "
+                f"(its dims: {all_names})"
+            )
+    if set(shard) & set(replicate) or len(set(shard + replicate)) != len(shard + replicate):
+        raise ValueError(
+            f"dp_mesh_dims names a mesh dim twice: shard={shard}, replicate={replicate}"
+        )
+    if not shard:
+        raise NotImplementedError(
+            f"dp_mesh_dims with replicate={replicate} and no shard dims (FSDP2's replicated, "
+            "DDP-like mode) is not supported as such: pass mesh=mesh"
+            f"[{replicate[0]!r}] (the replicate dim) with sharding_strategy='no_shard', which "
+            "keeps parameters replicated and all-reduces gradients"
+        )
+    others = {n: mesh.size(all_names.index(n)) for n in all_names if n not in shard + replicate}
+    split = {n: size for n, size in others.items() if size > 1}
+    if split:
+        raise NotImplementedError(
+            f"dp_mesh_dims on a mesh whose other dims {split} have more than one rank (tensor, "
+            "context or expert parallel over them) is not supported yet: parameters split "
+            "over those dims are DTensors fully_shard cannot take. Wrap with mesh= the "
+            "data-parallel sub-mesh only, or give the other dims size 1"
+        )
+    shard_mesh = _flat_submesh(mesh, shard)
+    if not replicate:
+        return shard_mesh
+    return DeviceMesh._concatenate([_flat_submesh(mesh, replicate), shard_mesh])
 
 
 def parse_outer_strategy(value: Any) -> ShardingStrategy:

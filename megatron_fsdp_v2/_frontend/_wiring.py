@@ -151,10 +151,13 @@ def broadcast_buffers(module: nn.Module, groups: UnitProcessGroups) -> None:
 def install_unit(
     module: nn.Module, options: WrapOptions, unit: LocalUnit,
     flat_groups: list[FlatParamGroup], allocator: ScratchAllocator,
+    members: list[nn.Module] | None = None,
 ) -> FSDPState:
     """Make ``module`` a unit: bind its parameters to the groups' buffers, register its state,
     records and hooks, change its class to ``FSDP<Class>``, and install the process-wide hooks
-    on the first wrap. Every group is built: only now is the module changed."""
+    on the first wrap. Every group is built: only now is the module changed. ``members``: the
+    modules of a unit wrapped from a list, which ``module`` (their internal holder) groups; they
+    get the state, the hooks and ``FSDP<Class>`` (see [Note: several modules as one unit])."""
     if unit.meta_init:
         _materialize.adopt_meta_unit(
             module, flat_groups, mesh_device(options.mesh), options.param_init_fn
@@ -168,13 +171,16 @@ def install_unit(
         group.bind()
         group.owner = owner
         _registry.register_records(group.records)
-    state = FSDPState(module, flat_groups, options.mp_policy, allocator)
+    state = FSDPState(module, flat_groups, options.mp_policy, allocator, members)
     state.overlap = options.overlap
     state.reduce_bucket_size_mb = options.reduce_bucket_size_mb
     state.refresh_bucket_size_mb = options.refresh_bucket_size_mb
     state.reshard_after_forward = options.reshard_after_forward
     state.enable_trace_pool = options.enable_trace_pool
     _registry.set_state(module, state)
+    targets = state.members  # ``module`` itself, or the members of a list
+    for member in targets:
+        _registry.set_state(member, state)
     # DTensor redistribution of uneven shards.
     register_mesh(options.mesh, outer_optim=options.outer_optim)
     for face in (f for group in flat_groups for f in group.tp_faces if f is not None):
@@ -182,14 +188,15 @@ def install_unit(
                       tp_dims=tuple(range(face.dp_ndim, face.dist_mesh.ndim)))
     _torch_patches.install_all()  # once; see _torch_patches/__init__.py for the list
     state.register_dist_params()
-    module.register_load_state_dict_post_hook(_mark_loaded)
-    # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.
-    module.register_state_dict_post_hook(_state_dict_hooks.state_dict_post_hook)
-    module.register_load_state_dict_pre_hook(_state_dict_hooks.load_state_dict_pre_hook)
-    if unit.meta_init:  # values before anything reads or writes them (see _materialize.py)
-        module.register_state_dict_pre_hook(_materialize.materialize_hook)
-        module.register_load_state_dict_pre_hook(_materialize.materialize_hook)
-    module.__class__ = fsdp_class(type(module))
+    for target in targets:
+        target.register_load_state_dict_post_hook(_mark_loaded)
+        # Sharded state dicts: chunk metadata for DCP, full-tensor/shape handling on load.
+        target.register_state_dict_post_hook(_state_dict_hooks.state_dict_post_hook)
+        target.register_load_state_dict_pre_hook(_state_dict_hooks.load_state_dict_pre_hook)
+        if unit.meta_init:  # values before anything reads or writes them (_materialize.py)
+            target.register_state_dict_pre_hook(_materialize.materialize_hook)
+            target.register_load_state_dict_pre_hook(_materialize.materialize_hook)
+        target.__class__ = fsdp_class(type(target))
     note_wrap()  # optimizer step hooks (first wrap); optimizers cached before are checked again
     return state
 

@@ -23,7 +23,7 @@ from .._runtime._coalesce import validate_bucket_size
 from ..api import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from . import _fsdp2_compat
 from ._fsdp_module import FSDPModule
-from ._mesh import MeshAxes, parse_outer_strategy, validate_mesh
+from ._mesh import MeshAxes, parse_outer_strategy, resolve_dp_mesh, validate_mesh
 from ._wrap_checks import (
     ManagedParam,
     check_mesh_agrees,
@@ -97,12 +97,11 @@ def parse_options(
     gradient_scaling_factor: Any, max_padding_ratio: Any, check_ranks: bool, overlap: bool,
     timeout: Any, sync_module_states: bool, outer_dp_sharding_strategy: Any,
     param_init_fn: Any, enable_trace_pool: Any, collective_impl: Any,
-    reduce_bucket_size_mb: Any, refresh_bucket_size_mb: Any,
+    reduce_bucket_size_mb: Any, refresh_bucket_size_mb: Any, dp_mesh_dims: Any = None,
 ) -> WrapOptions:
     """Check ``module`` and every argument of ``fully_shard`` (``TypeError``/``ValueError``/
     ``NotImplementedError``), without a collective except what creating the default mesh does.
     Nothing is changed yet."""
-    _fsdp2_compat.check_modules_argument(module)
     # Before check_module: our units are torch FSDPModules too, and this is the message for them.
     if isinstance(module, nn.Module) and (
         isinstance(module, FSDPModule) or _registry.state_of(module) is not None
@@ -127,7 +126,7 @@ def parse_options(
     reduce_bucket_size_mb = validate_bucket_size(reduce_bucket_size_mb)
     refresh_bucket_size_mb = validate_bucket_size(refresh_bucket_size_mb,
                                                   "refresh_bucket_size_mb")
-    axes = validate_mesh(mesh, outer_strategy, strategy)
+    axes = validate_mesh(resolve_dp_mesh(mesh, dp_mesh_dims), outer_strategy, strategy)
     if reduce_bucket_size_mb is not None and axes.outer is not None:
         raise NotImplementedError(
             "reduce_bucket_size_mb with a 2-D (HSDP) mesh is not supported: the window's outer "
@@ -162,7 +161,8 @@ class LocalUnit:
 
 
 def inspect_unit(
-    module: nn.Module, options: WrapOptions, ignored_params: Iterable[nn.Parameter] | None
+    module: nn.Module, options: WrapOptions, ignored_params: Iterable[nn.Parameter] | None,
+    shard_placement_fn: Any = None,
 ) -> LocalUnit:
     """Collect and check the parameters the unit manages. These checks may fail on one rank
     only: with ``check_ranks`` the failure is kept (``LocalUnit.error``) and shared in the
@@ -171,6 +171,8 @@ def inspect_unit(
     try:
         managed = collect_managed_params(module, options.mesh, ignored_params,
                                          options.outer_optim)
+        _fsdp2_compat.check_shard_placements(shard_placement_fn,
+                                             [(m.fqn, m.param) for m in managed])
         meta_init = has_meta_state(module)
         dtypes = [options.mp_policy.resolve(m.param.dtype) for m in managed]
     except (TypeError, ValueError) as e:

@@ -11,8 +11,15 @@ micro-batch of a window. Per parameter, as in single-process torch:
   it alone: no weight decay, no momentum step). Locally that is known (a compute ``.grad`` was
   set, or its in-place alias written: [Note: gradients in place]); another rank's use shows
   in the reduced values, so a parameter unused here whose reduced local gradient is exactly
-  zero gets ``None``. Also ``None``: an empty local shard (fused optimizers mishandle zero-size
-  tensors) and a parameter that does not train.
+  zero gets ``None``. Also ``None``: a parameter that does not train.
+* An empty local shard (no rows of the parameter here, uneven rows or a padding-only rank) is
+  not an exception: a parameter that received a gradient on this rank gets a zero-row view
+  (free: no storage of its own), as FSDP2 gives every rank a gradient for every parameter.
+  So ``[p.grad for p in params if p.grad is not None]`` holds the same parameters on every
+  rank that used the same parameters (FSDP2's own requirement), and torch's clipping, or a
+  hand-written one, issues the same collectives everywhere (see [Note: clipping collectives]
+  in ``utils.py``). A parameter this rank did not use and holds no rows of stays ``None``:
+  another rank's use cannot show in values this rank does not hold.
 * Between the step and the next backward, :meth:`GroupGrads.sweep` takes in what the user
   did: all set to ``None`` (``optimizer.zero_grad()``): free the storage. Some set to ``None``
   (an optimizer over part of a unit): zero those, so they start afresh while the others keep
@@ -31,9 +38,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._buffers._plan import GradPath
+from .._buffers._plan import Collective, Extent, GradPath
 from .._profiling import traced
 from ._grad_state import GradState
+from ._issuer import CollectiveLaunch
 from ._zeroed_grads import ZeroMarks, all_zeros, reduced_nonzero, zero_outside
 
 if TYPE_CHECKING:
@@ -56,6 +64,7 @@ class OptimizerGrads:
     _received: list[bool]
     _zero_marks: ZeroMarks
     _window_issued: bool
+    _path_read: bool
 
     if TYPE_CHECKING:  # defined by GroupGrads or its other part
         def ensure_main_grad(self) -> torch.Tensor: ...
@@ -68,7 +77,8 @@ class OptimizerGrads:
         self._views = None
 
     def view(self, index: int) -> DTensor | None:
-        """Parameter ``index``'s gradient view (None: empty local shard or not trained)."""
+        """Parameter ``index``'s gradient view (zero rows for an empty local shard; None: not
+        trained)."""
         if self._views is None:
             group = self.group
             local = self.main_grad_local()
@@ -76,8 +86,7 @@ class OptimizerGrads:
             for i, record in enumerate(group.records):
                 rows = group.local_view(local, i)
                 self._views.append(
-                    group.to_dtensor(rows, i)
-                    if rows.numel() > 0 and record.dist_param.requires_grad else None
+                    group.to_dtensor(rows, i) if record.dist_param.requires_grad else None
                 )
         return self._views[index]
 
@@ -92,11 +101,14 @@ class OptimizerGrads:
         # No gradient here, none installed: None unless another rank's use shows in the
         # reduced values (the one host read left; see [Note: gradients known without a host
         # read] in _zeroed_grads.py), read for all such parameters at once.
-        unknown = [
-            (index, view) for index, view in enumerate(views)
-            if view is not None and not self._received[index]
-            and self._installed[index] is None
-        ]
+        unknown = []
+        for index, view in enumerate(views):
+            if view is None or self._received[index] or self._installed[index] is not None:
+                continue
+            if view._local_tensor.numel() == 0:  # no rows here: nothing to read
+                views[index] = None
+            else:
+                unknown.append((index, view))
         flags = reduced_nonzero([view._local_tensor for _, view in unknown])
         for (index, _), used_elsewhere in zip(unknown, flags):
             if not used_elsewhere:
@@ -109,6 +121,7 @@ class OptimizerGrads:
         self._received = [False] * len(self._received)
         self.pending_install = False
         self._window_issued = False
+        self._path_read = False
         self._any_installed = any_installed
         self._zero_marks.clear()
         if not any_installed:  # nothing to show: all zeros, start the next window afresh
@@ -174,13 +187,31 @@ class OptimizerGrads:
             # zero, as after FSDPModule.zero_grad, without writing the live views again.
             zero_outside(main_grad, [view._local_tensor for _, view in live])
             self.restart_accumulation_from_zeros()
-        elif all_zeros(self.main_grad_local()):
-            # Zeroed by means the library did not see: read to know (one read per group).
+        elif not self.pending_install and not self._path_read and self._zero_on_every_rank():
+            # Zeroed by means the library did not see: read to know (one read per group and
+            # window, before its first reduction; the rest of the window keeps its path).
             # Only the rest of main_grad, the other ranks' regions after a reduce-scatter
             # (nothing for no_shard), is zeroed, instead of writing the whole buffer a second
             # time (measured: 10 ms of a 110 ms forward, 1-rank 29.5M GPT).
             self._zero_outside_local()
             self.restart_accumulation_from_zeros()
+
+    def _zero_on_every_rank(self) -> bool:
+        """Whether the optimizer-facing gradients are zero on every rank of the group's shard
+        axis: the path of the next window must be the same on all of them. Replicated
+        (``no_shard``) gradients are the same everywhere: one local read. Sharded ones differ
+        by rank (a rank may hold only rows the optimizer cleared, or only padding), so the local
+        verdicts are summed with one scalar all-reduce, then read (see [Note: gradients known
+        without a host read] in ``_zeroed_grads.py``)."""
+        self._path_read = True  # until new values are installed or the gradients cleared
+        local_zero = all_zeros(self.main_grad_local())
+        group = self.group
+        if group.plan.optimizer_placement is not Extent.SHARD:
+            return local_zero
+        nonzero = torch.full((1,), 0.0 if local_zero else 1.0, device=group.device)
+        group.issuer.launch(CollectiveLaunch(
+            Collective.ALL_REDUCE, nonzero, None, "zeroed-gradients agreement"), False).finish()
+        return all_zeros(nonzero)
 
     def _zero_outside_local(self) -> None:
         lo, hi = self._local_bounds()

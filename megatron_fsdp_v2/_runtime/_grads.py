@@ -78,6 +78,9 @@ class GroupGrads(GradStaging, OptimizerGrads):
         self._carrying = False
         # The window's steps (HSDP's outer reduction) were launched and not yet installed.
         self._window_issued = False
+        # The sweep read whether the installed gradients were zeroed, for the coming window
+        # (OptimizerGrads._zero_on_every_rank): once per window, on every rank alike.
+        self._path_read = False
         # [Note: gradients in place] The aliases of the buffer they were built over, and while
         # a backward writes through them, each armed parameter's alias version (else None).
         self._alias_base: torch.Tensor | None = None
@@ -326,6 +329,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
         self._received = [False] * len(self._received)
         self.pending_install = False
         self._window_issued = False
+        self._path_read = False
         self._zero_marks.clear()
         self._drop_carry()
         self._free_window_grad()

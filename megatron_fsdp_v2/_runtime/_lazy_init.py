@@ -34,10 +34,7 @@ def _require_same(named: list[tuple[str, FSDPState]], root: FSDPState, option: s
 
 def lazy_init(root: FSDPState) -> None:
     """First forward of ``root``: it is the root of every unit below it."""
-    named = [
-        (name, s) for name, m in root.module.named_modules()
-        if (s := _registry.state_of(m)) is not None
-    ]
+    named = _registry.unit_states(root.module)
     states = [s for _, s in named]
     # One allocator and one reduction coalescer serve the whole tree.
     _require_same(named, root, "enable_trace_pool", "one allocator serves them all")

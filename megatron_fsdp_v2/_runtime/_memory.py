@@ -100,10 +100,7 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
     content = padded = 0
     managed: list[torch.Tensor] = []
     scale_storages: dict[int, int] = {}  # storage -> bytes: torchao stacks all scales in one
-    for m in module.modules():
-        state = _registry.state_of(m)
-        if state is None:
-            continue
+    for _, state in _registry.unit_states(module):
         allocators[id(state.allocator)] = state.allocator
         for group in state.groups:
             sizes = group.memory_bytes()

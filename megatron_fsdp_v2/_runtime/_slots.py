@@ -79,7 +79,11 @@ class ParamSlots:
         self._outside_unit_hook = eager_hook(self._called_outside_unit)
         for _, submodule in owned:
             has_params = any(p is not None for p in submodule._parameters.values())
-            if submodule is not module and has_params:
+            # A member of a unit wrapped from a list is called by the model: its own hooks
+            # unshard the unit first.
+            if submodule is not module and has_params and not any(
+                submodule is member for member in state.members
+            ):
                 handle = submodule.register_forward_pre_hook(self._outside_unit_hook)
                 self._idle_hooks.append((submodule._forward_pre_hooks, handle.id))
 

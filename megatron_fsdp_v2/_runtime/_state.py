@@ -68,19 +68,23 @@ class FSDPState(UnitState):
 
     def __init__(
         self, module: nn.Module, groups: list[FlatParamGroup], mp_policy: MixedPrecisionPolicy,
-        allocator: ScratchAllocator,
+        allocator: ScratchAllocator, members: list[nn.Module] | None = None,
     ) -> None:
-        super().__init__(module, groups, mp_policy, allocator)
-        # Never traced by torch.compile: see [Note: hooks outside compiled regions].
-        module.register_forward_pre_hook(
-            eager_hook(self._pre_forward), prepend=True, with_kwargs=True
-        )
-        module.register_forward_hook(eager_hook(self._post_forward))
-        # See FSDPContext.recover: recover at once when the root's forward raises, and before
-        # a state dict is read or written after a failure the forward hook could not see.
-        module.register_forward_hook(eager_hook(self._forward_raised), always_call=True)
-        module.register_state_dict_pre_hook(self._recover_if_failed)
-        module.register_load_state_dict_pre_hook(self._recover_if_failed)
+        super().__init__(module, groups, mp_policy, allocator, members)
+        # On the module, or on each member of a unit wrapped from a list (see [Note: several
+        # modules as one unit] in _frontend/_grouped_modules.py).
+        for target in self.members:
+            # Never traced by torch.compile: see [Note: hooks outside compiled regions].
+            target.register_forward_pre_hook(
+                eager_hook(self._pre_forward), prepend=True, with_kwargs=True
+            )
+            target.register_forward_hook(eager_hook(self._post_forward))
+            # See FSDPContext.recover: recover at once when the root's forward raises, and
+            # before a state dict is read or written after a failure the forward hook could
+            # not see.
+            target.register_forward_hook(eager_hook(self._forward_raised), always_call=True)
+            target.register_state_dict_pre_hook(self._recover_if_failed)
+            target.register_load_state_dict_pre_hook(self._recover_if_failed)
 
     def _forward_raised(self, module: nn.Module, args: Any, output: Any) -> None:
         """``always_call`` forward hook; after a successful forward nothing is left to do. Never

@@ -35,9 +35,14 @@ class UnitState:
 
     def __init__(
         self, module: nn.Module, groups: list[FlatParamGroup], mp_policy: MixedPrecisionPolicy,
-        allocator: ScratchAllocator,
+        allocator: ScratchAllocator, members: list[nn.Module] | None = None,
     ) -> None:
         self._module_ref = weakref.ref(module)
+        # The modules carrying the unit's hooks: ``module`` itself, or the members of a unit
+        # wrapped from a list (see [Note: several modules as one unit] in
+        # _frontend/_grouped_modules.py), whose holder only this state keeps alive.
+        self.members: list[nn.Module] = members if members is not None else [module]
+        self._holder = module if members is not None else None
         self.groups = groups
         self.mp_policy = mp_policy
         self.allocator = allocator

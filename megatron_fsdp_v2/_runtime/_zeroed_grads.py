@@ -29,8 +29,12 @@ steady-state step reads no value, for every strategy, with either ``zero_grad`` 
   optimizer step or a clip in between would be unusual). Not detected: gradients zeroed by
   other means (``p.grad.zero_()`` in a loop, ``nn.Module.zero_grad`` of a module that is not
   the root unit, an optimizer whose ``zero_grad`` never calls the base method); for those the
-  sweep reads the values as before (:func:`all_zeros`, one read per group), so results never
-  depend on what was detected.
+  sweep reads the values as before (:func:`all_zeros`, one read per group at a window's first
+  forward), so results never depend on what was detected. The read decides the path of the
+  next window (one collective, or one per micro-batch), which must be the same on every rank:
+  sharded gradients differ by rank (a rank may hold only rows an optimizer cleared, or only
+  padding of the group), so there the local verdicts are summed with one scalar all-reduce
+  over the shard axis before the decision; replicated (``no_shard``) ones need none.
 
 * The one read left: a parameter that received no gradient on this rank in the window and had
   none installed gets ``.grad=None`` only if its reduced gradient is exactly zero (no rank used

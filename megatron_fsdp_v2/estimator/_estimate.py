@@ -210,8 +210,7 @@ def estimate(
 
 
 def _states(model: nn.Module) -> list[tuple[str, Any]]:
-    return [(name or "<root>", s) for name, m in model.named_modules()
-            if (s := _registry.state_of(m)) is not None]
+    return [(name or "<root>", s) for name, s in _registry.unit_states(model)]
 
 
 def _measure(model: nn.Module, micro_batches: int, optimizer: str, world_size: int,
@@ -234,9 +233,10 @@ def _measure(model: nn.Module, micro_batches: int, optimizer: str, world_size: i
 
 def optimizer_state_bytes(groups: list[FlatParamGroup], optimizer: str) -> int:
     """Bytes of ``optimizer``'s state for the parameters of ``groups`` on this rank once it has
-    stepped: per trainable parameter with rows on this rank, ``k`` tensors shaped like its local
-    main-weight shard (AdamW: 2 and a float32 ``step`` scalar; SGD with momentum: 1; plain SGD:
-    none)."""
+    stepped: per trainable parameter, ``k`` tensors shaped like its local main-weight shard
+    (AdamW: 2 and a float32 ``step`` scalar; SGD with momentum: 1; plain SGD: none). A rank
+    holding no rows of a parameter still holds its (zero-row) gradient, so the optimizer keeps
+    state for it there too: the step scalar, and empty tensors."""
     per_param = {"adamw": 2, "sgd": 0, "sgd_momentum": 1}[optimizer]
     total = 0
     for group in groups:
@@ -244,8 +244,6 @@ def optimizer_state_bytes(groups: list[FlatParamGroup], optimizer: str) -> int:
             continue
         for param in group.dist_params:
             local = param.to_local()  # type: ignore[attr-defined]
-            if local.numel() == 0:
-                continue  # no rows on this rank: no gradient, so the optimizer skips it
             total += per_param * local.numel() * local.element_size()
             if optimizer == "adamw":
                 total += torch.tensor(0.0).element_size()  # the step count (float32)

@@ -60,7 +60,7 @@ class IgnoredBf16MLP(nn.Module):
 
 
 class Tiny(nn.Module):
-    """So small that at world 3-4 some ranks' shards are all empty (every grad is None)."""
+    """So small that at world 3-4 some ranks' shards are all empty (every grad has zero rows)."""
 
     def __init__(self, world: int) -> None:
         super().__init__()
@@ -235,8 +235,11 @@ def test_clip_fp32_matches_torch(ranks: RankPools) -> None:
 
 def _filtered(model: nn.Module, rank: int, how: str) -> list[nn.Parameter]:
     params = list(model.parameters())
-    if how == "grad_not_none" or (how == "per_rank" and rank != 0):
+    if how == "grad_not_none":  # every rank holds a gradient of every parameter: all of them
         return [p for p in params if p.grad is not None]
+    if how == "local_rows" or (how == "per_rank" and rank != 0):
+        # Filtered by what this rank holds: empty on a rank whose shards are all empty.
+        return [p for p in params if p.to_local().numel() > 0]
     return params  # "per_rank", rank 0: unfiltered
 
 
@@ -264,16 +267,20 @@ def _empty_list_check(rank: int, world: int, how: str, strategy: str, norm_type:
     # One all-reduce on every rank, the one with an empty list included.
     if _all_reduces(comm) != 1 or sum(comm.get_comm_counts().values()) != 1:
         errors.append(f"collectives {dict(comm.get_comm_counts())}, expected one all-reduce")
-    # The case under test must occur: some rank passes an empty list, some a non-empty one.
     sizes: list = [None] * world
     dist.all_gather_object(sizes, len(params))
-    if min(sizes) != 0 or max(sizes) == 0:
+    if how == "grad_not_none":
+        # A rank whose shard of a parameter is empty holds a zero-row gradient of it, as FSDP2.
+        if sizes != [len(list(model.parameters()))] * world:
+            errors.append(f"list sizes per rank {sizes}: some rank lacks a gradient")
+    elif min(sizes) != 0 or max(sizes) == 0:
+        # The case under test must occur: some rank passes an empty list, some a non-empty one.
         errors.append(f"list sizes per rank {sizes}: no rank with an empty list")
     _raise_together(errors, f"{how} {strategy} norm={norm_type} world {world} rank {rank} "
                             f"(list of {len(params)})")
 
 
-@pytest.mark.parametrize("how", ["grad_not_none", "per_rank"])
+@pytest.mark.parametrize("how", ["grad_not_none", "local_rows", "per_rank"])
 @pytest.mark.parametrize("world_size", [3, 4])
 def test_clip_rank_with_empty_list_joins(ranks: RankPools, world_size: int, how: str) -> None:
     """Strategies and norm types per run (named in the failure message). A rank that skipped

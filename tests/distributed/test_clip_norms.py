@@ -4,7 +4,8 @@ so small that one rank holds no rows at all), in the three ways a user calls it:
 * ``megatron_fsdp_v2.clip_grad_norm_(model.parameters(), ...)``;
 * ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` (routed to ours);
 * torchtitan's ``torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])``
-  then ``torch.nn.utils.clip_grads_with_norm_`` (a rank with no gradient passes ``[]``).
+  then ``torch.nn.utils.clip_grads_with_norm_`` (every rank holds a gradient of every
+  parameter, zero rows where its shard is empty, so every rank's list is the same).
 
 Each must return the norm single-process ``torch.nn.utils.clip_grad_norm_`` returns on the same
 model and batch, leave the same clipped gradients (each rank's rows), and issue the same
@@ -88,9 +89,8 @@ def _grad_errors(model: nn.Module, ref: nn.Module, what: str) -> list[str]:
         if isinstance(q, DTensor) and q.placements[0].is_shard():
             lo, hi = shard_rows(q)
             want = want[lo:hi]
-            if q.grad is None:
-                if hi > lo:
-                    errors.append(f"{what} {name}: no gradient for rows {lo}..{hi}")
+            if q.grad is None:  # even an empty shard holds a (zero-row) gradient, as FSDP2
+                errors.append(f"{what} {name}: no gradient for rows {lo}..{hi}")
                 continue
         got = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
         if not torch.allclose(got, want, rtol=1e-5, atol=1e-7):
@@ -130,7 +130,8 @@ def _norms_worker(rank: int, world: int, strategy: str, model_kind: str) -> list
             for form in FORMS:
                 what = f"{strategy} {model_kind} p={p} foreach={foreach} {form} rank {rank}"
                 _backward(model, batch)
-                has_rows.append(any(q.grad is not None for q in model.parameters()))
+                has_rows.append(any(q.grad is not None and q.grad.to_local().numel() > 0
+                                    for q in model.parameters()))
                 with CollectiveCounts() as comm:
                     norm = _clip(form, model, 0.5, p, foreach)
                 counts = {str(k): v for k, v in comm.get_comm_counts().items()}
@@ -150,11 +151,11 @@ def _norms_worker(rank: int, world: int, strategy: str, model_kind: str) -> list
                 continue
             failures += [f"{strategy} {model_kind} p={p} foreach={foreach} rank {rank}: {e}"
                          for e in _fsdp2_errors(fsdp2, ref, batch, p, foreach, ref_norm)]
-    # The cases under test occur: uneven shards (mlp) and a rank with no gradient (tiny).
+    # The cases under test occur: uneven shards (mlp) and a rank with no gradient rows (tiny).
     rows_everywhere: list[Any] = [None] * world
     dist.all_gather_object(rows_everywhere, all(has_rows))
     if model_kind == "tiny" and strategy != "no_shard" and all(rows_everywhere):
-        failures.append("tiny: every rank held a gradient; the empty-list case did not occur")
+        failures.append("tiny: every rank held gradient rows; the empty-shard case did not occur")
     return failures
 
 

@@ -1,4 +1,4 @@
-"""FSDP2-style arguments fully_shard rejects, a list of modules, bad method arguments, and the
+"""FSDP2-style arguments fully_shard rejects, a bad list of modules, bad method arguments, and the
 clip route installed by wrapping. Argument errors are raised before any collective, so they are
 checked in this process without a process group.
 """
@@ -57,10 +57,11 @@ def test_argument_errors(kwargs: dict[str, Any], error: type[Exception],
     assert _untouched(model)
 
 
-def test_list_of_modules_names_the_alternative() -> None:
+def test_list_with_nested_modules_is_refused() -> None:
+    """A list is one unit (test_module_lists.py); one member inside another is refused."""
     model = Net()
-    with pytest.raises(NotImplementedError, match="common parent"):
-        fully_shard([model.blocks[0], model.blocks[1]])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="inside item 0"):
+        fully_shard([model.blocks[0], model.blocks[0][0]])  # type: ignore[arg-type]
     assert _untouched(model)
 
 

@@ -181,5 +181,30 @@ def _errors_worker(rank: int, world: int) -> None:
         check_all_ranks(not err, f"{what}: {err}")
 
 
+def _fp8_tp_worker(rank: int, world: int) -> None:
+    # torchao float8 weights with FP8 all-gathers, then torchao's float8 TP plan: the TP
+    # DTensor's local tensor carries FSDP2's all-gather extensions, which the flat buffers only
+    # honour on a data-parallel mesh -- refused before any collective, not trained on stale
+    # weights.
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
+
+    mesh = dp_tp_mesh()
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    m = convert_to_float8_training(nn.Sequential(nn.Linear(32, 32, bias=False)), config=config)
+    parallelize_module(m, mesh["tp"], {"0": Float8ColwiseParallel()})
+    try:
+        fully_shard(m, mesh=mesh["dp"])
+        err = "no error"
+    except NotImplementedError as e:
+        err = "" if "supported on a data-parallel mesh only" in str(e) else f"wrong message: {e}"
+    check_all_ranks(not err, f"fp8 x tp: {err}")
+
+
+def test_fp8_all_gather_with_tp_refused(ranks: RankPools) -> None:
+    pytest.importorskip("torchao")
+    ranks.run(_fp8_tp_worker, 4, timeout_s=TIMEOUT_S)
+
+
 def test_errors(ranks: RankPools) -> None:
     ranks.run(_errors_worker, 4, timeout_s=TIMEOUT_S)

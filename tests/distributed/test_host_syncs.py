@@ -219,25 +219,29 @@ def test_no_host_reads_in_steady_state(ranks: RankPools, strategy: str, variant:
 
 ACCUMULATING = ["no_shard", "optim"]  # where zeroed gradients restart the one-collective path
 # (variant, whether values are read, reductions per steady step: the block's and the root's
-# group, one each on the one-collective path, MICRO for a group that reduces each micro-batch)
+# group, one each on the one-collective path, MICRO for a group that reduces each micro-batch;
+# groups read: with sharded gradients (optim) each read group's ranks agree on the verdict with
+# one more scalar all-reduce, which the count includes, so that every rank takes the same path)
 DETECTION = [
-    ("zeros", False, 2),          # seen by the optimizer wrapper: one collective per group
-    ("two_optimizers", False, 2),  # both halves marked: still known
-    ("manual", True, 2),          # not seen: read back, then one collective per group
-    ("to_local_write", True, 3),  # written after zeroing: read, not zero, so the root reduces
-    ("dtensor_write", True, 3),   # each micro-batch (the block stays known zero)
+    ("zeros", False, 2, 0),          # seen by the optimizer wrapper: one collective per group
+    ("two_optimizers", False, 2, 0),  # both halves marked: still known
+    ("manual", True, 2, 2),          # not seen: read back, then one collective per group
+    ("to_local_write", True, 3, 1),  # written after zeroing: read, not zero, so the root
+    ("dtensor_write", True, 3, 1),   # reduces each micro-batch (the block stays known zero)
 ]
 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ACCUMULATING)
-@pytest.mark.parametrize("variant,reads,reductions", DETECTION,
-                         ids=[v for v, _, _ in DETECTION])
+@pytest.mark.parametrize("variant,reads,reductions,groups_read", DETECTION,
+                         ids=[v for v, _, _, _ in DETECTION])
 def test_zeroing_detected_exactly(ranks: RankPools, strategy: str, variant: str, reads: bool,
-                                  reductions: int) -> None:
+                                  reductions: int, groups_read: int) -> None:
     """Which zeroing is known without a read, and that what is not known is read (or takes the
     reduce-each path), with torch's results either way."""
     results = ranks.run(_train, 2, strategy, variant, False, timeout_s=TIMEOUT_S)
+    if strategy == "optim":
+        reductions += groups_read
     for rank, (seen, issued, mismatches) in enumerate(results):
         assert not mismatches, f"rank {rank}: differs from torch: {mismatches}"
         assert all(bool(s) == reads for s in seen), f"rank {rank}: reads {seen}"

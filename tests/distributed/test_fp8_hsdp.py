@@ -34,6 +34,7 @@ from test_fp8_params import (
     _train,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2._runtime._subclass_gather import ExtensionGather
@@ -158,13 +159,16 @@ def test_dynamic_scale_over_the_shard_axis(ranks: RankPools) -> None:
 
 def _precompute_over_mesh(rank: int, world: int) -> None:
     """The scales precomputed on the library's 2-D DTensors equal those of the same weights on
-    one process (the amax covers every row of each weight)."""
+    one process (the amax covers every row of each weight), with one all-reduce of all amaxes."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     model = _model(DIM)
     reference = _model(DIM)
     fully_shard(model, mesh=_mesh(), sharding_strategy="optim_grads_params")
-    precompute_float8_dynamic_scale_for_fsdp(model)
+    with CommDebugMode() as comm:
+        precompute_float8_dynamic_scale_for_fsdp(model)
+    reduces = sum(n for op, n in comm.get_comm_counts().items() if "all_reduce" in str(op))
+    agree("precompute: one all-reduce of every amax", lambda: _equal(reduces, 1))
     for layer, ref in zip(model, reference):
         if not isinstance(layer, nn.Linear):
             continue
@@ -190,6 +194,10 @@ def _outer_optim_refused(rank: int, world: int) -> None:
                               outer_dp_sharding_strategy="optim"),
         NotImplementedError, pattern)
     agree("outer optim: message", lambda: _matches(message, pattern))
+
+
+def _equal(got: int, expected: int) -> None:
+    assert got == expected, (got, expected)
 
 
 def _matches(message: str, pattern: str) -> None:

@@ -101,7 +101,7 @@ def _help_and_error(script: str, rank: str, monkeypatch: pytest.MonkeyPatch,
     return help_text, captured.out + captured.err, options
 
 
-@pytest.mark.parametrize("script", ["train.py", "train_hf.py"])
+@pytest.mark.parametrize("script", ["train.py", "train_hf.py", "train_moe.py"])
 def test_example_help_shows_every_default_on_rank_0_only(
         script: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     help_text, error, options = _help_and_error(script, "0", monkeypatch, capsys)

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from _comm_counts import CollectiveCounts
 
 _HOOK_DICTS = (
     "_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
@@ -75,7 +76,7 @@ def expect_rejected(make: Callable[[], nn.Module], call: Callable[[nn.Module], A
     module = make()
     before = snapshot(module)
     groups_before = dist.distributed_c10d._world.group_count if dist.is_initialized() else None
-    with CommDebugMode() as comm:
+    with CollectiveCounts() as comm:
         with pytest.raises(exc) as info:
             call(module)
     message = str(info.value)

@@ -27,7 +27,7 @@ from torch.distributed.tensor.debug import _comm_mode as _torch_comm_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # What CommDebugMode counts, and under which key.
-_COUNTED = frozenset(CommDebugMode().comm_registry) | frozenset(
+COUNTED_OPS = frozenset(CommDebugMode().comm_registry) | frozenset(
     _torch_comm_mode.c10d_collective_ops)
 _KEY = dict(_torch_comm_mode.NATIVE_TO_PY_MAPPING)
 
@@ -55,7 +55,7 @@ class CollectiveCounts(TorchDispatchMode):
             return NotImplemented  # DTensor desugars first; its collectives come back here
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet in _COUNTED:
+        if packet in COUNTED_OPS:
             self.comm_counts[_KEY.get(packet, packet)] += 1
         return out
 

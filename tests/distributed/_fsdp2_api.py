@@ -1,5 +1,6 @@
 """What the ``test_fsdp2_api_*`` files share: a small model with its single-process reference,
-the batches, a training loop that counts collectives with ``CommDebugMode``, and the checks.
+the batches, a training loop that counts collectives with ``CollectiveCounts``
+(``_comm_counts.py``), and the checks.
 
 Distributed cases train on gloo ranks against a single-process reference that sees the same
 global batch (every rank feeds the whole batch, so averaged gradients equal the reference's), and
@@ -17,11 +18,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import record_of, state_of
 
+from _comm_counts import CollectiveCounts
 from _models import shard_rows
 
 TIMEOUT_S = 240  # per case, generous: the CPUs are shared
@@ -91,17 +92,17 @@ def _param_errors(model: nn.Module, ref: nn.Module, rtol: float = 1e-5,
     return errors
 
 
-def _count(comm: CommDebugMode, *names: str) -> int:
+def _count(comm: CollectiveCounts, *names: str) -> int:
     counts = comm.get_comm_counts()
     return sum(v for k, v in counts.items() if str(k).split(".")[-1].rstrip("_") in names)
 
 
-def _gathers(comm: CommDebugMode) -> int:
+def _gathers(comm: CollectiveCounts) -> int:
     return _count(comm, "_allgather_base", "all_gather_into_tensor",
                   "allgather_into_tensor_coalesced")
 
 
-def _reduce_scatters(comm: CommDebugMode) -> int:
+def _reduce_scatters(comm: CollectiveCounts) -> int:
     return _count(comm, "_reduce_scatter_base", "reduce_scatter_tensor",
                   "reduce_scatter_tensor_coalesced")
 
@@ -121,7 +122,7 @@ def _train(model: nn.Module, ref: nn.Module, steps: int, micro: int, *, count_st
     losses, ref_losses, errors = [], [], []
     counts = None
     for step, parts in enumerate(_batches(steps, micro)):
-        comm = CommDebugMode()
+        comm = CollectiveCounts()
         with comm if step == count_step else _null():
             for i, batch in enumerate(parts):
                 model.set_requires_gradient_sync(i == micro - 1)  # type: ignore[operator]

@@ -14,10 +14,11 @@ import torch.nn as nn
 from test_coalescing import (
     TIMEOUT_S,
 )
-from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import state_of
+
+from _comm_counts import CollectiveCounts
 
 # Both bucket options (reduce_bucket_size_mb, refresh_bucket_size_mb; see [Note: refresh
 # buckets]) share their argument rules; each with a strategy it affects.
@@ -38,7 +39,7 @@ def _invalid_sizes(rank: int, world: int, option: str, strategy: str) -> list[st
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     fully_shard(model[0], sharding_strategy=strategy, **{option: 1.0})
     fully_shard(model, sharding_strategy=strategy)
-    with CommDebugMode() as comm, pytest.raises(ValueError, match="same for every fully_shard"):
+    with CollectiveCounts() as comm, pytest.raises(ValueError, match="same for every fully_shard"):
         model(torch.randn(2, 4))
     assert comm.get_total_counts() == 0
     return out

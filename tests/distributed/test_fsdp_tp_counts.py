@@ -1,5 +1,6 @@
 """FSDP x TP collective counts on a dp=2 x tp=2 mesh, per strategy, recorded with
-``CommDebugMode`` and attributed to the ranks each collective ran over.
+``CollectiveCounts`` (``CommDebugMode``'s counts, see ``_comm_counts.py``) and attributed to
+the ranks each collective ran over.
 
 Over dp: exactly the 1-D table of design.md §4 per flat group and iteration of N micro-batches
 (the TP-local tensors are sharded over dp as plain tensors are). Over tp, in forward and
@@ -29,11 +30,10 @@ from _tp_common import (
     wrap_ours,
 )
 from torch.distributed.distributed_c10d import _resolve_process_group
-from torch.distributed.tensor.debug import CommDebugMode
-from torch.distributed.tensor.debug._comm_mode import c10d_collective_ops
 
 from megatron_fsdp_v2._registry import state_of
 
+from _comm_counts import COUNTED_OPS, CollectiveCounts
 from _models import check_all_ranks
 from _pool import RankPools
 
@@ -41,8 +41,8 @@ TIMEOUT_S = 400
 MICRO = 2
 
 
-class GroupCommMode(CommDebugMode):
-    """``CommDebugMode`` that also counts each collective by (op, ranks it ran over)."""
+class GroupCommMode(CollectiveCounts):
+    """``CollectiveCounts`` that also counts each collective by (op, ranks it ran over)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -51,9 +51,7 @@ class GroupCommMode(CommDebugMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
         packet = getattr(func, "_overloadpacket", None)
-        if out is not NotImplemented and (
-            packet in self.comm_registry or packet in c10d_collective_ops
-        ):
+        if out is not NotImplemented and packet in COUNTED_OPS:
             self.by_group[(_op_name(packet), _ranks_of(args))] += 1
         return out
 

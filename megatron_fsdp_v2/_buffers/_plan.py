@@ -203,11 +203,12 @@ def make_plan(
     window. ``OPTIM`` (inner ``OPTIM_GRADS_PARAMS`` only): ``layout`` is over ``outer_size *
     S`` sub-shards and ``outer_rank`` is this rank's index along the outer axis (see
     [Note: buffer plan]). ``extensions``: the group's parameters define FSDP2's all-gather
-    extensions (1-D meshes only): where weights are sharded, the main weights get their own
-    buffer and the gathered compute weights are the extensions' (``CAST_AT_GATHER`` under
-    ZeRO-3, ``EXTENSION_OWN_SLOT_THEN_GATHER`` under ZeRO-1/2), never a compute-dtype copy."""
-    if extensions and outer is not None:
-        raise NotImplementedError("all-gather extensions on an HSDP (2-D) mesh")
+    extensions (1-D meshes, or HSDP with outer ``NO_SHARD``): where weights are sharded, the
+    main weights get their own buffer and the gathered compute weights are the extensions'
+    (``CAST_AT_GATHER`` under ZeRO-3, ``EXTENSION_OWN_SLOT_THEN_GATHER`` under ZeRO-1/2),
+    never a compute-dtype copy."""
+    if extensions and outer is ShardingStrategy.OPTIM:
+        raise NotImplementedError("all-gather extensions with HSDP outer optim")
     if outer is ShardingStrategy.OPTIM:
         return _outer_optim_plan(strategy, dtypes, layout, rank, outer_rank, outer_size)
     if outer is not None and outer is not ShardingStrategy.NO_SHARD:

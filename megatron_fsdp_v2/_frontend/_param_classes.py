@@ -28,8 +28,11 @@ __all__ = ["check_param_class", "extension_refusal"]
 # parameter's shape and dtype (torchao's ``WeightWithDynamicFloat8CastTensor``): the flat buffers
 # hold that inner tensor, and the library rebuilds the subclass over its buffer views and calls
 # the extensions (see [Note: FSDP2 all-gather extensions] in ``_runtime/_subclass_gather.py``).
-# A protocol over several inner tensors (torchao's ``NF4Tensor``) or on an HSDP (2-D) mesh is
-# refused: the flat buffers cannot honour it.
+# A protocol over several inner tensors (torchao's ``NF4Tensor``) is refused: the flat buffers
+# cannot honour it. On an HSDP (2-D) mesh it works with outer ``no_shard`` (every replica runs
+# the 1-D design over the shard axis); outer ``optim`` is refused: its inner shard is rebuilt
+# from the replicas' main sub-shards by an outer all-gather of compute weights, which has no
+# FP8 counterpart here (design.md §3 "FP8 parameters").
 
 _PLAIN_TORCH_FUNCTION = nn.Parameter.__torch_function__
 _PLAIN_TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -65,10 +68,10 @@ def extension_refusal(param: torch.Tensor) -> str | None:
     return None
 
 
-def check_param_class(fqn: str, param: torch.Tensor, mesh_ndim: int = 1) -> None:
+def check_param_class(fqn: str, param: torch.Tensor, outer_optim: bool = False) -> None:
     """Refuse a parameter of a tensor subclass the flat buffers cannot hold, naming it, its class
-    and what to do (see [Note: tensor-subclass parameters]). ``mesh_ndim``: of the unit's mesh
-    (all-gather extensions are supported on a 1-D mesh only)."""
+    and what to do (see [Note: tensor-subclass parameters]). ``outer_optim``: the unit is HSDP
+    with outer ``optim`` (all-gather extensions are not supported there)."""
     cls = type(param)
     if _is_plain_parameter_class(cls):
         return
@@ -82,14 +85,17 @@ def check_param_class(fqn: str, param: torch.Tensor, mesh_ndim: int = 1) -> None
                 "on a real device before fully_shard (or convert it to float8 with "
                 "enable_fsdp_float8_all_gather=False)"
             )
-        if why is None and mesh_ndim == 1:
+        if why is None and not outer_optim:
             return  # gathered through its extensions (_runtime/_subclass_gather.py)
         if why is None:
             raise NotImplementedError(
                 f"parameter '{fqn}' is a {name}, whose FSDP2 all-gather extensions "
-                "(fsdp_pre_all_gather/fsdp_post_all_gather) fully_shard supports on a 1-D mesh "
-                "only, not on an HSDP (2-D) mesh; use a 1-D mesh, or convert it to a plain "
-                "nn.Parameter (e.g. torchao float8 with enable_fsdp_float8_all_gather=False)"
+                "(fsdp_pre_all_gather/fsdp_post_all_gather) fully_shard does not support with "
+                "outer_dp_sharding_strategy='optim': its inner shard is rebuilt from the "
+                "replicas' main sub-shards by an outer all-gather of compute weights, which has "
+                "no FP8 form. Use outer_dp_sharding_strategy='no_shard' (FP8 all-gathers over "
+                "the shard axis), or convert it to a plain nn.Parameter (e.g. torchao float8 "
+                "with enable_fsdp_float8_all_gather=False)"
             )
         raise TypeError(
             f"parameter '{fqn}' is a tensor subclass ({name}) with FSDP2 all-gather extensions "

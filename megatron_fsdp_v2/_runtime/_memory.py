@@ -40,13 +40,20 @@ class MemoryReport:
     # served from them are also counted, as the storage-freeing allocator would hold them, in
     # temporary_peak. 0 without the trace pool or before its first plan.
     trace_pool_arena: int = 0
+    # FP8 parameters (FSDP2's all-gather extensions, torchao float8): the persistent replicated
+    # FP8 buffers of optim/optim_grads (already part of model_weights; ZeRO-3's FP8 scratch
+    # buffers are in temporary_peak), and the bytes of the tensors the parameters hold outside
+    # the flat buffers (torchao's per-weight scales), each storage once.
+    fp8_weights: int = 0
+    fp8_scales: int = 0
 
     @property
     def total(self) -> int:
         """Bytes held, each byte once: aliased main weights are not added again; temporaries
         count as the larger of ``temporary_peak`` and ``trace_pool_arena``."""
         return (self.model_weights + self.main_weights + self.main_grads
-                + max(self.temporary_peak, self.trace_pool_arena) + self.optimizer_state)
+                + max(self.temporary_peak, self.trace_pool_arena) + self.optimizer_state
+                + self.fp8_scales)
 
     def __str__(self) -> str:
         mib = 1 << 20
@@ -62,8 +69,10 @@ class MemoryReport:
         arena = (f"trace_pool_arena={self.trace_pool_arena / mib:.2f}MiB "
                  f"(storage-freeing peak {self.temporary_peak / mib:.2f}MiB) "
                  if self.trace_pool_arena else "")
+        fp8 = (f"(of which fp8_weights={self.fp8_weights / mib:.2f}MiB) "
+               f"fp8_scales={self.fp8_scales}B " if self.fp8_weights or self.fp8_scales else "")
         return (
-            f"model_weights={self.model_weights / mib:.2f}MiB main_weights={main} "
+            f"model_weights={self.model_weights / mib:.2f}MiB {fp8}main_weights={main} "
             f"main_grads={self.main_grads / mib:.2f}MiB {optim}"
             f"temporary_peak={self.temporary_peak / mib:.2f}MiB {arena}"
             f"padding={self.padding_ratio:.3%} groups={self.num_groups}"
@@ -90,6 +99,7 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
     allocators: dict[int, ScratchAllocator] = {}
     content = padded = 0
     managed: list[torch.Tensor] = []
+    scale_storages: dict[int, int] = {}  # storage -> bytes: torchao stacks all scales in one
     for _, state in _registry.unit_states(module):
         allocators[id(state.allocator)] = state.allocator
         for group in state.groups:
@@ -106,6 +116,12 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
             content += group.layout.content_numel
             padded += group.layout.padding_numel
             managed += group.dist_params
+            if group.extension is not None:
+                report.fp8_weights += group.extension.persistent_bytes()
+                for t in group.extension.side_tensors():
+                    storage = t.untyped_storage()
+                    scale_storages[storage._cdata] = storage.nbytes()
+    report.fp8_scales = sum(scale_storages.values())
     report.temporary_peak = sum(a.peak_bytes for a in allocators.values())
     report.trace_pool_arena = sum(a.arena_bytes for a in allocators.values())
     report.padding_ratio = padded / max(content, 1)

@@ -121,6 +121,11 @@ class ExtensionGather:
                 for r in range(layout.world_size)))
             for i in range(len(params))
         ] if group.plan.main_weight_span != (0, layout.total_numel) else [False] * len(params)
+        # The mesh fsdp_pre_all_gather gets, as FSDP2's ``shard_mesh``: the shard axis the inputs
+        # are gathered over (on HSDP the inner axis; torchao all-reduces a dynamic amax there,
+        # which every replica computes alike).
+        mesh, names = group.mesh, group.mesh.mesh_dim_names
+        self.shard_mesh = mesh if mesh.ndim == 1 or names is None else mesh[names[-1]]
         self._persistent: list[torch.Tensor] = []  # optim/optim_grads: the gathered inputs
         self._viewed: list[torch.Tensor] | None = None  # the buffers compute params view
 
@@ -179,15 +184,14 @@ class ExtensionGather:
 
     def _pre_all_gather(self, record: ParamRecord) -> tuple[tuple[torch.Tensor, ...], Any]:
         local = record.dist_param._local_tensor  # type: ignore[attr-defined]
-        group = self.group
         params = inspect.signature(local.fsdp_pre_all_gather).parameters
         if len(params) == 1:
-            inputs, metadata = local.fsdp_pre_all_gather(group.mesh)
+            inputs, metadata = local.fsdp_pre_all_gather(self.shard_mesh)
         else:
             item = record.item
             stride = tuple(torch.empty(item.shape, device="meta").stride())
             inputs, metadata = local.fsdp_pre_all_gather(
-                group.mesh, item.shape, stride, self.owners[record.index], self.mp_policy)
+                self.shard_mesh, item.shape, stride, self.owners[record.index], self.mp_policy)
         for t in inputs:
             if t.shape != local.shape:
                 raise NotImplementedError(
@@ -325,6 +329,33 @@ class ExtensionGather:
 
     def persistent_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._persistent)
+
+    def side_tensors(self) -> list[torch.Tensor]:
+        """The tensors this group's parameter objects hold outside its flat buffers: the inner
+        tensors (``__tensor_flatten__``) of each compute weight and each optimizer-facing local
+        tensor that view none of the group's buffers -- torchao's scales (``_scale`` of the
+        gathered ``Float8TrainingTensor``, ``_precomputed_scale`` of the weight). For
+        ``memory_report``, which counts each storage once."""
+        group = self.group
+        own = {t.untyped_storage()._cdata for t in (group.main_weight, group.model_weight,
+                                                     *self._persistent)}
+        k = 0
+        while (scratch := group.allocator.get(self._key(k))) is not None:
+            own.add(scratch.untyped_storage()._cdata)
+            k += 1
+        found: list[torch.Tensor] = []
+        for record in group.records:
+            for holder in (record.compute_param,
+                           record.dist_param._local_tensor):  # type: ignore[attr-defined]
+                flatten = getattr(holder, "__tensor_flatten__", None)
+                if flatten is None:
+                    continue
+                for name in flatten()[0]:
+                    inner = getattr(holder, name, None)
+                    if isinstance(inner, torch.Tensor) and \
+                            inner.untyped_storage()._cdata not in own:
+                        found.append(inner)
+        return found
 
     def _post_all_gather(self, buffers: list[torch.Tensor], metadata: list[Any],
                          trailing: list[torch.Size]) -> None:

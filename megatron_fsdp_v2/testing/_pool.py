@@ -15,11 +15,14 @@ others get ``grace_s`` to report. A failed pool is closed (its processes killed)
 given another task, so a failing case cannot leave a broken process group or stale state to
 later cases. A task from another module than the task before it starts from the library state of
 a fresh process (``_registry.reset()`` first: no units, cached process groups or patches of torch
-left by another test file), so files that share ranks cannot see each other's wraps; the cases of
-one file share the library's cached process groups (creating a gloo group per case would cost
-seconds each and leave thousands of idle groups behind), as they did when every file had its own
-pool. Results are collected before any rank is told to exit: gloo sometimes aborts in
-process teardown, and a result already in hand must not be lost to that.
+left by another test file; and every process group but the pool's own destroyed, with DTensor's
+sharding caches), so files that share ranks cannot see each other's wraps; the cases of one file
+share the library's cached process groups (creating a gloo group per case would cost seconds each),
+as they did when every file had its own pool. Destroying the groups matters as much: c10d keeps a
+group until it is destroyed, each gloo group holds three threads, and a session's worth of groups
+from device meshes and library units (once measured: 364 groups, 1,100 threads per rank) made
+every later case several times slower. Results are collected before any rank is told to exit:
+gloo sometimes aborts in process teardown, and a result already in hand must not be lost to that.
 
 [Note: ranks fork from a preloaded server]
 A rank is not a fresh interpreter: it is forked from multiprocessing's fork server, which imports
@@ -114,10 +117,25 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
 
 
 def _fresh_library_state() -> None:
-    """Forget what another test file's tasks left in the library (see [Note: rank pools])."""
+    """Forget what another test file's tasks left in the library and in torch.distributed (see
+    [Note: rank pools])."""
+    import torch.distributed as dist  # noqa: PLC0415 - imported by _serve already
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # noqa: PLC0415
+
     from .. import _registry  # noqa: PLC0415 - the package is imported by the task's module
 
     _registry.reset()
+    # Every process group but the pool's own: the library's (reset above only drops its
+    # references) and those the tests' device meshes and new_group calls made. c10d keeps each
+    # one alive until destroyed, and a gloo group holds three threads, some of them polling: left
+    # alone they pile up over a session (hundreds per rank) and slow every later case several
+    # times over. Every rank reaches this point at the same task, and destroying a gloo group
+    # is local. DTensor's sharding caches can hold meshes over those groups: emptied too.
+    world = dist.group.WORLD
+    for process_group in list(dist.distributed_c10d._world.pg_map):
+        if process_group is not world:
+            dist.destroy_process_group(process_group)
+    _clear_sharding_prop_cache()
 
 
 class RankPool:

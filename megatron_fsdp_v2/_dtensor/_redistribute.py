@@ -137,14 +137,7 @@ def _gather_then_torch(
     )
     if source[i] == target[i] and others_keep_layout:
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
-    from torch.distributed.tensor._redistribute import _are_we_tracing
-
-    if _are_we_tracing():
-        raise NotImplementedError(
-            f"{what} while tracing (torch.compile / export): fully_shard's shards are uneven "
-            "and their gather needs the sizes of every rank at run time; redistribute "
-            f"outside the compiled region, or {ALTERNATIVE}"
-        )
+    _refuse_while_tracing(what)
     shard = source[i]
     assert isinstance(shard, Shard)
     dim = shard.dim if shard.dim >= 0 else shard.dim + local_tensor.dim()
@@ -158,6 +151,18 @@ def _gather_then_torch(
     if replicated.placements == target:
         return gathered
     return torch_redistribute(gathered, replicated, target_spec, **kwargs)
+
+
+def _refuse_while_tracing(what: str) -> None:
+    """The uneven gather reads every rank's size at run time, which tracing cannot express."""
+    from torch.distributed.tensor._redistribute import _are_we_tracing
+
+    if _are_we_tracing():
+        raise NotImplementedError(
+            f"{what} while tracing (torch.compile / export): fully_shard's shards are uneven "
+            "and their gather needs the sizes of every rank at run time; redistribute "
+            f"outside the compiled region, or {ALTERNATIVE}"
+        )
 
 
 def _redistribute_2d(
@@ -198,15 +203,9 @@ def _redistribute_2d(
     ):
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
-    from torch.distributed.tensor._redistribute import _are_we_tracing
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if _are_we_tracing():
-        raise NotImplementedError(
-            f"{what} while tracing (torch.compile / export): fully_shard's shards are uneven "
-            "and their gather needs the sizes of every rank at run time; redistribute "
-            f"outside the compiled region, or {ALTERNATIVE}"
-        )
+    _refuse_while_tracing(what)
     replicated = tuple(Replicate() if j in sharded else p for j, p in enumerate(source))
     # The gathered tensor is this rank's TP-local tensor: check its size, not the global one.
     tp_local_shape, _ = compute_local_shape_and_global_offset(current_spec.shape, mesh,

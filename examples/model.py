@@ -42,12 +42,18 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = attention_residual(self, x)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def attention_residual(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``x`` plus causal self-attention of ``block`` (its ``ln1``, ``qkv``, ``proj``, ``heads``);
+    shared by the dense and the MoE blocks."""
+    b, t, d = x.shape
+    q, k, v = block.qkv(block.ln1(x)).split(d, dim=-1)
+    q, k, v = (y.view(b, t, block.heads, d // block.heads).transpose(1, 2) for y in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return x + block.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
 class GPT(nn.Module):

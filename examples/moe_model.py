@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, attention_residual
 
 __all__ = ["MoEConfig", "MoEGPT", "MoE", "LocalExperts", "Expert", "all_to_all",
            "keep_local_experts"]
@@ -163,11 +163,7 @@ class MoEBlock(nn.Module):
         self.moe = MoE(cfg.dim, cfg.hidden, cfg.experts, cfg.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (y.view(b, t, self.heads, d // self.heads).transpose(1, 2) for y in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        x = attention_residual(self, x)
         return x + self.moe(self.ln2(x))
 
 

@@ -211,12 +211,6 @@ def fully_shard(
         refresh_bucket_size_mb=refresh_bucket_size_mb, dp_mesh_dims=dp_mesh_dims,
     )
     unit = inspect_unit(module, options, ignored_params, shard_placement_fn)
-    if members is not None and unit.meta_init:
-        raise NotImplementedError(
-            "fully_shard of a list of modules built on the meta device is not supported: "
-            "materialize them first (to_empty + reset_parameters), or wrap a module that "
-            "contains them all"
-        )
     process_groups = make_process_groups(options, unit)
     check_same_unit_everywhere(module, options, unit, process_groups.checked_axes(options))
     flat_groups, allocator = build_groups(module, options, unit, process_groups)

@@ -21,8 +21,9 @@ to finish, whichever member it was (FSDP2 reduces once per call instead). With
 ``reshard_after_forward=False`` the gathered weights stay from the first member's forward to
 the backward, so the head called after the root's forward gathers nothing. Each member keeps
 its own parent in the model; nothing may nest (one member inside another is a ``ValueError``).
-Not supported: members built on the meta device (``NotImplementedError``: materialize them
-first, or wrap a common parent).
+Members built on the meta device (torchtitan's flow) are materialized with the root's pass,
+in construction order, since the holder is never in a model's tree (``_pass_roots`` in
+``_init/_materialize.py``), or left to ``to_empty`` and the user's init.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ nothing to send: every rank must initialize with the same seed, as in torchtitan
 Materialization runs once, at the first of: the root's first forward (its lazy init), any
 ``state_dict()``/``load_state_dict()`` of a unit, or a full-state-dict call. It walks
 ``root.modules()`` in order -- the order of ordinary construction, not the children-first order
-of wrapping -- and, for each module that has a parameter of a pending unit in one of its own
+of wrapping (a unit wrapped from a list, ``fully_shard([norm, head])``, is in the pass when any
+of its members is in ``root``'s tree; members outside it are walked after it) -- and, for each
+module that has a parameter of a pending unit in one of its own
 slots (``module._parameters``, not its children's) or a meta buffer:
 
 1. puts fresh, uninitialized full-size tensors on the buffers' device in those slots (meta
@@ -130,7 +132,7 @@ def materialize(root: nn.Module) -> None:
     pending = _registry.pending_meta_units
     if not pending:
         return
-    units = {id(m): (m, pending[m]) for m in root.modules() if m in pending}
+    roots, units = _pass_roots(root, pending)
     if not units:
         return
     owner: dict[int, PendingUnit] = {}
@@ -139,7 +141,7 @@ def materialize(root: nn.Module) -> None:
             owner[id(submodule)] = unit
     pending_groups = {id(g) for _, unit in units.values() for g in unit.groups if g.pending_init}
     slots_of: dict[int, list[tuple[str, str]]] = {}
-    for module in root.modules():
+    for module in (m for r in roots for m in r.modules()):
         if id(module) in owner:
             slots = _pending_slots(module, pending_groups)
             if slots:
@@ -153,8 +155,9 @@ def materialize(root: nn.Module) -> None:
         return unit is not None and unit.param_init_fn is None
 
     # Everything that can refuse runs before anything is drawn or written.
-    refuse_unreproducible_inits(root, has_pending, may_cover)
-    calls = plan_init_calls(root, has_pending, may_cover)
+    for walk_root in roots:
+        refuse_unreproducible_inits(walk_root, has_pending, may_cover)
+    calls = [c for r in roots for c in plan_init_calls(r, has_pending, may_cover)]
     covered = _covered_modules(calls)
     for call in calls:
         if has_pending(call.module) and id(call.module) not in covered:
@@ -180,6 +183,30 @@ def materialize(root: nn.Module) -> None:
             group.finish_materialization()
         del _registry.pending_meta_units[module]
         _check_nothing_left(module)
+
+
+def _pass_roots(
+    root: nn.Module, pending: Any
+) -> tuple[list[nn.Module], dict[int, tuple[nn.Module, PendingUnit]]]:
+    """The trees one pass walks, in order, and the pending units it materializes.
+
+    A unit is in the pass when its module is in ``root``'s tree, or, for a unit wrapped from a
+    list (its module is the internal holder, never in a model's tree), when any of its members
+    is: then its members outside ``root``'s tree (a state dict of one member) are walked
+    after ``root``, in the list's order, so the whole unit gets its values at once (a unit is
+    materialized all or nothing: its members share one flat buffer)."""
+    from .._frontend._grouped_modules import UnitModules  # the frontend imports this module
+
+    in_tree = {id(m) for m in root.modules()}
+    roots = [root]
+    units: dict[int, tuple[nn.Module, PendingUnit]] = {}
+    for module, unit in list(pending.items()):
+        if id(module) in in_tree:
+            units[id(module)] = (module, unit)
+        elif isinstance(module, UnitModules) and any(id(m) in in_tree for m in module):
+            units[id(module)] = (module, unit)
+            roots.extend(m for m in module if id(m) not in in_tree)
+    return roots, units
 
 
 def _covered_modules(calls: list[InitCall]) -> set[int]:

@@ -5,8 +5,10 @@ A tiny model whose root forward runs ``norm`` and whose loss calls ``head`` outs
 chunks (torchtitan's pattern), wrapped ``[norm, head]`` + root, trains for every strategy and
 both ``reshard_after_forward`` settings to single-process numbers (losses and full parameters),
 issues one gradient reduction per flat group per step (not one per call of a member, as FSDP2
-would), and changes each member's class to ``FSDP<Class>``. Bad lists raise before any
-collective, leaving the modules untouched.
+would), and changes each member's class to ``FSDP<Class>``. Built on the meta device (as
+torchtitan does), the list unit is materialized with the root's pass, or by a state dict of one
+member, or left to ``to_empty`` and the user's init. Bad lists raise before any collective,
+leaving the modules untouched.
 """
 
 from __future__ import annotations
@@ -60,13 +62,34 @@ def _reductions(comm: CommDebugMode) -> int:
                or "all_reduce" in str(op))
 
 
-def _worker(rank: int, world: int, strategy: str, keep: bool) -> list[str]:
+def _reset_in_module_order(model: nn.Module) -> None:
+    """What torchtitan's ``init_weights`` does after ``to_empty``: initialize in place through
+    the (DTensor) parameters; here in construction order, so the draws are the device-built
+    model's."""
     torch.manual_seed(0)
-    model = HeadOutside()
-    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, (nn.Linear, nn.LayerNorm)):
+                module.reset_parameters()
+
+
+def _worker(rank: int, world: int, strategy: str, keep: bool, init: str = "device") -> list[str]:
+    """``init``: ``"device"`` (built on the CPU), ``"meta"`` (built on meta, materialized by the
+    library at the first forward) or ``"to_empty"`` (built on meta, then torchtitan's flow:
+    ``to_empty`` and an in-place init through the DTensor parameters)."""
+    torch.manual_seed(0)
+    model = HeadOutside() if init == "device" else None
+    ref = copy.deepcopy(model) if model is not None else HeadOutside()
+    if model is None:
+        torch.manual_seed(0)  # the library draws at materialization as construction drew
+        with torch.device("meta"):
+            model = HeadOutside()
     returned = fully_shard([model.norm, model.head], sharding_strategy=strategy,
                            reshard_after_forward=None if not keep else False)
     fully_shard(model, sharding_strategy=strategy)
+    if init == "to_empty":
+        model.to_empty(device="cpu")
+        _reset_in_module_order(model)
     errors = []
     if not (isinstance(returned, list) and returned[0] is model.norm):
         errors.append(f"fully_shard returned {type(returned).__name__}, want the list")
@@ -78,7 +101,7 @@ def _worker(rank: int, world: int, strategy: str, keep: bool) -> list[str]:
     groups = sum(len(s.groups) for _, s in unit_states(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    g = torch.Generator().manual_seed(3)
+    g = torch.Generator().manual_seed(3)  # not the global stream: materialization draws there
     for step in range(3):
         x = torch.randn(4 * world, 6, generator=g)
         y = torch.randint(0, 5, (4 * world,), generator=g)
@@ -117,19 +140,38 @@ def test_list_unit_matches_single_process(ranks: RankPools, strategy: str, keep:
     assert not failures, "\n".join(failures[:20])
 
 
-def _meta_worker(rank: int, world: int) -> str:
+@pytest.mark.parametrize("init,strategy", [("meta", "optim_grads_params"),
+                                           ("to_empty", "optim_grads")])
+def test_list_unit_built_on_meta(ranks: RankPools, init: str, strategy: str) -> None:
+    """torchtitan wraps ``[norm, output]`` on the meta device. Materialized by the library
+    (the list unit is in the root's pass, in construction order) or by ``to_empty`` and an
+    in-place init, the model starts from the device-built weights and trains to
+    single-process numbers."""
+    failures = [e for r in ranks.run(_worker, 2, strategy, False, init, timeout_s=TIMEOUT_S)
+                for e in r]
+    assert not failures, "\n".join(failures[:20])
+
+
+def _member_state_dict_worker(rank: int, world: int) -> list[str]:
+    torch.manual_seed(0)
     with torch.device("meta"):
         model = HeadOutside()
-    try:
-        fully_shard([model.norm, model.head])
-    except NotImplementedError as e:
-        return str(e)
-    return "accepted"
+    fully_shard([model.norm, model.head])
+    fully_shard(model)
+    model.head.state_dict()  # materializes the whole [norm, head] unit, not the root's
+    errors = []
+    norm_weight = model.norm.weight.full_tensor()  # type: ignore[operator]
+    if not torch.equal(norm_weight, torch.ones(8)):  # LayerNorm.reset_parameters: ones
+        errors.append(f"norm.weight {norm_weight.tolist()}, want ones (the unit's other member)")
+    if model.head.weight.full_tensor().abs().sum() == 0:  # type: ignore[operator]
+        errors.append("head.weight still zero after its state_dict()")
+    return [f"rank {rank}: {e}" for e in errors]
 
 
-def test_list_of_meta_modules_is_refused(ranks: RankPools) -> None:
-    for message in ranks.run(_meta_worker, 2, timeout_s=TIMEOUT_S):
-        assert "meta device" in message and "wrap a module" in message, message
+def test_state_dict_of_one_member_materializes_the_unit(ranks: RankPools) -> None:
+    failures = [e for r in ranks.run(_member_state_dict_worker, 2, timeout_s=TIMEOUT_S)
+                for e in r]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("case,error,needle", [

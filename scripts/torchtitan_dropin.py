@@ -1,0 +1,373 @@
+"""torchtitan's own training loop with megatron_fsdp_v2's ``fully_shard`` in place of FSDP2's.
+
+What it checks: that megatron_fsdp_v2 is a drop-in for FSDP2 in an unmodified torchtitan
+(issue 24): torchtitan 0.3.0's trainer, llama3 debug model, on CPU over gloo, trains with our
+``fully_shard`` to the same per-step losses as with FSDP2's (1e-5 by default). Nothing in
+torchtitan's files is changed; this launcher only
+
+* rebinds the name ``fully_shard`` in ``torchtitan.distributed.fsdp`` (the one module that
+  calls it for llama3: ``apply_fsdp_to_decoder``) to ``megatron_fsdp_v2.fully_shard``, as a
+  user switching libraries would (``--fully-shard mfsdp``; ``torch`` leaves FSDP2 in place);
+* on a machine without an accelerator, works around what torchtitan 0.3.0 lacks on CPU, the
+  same for both runs: it falls back to ``"cuda"`` and NCCL (the CPU and gloo are taken
+  instead, with stand-ins for the CUDA memory statistics it logs), and its language models
+  only take FlexAttention, which has no CPU backward (a dense masked-softmax stand-in computes
+  the same block-causal attention);
+* lets FSDP2 (the reference run) reduce on gloo: torchtitan's ``set_gradient_divide_factor(1.0)``
+  makes FSDP2 issue ``PREMUL_SUM``, which gloo lacks, so the FSDP2 run also gets FSDP2's own
+  ``set_force_sum_reduction_for_comms(True)`` (a SUM times 1: the same numbers);
+* records the loss, max loss and gradient norm that torchtitan's ``MetricsProcessor.log``
+  receives each step (full precision; the printed log rounds them) into ``--losses-out``.
+
+Install torchtitan without touching torch (its wheel pins nothing of torch's; every
+dependency is installed with ``--no-deps`` so pip never replaces torch)::
+
+    python -m venv --system-site-packages /tmp/ttvenv
+    /tmp/ttvenv/bin/pip install --no-deps torchtitan-0.3.0-py3-none-any.whl \\
+        tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 einops==0.8.2 \\
+        spmd_types==0.2.3 torch_checkpointing==0.1.1 torchdata==0.11.0 \\
+        datasets==4.7.0 pyarrow==26.0.1 pandas==3.1.1 dill==0.4.0 multiprocess==0.70.18 \\
+        xxhash==4.1.0 fsspec==2026.2.0 huggingface_hub==1.33.0 httpx==0.29.0 \\
+        httpcore==1.0.9 aiohttp==3.14.5 aiohappyeyeballs==2.7.1 aiosignal==1.4.0 \\
+        frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 \\
+        tensorboard==2.21.0 tensorboard-data-server==0.7.2 protobuf==7.36.2 \\
+        grpcio==1.85.3 absl-py==2.5.1 Markdown==3.11.3
+    /tmp/ttvenv/bin/python -c "import torch; print(torch.__version__)"   # unchanged
+
+torchtitan reads its tokenizer and its ``c4_test`` data set relative to the working
+directory (``./tests/assets/tokenizer``, ``./tests/assets/c4_test``): run from a folder that
+holds them (torchtitan's repository has both; ``make-assets DIR`` writes a stand-in
+``c4_test/data.json`` from the text of Python's own ``pydoc_data`` topics when the real one is
+not at hand, and the tokenizer must still be copied from torchtitan's ``tests/assets``).
+
+Run both and compare (from the folder holding ``tests/assets``)::
+
+    PYTHONPATH=/path/to/megatron_fsdp_v2 /tmp/ttvenv/bin/python \\
+        /path/to/scripts/torchtitan_dropin.py compare --nproc 2 --steps 8
+    # FSDP x TP (dp=2 x tp=2):  ... compare --nproc 4 --tp 2
+
+``compare`` first has one unsharded rank write torchtitan's seed checkpoint (step 0), then runs
+``torchrun`` twice (FSDP2, then ours) with the same seed, data and settings, both loading that
+checkpoint (torchtitan's own way to compare parallelisms from the same weights; through
+torch's distributed state dict and DCP), prints a per-step table and exits 1 when a loss
+differs by more than ``--tol``. ``--no-seed-checkpoint`` lets each library initialize its
+sharded weights itself (ours draw what one process draws; FSDP2's sharded draws on CPU do
+not, so step 1 differs). Defaults: 8 steps, local batch 2, sequence 256, fp32, seed 42;
+torchtitan's default ``spmd_backend`` (``spmd_types``: ``dp_mesh_dims`` on its SPMD mesh).
+One run alone::
+
+    torchrun --nproc_per_node 2 scripts/torchtitan_dropin.py run --fully-shard mfsdp \\
+        --losses-out /tmp/mfsdp.json -- --module llama3 --config llama3_debugmodel ...
+
+Not a test (it needs torchtitan, which the project does not install): nothing collects it.
+
+Measured (2026-12-02, 2 CPU ranks, defaults): losses equal to FSDP2's within 1e-6 over 8
+steps. FSDP x TP (``--nproc 4 --tp 2``) does not run yet: with torchtitan's default backend
+``fully_shard`` refuses ``dp_mesh_dims`` on a mesh whose ``tp`` dim has 2 ranks, and with
+``-- --parallelism.spmd_backend partial_dtensor`` it refuses TP DTensor parameters on the
+meta device (both ``NotImplementedError``; torchtitan wraps before ``to_empty``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+
+def _use_cpu_when_no_accelerator() -> None:
+    """torchtitan 0.3.0 takes ``"cuda"`` when torch finds no accelerator; take the CPU.
+
+    ``torchtitan.tools.utils`` computes ``device_type``/``device_module`` at import and the
+    other modules import them by name, so they are set here, before any of those is imported.
+    The backend then follows torch's map for ``"cpu"``: gloo.
+    """
+    import torch
+    import torchtitan.tools.utils as tt_utils
+
+    if torch._utils._get_available_device_type() is None:
+        tt_utils.device_type = "cpu"
+        tt_utils.device_module = _CpuDeviceModule()
+
+
+class _CpuDeviceModule:
+    """``torch.cpu`` plus the memory-monitor calls torchtitan makes on ``torch.cuda``.
+
+    CPU memory statistics do not exist in torch; they read as 0 (torchtitan logs them only).
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        import torch
+
+        return getattr(torch.cpu, name)
+
+    def get_device_name(self, device: Any = None) -> str:
+        return "cpu"
+
+    def get_device_properties(self, device: Any = None) -> Any:
+        import types
+
+        return types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE")
+                                     * os.sysconf("SC_PHYS_PAGES"))
+
+    def current_device(self) -> int:
+        # torch.cpu's is the string "cpu"; torchtitan passes it to barrier(device_ids=[...]).
+        return 0
+
+    def memory_stats(self, device: Any = None) -> dict[str, int]:
+        return {}
+
+    def reset_peak_memory_stats(self, device: Any = None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+
+def _eager_flex_attention_on_cpu() -> None:
+    """torch's FlexAttention has no backward on CPU; compute the same attention densely.
+
+    torchtitan 0.3.0's language models accept only FlexAttention (block-causal masks built
+    from per-document positions). Here its compiled kernel is replaced, for both runs alike,
+    by the textbook computation: the BlockMask's ``mask_mod`` evaluated densely, masked
+    softmax, log-sum-exp when asked for. A CPU-only workaround, nothing of FSDP's.
+    """
+    import torch
+
+    if torch._utils._get_available_device_type() is not None:
+        return
+    from torch.nn.attention.flex_attention import AuxOutput, create_mask
+    from torchtitan.models.common.attention import FlexAttention
+
+    def dense_flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                             score_mod: Any = None, block_mask: Any = None,
+                             scale: float | None = None, enable_gqa: bool = False,
+                             return_aux: Any = None, kernel_options: Any = None) -> Any:
+        if score_mod is not None:
+            raise NotImplementedError("the CPU stand-in for FlexAttention takes no score_mod")
+        batch, heads, q_len, head_dim = q.shape
+        if enable_gqa and k.shape[1] != heads:
+            k = k.repeat_interleave(heads // k.shape[1], dim=1)
+            v = v.repeat_interleave(heads // v.shape[1], dim=1)
+        scores = (q @ k.transpose(-2, -1)) * (head_dim ** -0.5 if scale is None else scale)
+        if block_mask is not None:
+            mask = create_mask(block_mask.mask_mod, batch, None, q_len, k.shape[2],
+                               device=q.device)
+            scores = scores.masked_fill(~mask, float("-inf"))
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.softmax(scores, dim=-1) @ v
+        want_lse = return_aux is not None and getattr(return_aux, "lse", False)
+        return out, AuxOutput(lse=lse if want_lse else None)
+
+    FlexAttention._compiled_flex_attn = staticmethod(dense_flex_attention)
+
+
+def _substitute_fully_shard(which: str) -> None:
+    """Rebind the name ``fully_shard`` where torchtitan's llama3 path calls it."""
+    import torchtitan.distributed.fsdp as tt_fsdp
+
+    if which == "mfsdp":
+        import megatron_fsdp_v2
+
+        tt_fsdp.fully_shard = megatron_fsdp_v2.fully_shard
+    elif which == "torch":
+        _fsdp2_sum_on_gloo(tt_fsdp)
+    else:
+        raise ValueError(f"--fully-shard must be 'torch' or 'mfsdp', got {which!r}")
+
+
+def _fsdp2_sum_on_gloo(tt_fsdp: Any) -> None:
+    """FSDP2 (the reference run) on gloo: reduce with SUM, not PREMUL_SUM.
+
+    torchtitan turns FSDP2's gradient division off with ``set_gradient_divide_factor(1.0)``;
+    FSDP2 then reduce-scatters with ``ReduceOp.PREMUL_SUM``, which gloo lacks ("Cannot use
+    ReduceOp.PREMUL_SUM with Gloo"). ``set_force_sum_reduction_for_comms(True)`` (FSDP2's own
+    switch, which torchtitan sets itself for symmetric memory) makes it a SUM and a multiply
+    by 1: the same numbers. Our library needs nothing here (it always sums, then scales).
+    """
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    original = tt_fsdp.disable_fsdp_gradient_division
+
+    def disable_division(model: Any) -> None:
+        original(model)
+        if dist.get_backend() == "gloo":
+            for module in model.modules():
+                if isinstance(module, FSDPModule):
+                    module.set_force_sum_reduction_for_comms(True)
+
+    tt_fsdp.disable_fsdp_gradient_division = disable_division
+
+
+def _record_metrics(path: str) -> None:
+    """Keep what ``MetricsProcessor.log`` receives each step; rank 0 writes it at exit."""
+    import atexit
+
+    from torchtitan.components.metrics import MetricsProcessor
+
+    rows: list[dict[str, Any]] = []
+    original = MetricsProcessor.log
+
+    def log(self: Any, step: int, global_avg_loss: float, global_max_loss: float,
+            grad_norm: float, extra_metrics: dict[str, Any] | None = None) -> Any:
+        rows.append({"step": step, "loss": float(global_avg_loss),
+                     "max_loss": float(global_max_loss), "grad_norm": float(grad_norm)})
+        return original(self, step, global_avg_loss, global_max_loss, grad_norm,
+                        extra_metrics=extra_metrics)
+
+    MetricsProcessor.log = log  # type: ignore[method-assign]
+
+    def dump() -> None:
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0:
+            with open(path, "w") as f:
+                json.dump(rows, f, indent=1)
+
+    atexit.register(dump)
+
+
+def _run(args: argparse.Namespace, titan_args: list[str]) -> None:
+    _use_cpu_when_no_accelerator()
+    _eager_flex_attention_on_cpu()
+    _substitute_fully_shard(args.fully_shard)
+    if args.losses_out:
+        _record_metrics(args.losses_out)
+    from torchtitan.train import main
+
+    sys.argv = [sys.argv[0], *titan_args]
+    main()
+
+
+def _titan_args(args: argparse.Namespace, dp: int | None = None,
+                tp: int | None = None) -> list[str]:
+    tp = args.tp if tp is None else tp
+    dp = args.nproc // args.tp if dp is None else dp
+    return [
+        "--module", "llama3", "--config", "llama3_debugmodel",
+        "--training.steps", str(args.steps),
+        "--training.local_batch_size", str(args.batch),
+        "--training.seq_len", str(args.seq_len),
+        # fp32 compute: CPU bf16 is slow and the comparison is of the sharding, not of rounding.
+        "--training.mixed_precision_param", "float32",
+        "--parallelism.data_parallel_shard_degree", str(dp),
+        "--parallelism.tensor_parallel_degree", str(tp),
+        "--debug.seed", "42",
+        # Not --debug.deterministic: it puts torch.compile'd FlexAttention back in place of
+        # the CPU stand-in; CPU kernels and gloo are run-to-run deterministic anyway.
+        "--metrics.log_freq", "1",
+        *args.extra,
+    ]
+
+
+def _torchrun(args: argparse.Namespace, nproc: int, which: str, name: str,
+              titan_args: list[str], losses_out: str = "") -> bool:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", os.path.abspath(__file__), "run",
+        "--fully-shard", which, "--losses-out", losses_out, "--", *titan_args,
+    ]
+    print("+", " ".join(cmd), flush=True)
+    log_path = os.path.join(args.dump_folder, f"log_{name}.txt")
+    with open(log_path, "w") as log:
+        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
+    if rc != 0:
+        print(f"{name} run failed (exit {rc}); log: {log_path}")
+    return rc == 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    os.makedirs(args.dump_folder, exist_ok=True)
+    load: list[str] = []
+    if args.seed_checkpoint:
+        # torchtitan's way to start runs of different parallelisms from the same weights
+        # (its loss-comparison flow): one unsharded rank initializes and saves step 0; both
+        # runs load it (through torch's distributed state dict and DCP) and save nothing.
+        # Without it each library's initialization of sharded weights draws its own values.
+        seed_dir = os.path.join(args.dump_folder, "seed")
+        seed = [*_titan_args(args, dp=1, tp=1), "--dump_folder", seed_dir,
+                "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
+        if not _torchrun(args, 1, "torch", "seed", seed):
+            return 2
+        load = ["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.initial_load_path",
+                os.path.join(seed_dir, "checkpoint", "step-0")]
+    results: dict[str, list[dict[str, Any]]] = {}
+    for which in ("torch", "mfsdp"):
+        out = os.path.join(args.dump_folder, f"losses_{which}.json")
+        titan = [*_titan_args(args), "--dump_folder", os.path.join(args.dump_folder, which),
+                 *load]
+        if not _torchrun(args, args.nproc, which, which, titan, out):
+            return 2
+        with open(out) as f:
+            results[which] = json.load(f)
+    ref, ours = results["torch"], results["mfsdp"]
+    if [r["step"] for r in ref] != [r["step"] for r in ours] or not ref:
+        print("the runs logged different steps:", [r["step"] for r in ref],
+              [r["step"] for r in ours])
+        return 2
+    worst = 0.0
+    print("| step | FSDP2 loss | megatron_fsdp_v2 loss | abs diff | FSDP2 grad norm "
+          "| ours grad norm |")
+    print("|---|---|---|---|---|---|")
+    for a, b in zip(ref, ours):
+        diff = abs(a["loss"] - b["loss"])
+        worst = max(worst, diff)
+        print(f"| {a['step']} | {a['loss']:.8f} | {b['loss']:.8f} | {diff:.2e} "
+              f"| {a['grad_norm']:.6f} | {b['grad_norm']:.6f} |")
+    ok = worst <= args.tol
+    print(f"max |loss diff| = {worst:.3e} ({'within' if ok else 'ABOVE'} tol {args.tol:g})")
+    return 0 if ok else 1
+
+
+def _make_assets(folder: str) -> None:
+    """A stand-in for torchtitan's ``tests/assets/c4_test/data.json`` (c4's json-lines format)."""
+    from pydoc_data.topics import topics
+
+    path = os.path.join(folder, "tests", "assets", "c4_test")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "data.json"), "w") as f:
+        for key in sorted(topics):
+            f.write(json.dumps({"text": topics[key], "timestamp": "2019-04-22T00:00:00Z",
+                                "url": f"pydoc://{key}"}) + "\n")
+    print("wrote", os.path.join(path, "data.json"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="one torchtitan run (under torchrun)")
+    run.add_argument("--fully-shard", choices=("torch", "mfsdp"), required=True)
+    run.add_argument("--losses-out", default="")
+    run.add_argument("titan_args", nargs=argparse.REMAINDER)
+    cmp = sub.add_parser("compare", help="FSDP2 run, then ours; compare the losses")
+    cmp.add_argument("--nproc", type=int, default=2)
+    cmp.add_argument("--tp", type=int, default=1)
+    cmp.add_argument("--steps", type=int, default=8)
+    cmp.add_argument("--batch", type=int, default=2)
+    cmp.add_argument("--seq-len", type=int, default=256)
+    cmp.add_argument("--tol", type=float, default=1e-5)
+    cmp.add_argument("--dump-folder", default="/tmp/torchtitan_dropin")
+    cmp.add_argument("--no-seed-checkpoint", dest="seed_checkpoint", action="store_false",
+                     help="start each run from its own library's random initialization")
+    cmp.add_argument("extra", nargs=argparse.REMAINDER,
+                     help="after --: more torchtitan arguments for both runs")
+    assets = sub.add_parser("make-assets", help="write a stand-in c4_test data set")
+    assets.add_argument("folder")
+    args = parser.parse_args()
+    if args.cmd == "run":
+        titan_args = args.titan_args[1:] if args.titan_args[:1] == ["--"] else args.titan_args
+        _run(args, titan_args)
+        return 0
+    if args.cmd == "compare":
+        if args.extra[:1] == ["--"]:
+            args.extra = args.extra[1:]
+        return _compare(args)
+    _make_assets(args.folder)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -31,6 +31,7 @@ from test_fp8_params import (
     _check_bytes,
     _gather_bytes,
     _model,
+    _state_dict_round_trip,
     _train,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -187,20 +188,22 @@ def test_precompute_covers_the_whole_mesh(ranks: RankPools) -> None:
     ranks.run(_precompute_over_mesh, WORLD, timeout_s=TIMEOUT_S)
 
 
-def _outer_optim(rank: int, world: int) -> None:
+def _outer_optim(rank: int, world: int, dtype_name: str) -> None:
     """Outer ``optim`` (main weights, gradients and AdamW state sharded over all 4 ranks; the
     inner shard held as FP8 bytes, refreshed by an outer FP8 all-gather after each step) against
-    one process training the same float8 model on every rank's rows, and against outer
-    ``no_shard`` on the same mesh. fp32 compute: the single process casts each full weight to
-    float8 with its dynamic amax, which is the precomputed scale of the sharded runs. Measured:
-    losses bitwise equal, parameters within 3e-8 (gradients summed over 4 ranks in another
-    order than one process sums its rows); checked to 1e-6."""
+    outer ``no_shard`` on the same mesh and, in fp32, one process training the same float8
+    model on every rank's rows (it casts each full weight to float8 with its dynamic amax, which
+    is the precomputed scale of the sharded runs; bf16 compute has no single-process twin).
+    Measured in fp32: losses bitwise equal, parameters within 3e-8 of one process (gradients
+    summed over 4 ranks in another order than one process sums its rows); checked to 1e-6."""
+    dtype = getattr(torch, dtype_name)
     batches = _batches(world, DIM)
     runs: dict[str, Any] = {}
     for outer in ("optim", "no_shard"):
         model = _model(DIM)
         fully_shard(model, mesh=_mesh(), sharding_strategy="optim_grads_params",
-                    outer_dp_sharding_strategy=outer)
+                    outer_dp_sharding_strategy=outer,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
         last_step: dict[str, Any] = {}
 
         def count(step: int, model: nn.Module = model, last_step: dict = last_step) -> None:
@@ -210,16 +213,19 @@ def _outer_optim(rank: int, world: int) -> None:
                 last_step.update(_gather_bytes(model))
 
         runs[outer] = (model, _train(model, rank, batches, count), last_step)
-    reference, ref_losses = _single_process(world, batches)
-    (ours, losses, last_step), (_, no_shard_losses, _) = runs["optim"], runs["no_shard"]
-    agree("outer optim: losses = one process", lambda: torch.testing.assert_close(
-        losses, ref_losses[rank], rtol=1e-6, atol=0.0))
-    agree("outer optim: losses = outer no_shard", lambda: torch.testing.assert_close(
+    (ours, losses, last_step), (no_shard, no_shard_losses, _) = runs["optim"], runs["no_shard"]
+    expected = {n: p.full_tensor().detach() for n, p in no_shard.named_parameters()}
+    agree(f"outer optim {dtype_name}: losses = outer no_shard", lambda: torch.testing.assert_close(
         losses, no_shard_losses, rtol=1e-6, atol=0.0))
+    if dtype == torch.float32:
+        reference, ref_losses = _single_process(world, batches)
+        expected = {n: p.detach() for n, p in reference.named_parameters()}
+        agree("outer optim: losses = one process", lambda: torch.testing.assert_close(
+            losses, ref_losses[rank], rtol=1e-6, atol=0.0))
     for name, p in ours.named_parameters():
         lo, hi = shard_rows(p)
-        got, full = p.to_local().detach(), dict(reference.named_parameters())[name].detach()
-        agree(f"outer optim: parameter {name} rows {lo}:{hi} = one process",
+        got, full = p.to_local().detach(), expected[name]
+        agree(f"outer optim {dtype_name}: parameter {name} rows {lo}:{hi}",
               lambda: torch.testing.assert_close(got, full[lo:hi], rtol=0.0, atol=1e-6))
     # Per step: 4 inner gathers (2 micro-batches, forward and backward) of the whole FP8 layout
     # and one outer refresh of the inner shard (half of it), 1 byte per element each.
@@ -251,5 +257,12 @@ def _equal(got: Any, expected: Any) -> None:
     assert got == expected, (got, expected)
 
 
-def test_fp8_outer_optim_matches_one_process(ranks: RankPools) -> None:
-    ranks.run(_outer_optim, WORLD, timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+def test_fp8_outer_optim_matches_one_process(ranks: RankPools, dtype_name: str) -> None:
+    ranks.run(_outer_optim, WORLD, dtype_name, timeout_s=TIMEOUT_S)
+
+
+def test_fp8_outer_optim_state_dict_round_trip(ranks: RankPools) -> None:
+    """Outer ``optim``: ``load_state_dict`` of another model's state dict marks the FP8 inner
+    shard stale; the next forward refreshes it (outer all-gather) and equals the source's."""
+    ranks.run(_state_dict_round_trip, WORLD, "optim_grads_params", "optim", timeout_s=TIMEOUT_S)

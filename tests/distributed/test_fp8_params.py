@@ -332,16 +332,23 @@ def test_scale_precomputed_before_wrap(ranks: RankPools, strategy: str) -> None:
 
 # ---------------------------------------------------------------------- checkpoints and refusals
 
-def _state_dict_round_trip(rank: int, world: int, strategy: str) -> None:
+def _state_dict_round_trip(rank: int, world: int, strategy: str, outer: str | None = None
+                           ) -> None:
     """``state_dict()`` holds the main weights (DTensors over the float8 subclass); loading it
     into a model with other weights marks the FP8 compute weights stale: the next forward
-    gathers the loaded ones."""
+    gathers the loaded ones. ``outer``: on a (2, world / 2) HSDP mesh with that outer
+    strategy."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    dim = DIMS[world]
+    dim = DIMS[world if outer is None else world // 2]
     source, target = _model(dim), _model(dim)
+    hsdp: dict[str, Any] = {}
+    if outer is not None:
+        hsdp = dict(mesh=init_device_mesh("cpu", (2, world // 2),
+                                          mesh_dim_names=("replicate", "shard")),
+                    outer_dp_sharding_strategy=outer)
     for model in (source, target):
-        fully_shard(model, sharding_strategy=strategy)
+        fully_shard(model, sharding_strategy=strategy, **hsdp)
         precompute_float8_dynamic_scale_for_fsdp(model)
     x = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():

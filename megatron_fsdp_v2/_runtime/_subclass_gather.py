@@ -32,6 +32,11 @@ same storage as before). Here:
   ``optim_grads`` into persistent replicated buffers (the FP8 bytes; the scales are the
   metadata, one per parameter), refreshed once after each optimizer step. ``post_all_gather``
   runs when the gather is waited on; registration of the compute parameters follows the wait.
+* HSDP outer ``optim``: the main weights are each rank's sub-shard, so the inputs are packed
+  into persistent buffers over the inner shard and gathered over the outer axis once after
+  each step (:meth:`ExtensionGather.refresh_inner_shard`, metadata kept with them); every
+  inner gather then all-gathers those buffers into the scratch buffers
+  (:meth:`ExtensionGather.gather_scratch`). A dynamic amax gets the flattened mesh.
 * ``no_shard`` gathers nothing: the compute parameter is the subclass rebuilt over the
   full-precision ``model_weight`` view, which torchao casts to float8 in each forward.
 * Gradients are plain tensors of the compute dtype (``Float8Linear``'s weight gradient) and take

@@ -373,7 +373,7 @@ def _meta_model() -> nn.Module:
 
 
 def _refused(rank: int, world: int, case: str) -> None:
-    # (FP8 on an HSDP mesh: supported with outer no_shard, refused with outer optim; see
+    # (FP8 on an HSDP mesh, outer no_shard and outer optim: see
     # test_fp8_hsdp.py.)
     make, call = _meta_model, fully_shard
     pattern = r"parameter '0\.weight' .*WeightWithDynamicFloat8CastTensor on the meta device"

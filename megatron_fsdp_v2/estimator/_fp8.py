@@ -63,9 +63,12 @@ def convert_to_float8(model: nn.Module, selects: Callable[[nn.Module], bool]) ->
     float8 = _torchao()
     inside = {id(sub) for unit in model.modules() if unit is not model and selects(unit)
               for sub in unit.modules()}
-    float8.convert_to_float8_training(
+    from torchao.float8.float8_linear import Float8Linear
+
+    float8.convert_to_float8_training(  # (a model_fn's own float8 linears are left as they are)
         model, config=float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True),
         module_filter_fn=lambda module, _fqn: id(module) in inside
+        and not isinstance(module, Float8Linear)
         and module.in_features % 16 == 0 and module.out_features % 16 == 0,
     )
 

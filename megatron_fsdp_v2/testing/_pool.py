@@ -33,7 +33,10 @@ failing case paid that again, a quarter of the full suite's time on two cores. T
 runs nothing but imports (no process group, no OpenMP region, no library state), so a forked rank
 starts as a spawned one did; multiprocessing still runs the spawn preparation in it (the parent's
 ``sys.path``, working directory and ``__main__``), and ``_serve`` applies the environment the
-parent has when the pool starts (the server's is the one of its own start).
+parent has when the pool starts (the server's is the one of its own start). A test suite adds
+its own heavy imports with :func:`preload_in_server` (``tests/conftest.py``: the Hugging Face
+model classes, torchao), and a rank freezes what it inherits out of the garbage collector's
+sight (``gc.freeze()``), so a full collection walks only what the tasks allocate.
 """
 
 from __future__ import annotations

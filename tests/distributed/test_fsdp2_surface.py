@@ -35,14 +35,14 @@ SUPPORTED = {
     "set_reshard_after_backward", "set_modules_to_forward_prefetch",
     "set_modules_to_backward_prefetch", "set_gradient_divide_factor",
     "set_reduce_scatter_divide_factor", "set_force_sum_reduction_for_comms",
-    "set_reduce_scatter_unused_params",
+    "set_reduce_scatter_unused_params", "set_all_reduce_hook",
 }
 NOT_METHODS = {"__annotations__", "__dict__", "__doc__", "__module__", "__weakref__",
                "_orig_cls_mro_index"}
 # Arguments for calling each refused method.
 REFUSED_CALLS: dict[str, tuple[Any, ...]] = {
     "set_custom_all_gather": (object(),), "set_custom_reduce_scatter": (object(),),
-    "set_all_reduce_hook": (lambda t: None,), "set_post_optim_event": (object(),),
+    "set_post_optim_event": (object(),),
     "set_symm_mem_for_comm": ("NCCL",), "set_allocate_memory_from_process_group_for_comm": (True,),
     "set_reduce_scatter_max_input_buffers": (2,), "set_separate_reduce_scatter_group": (True,),
     "set_unshard_in_backward": (False,), "_set_unshard_async_op": (True,),

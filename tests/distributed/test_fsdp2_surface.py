@@ -19,6 +19,7 @@ from _fsdp2_api import TIMEOUT_S, _loss, _net, _param_errors
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import FSDPModule, fully_shard
 from megatron_fsdp_v2._frontend._fsdp2_surface import REFUSED
@@ -122,6 +123,41 @@ def _surface_worker(rank: int, world: int) -> list[str]:
 
 def test_surface_on_wrapped_modules(ranks: RankPools) -> None:
     for rank, found in enumerate(ranks.run(_surface_worker, 2, timeout_s=TIMEOUT_S)):
+        assert not found, f"rank {rank}: {found}"
+
+
+def _unshard_worker(rank: int, world: int) -> list[str]:
+    """``unshard()`` registers the unsharded parameters until ``reshard()`` (or the end of the
+    next forward), as FSDP2 does: ``module.weight`` is a plain tensor of the full value and a
+    submodule can be called directly; FSDP2 runs the same script as the control."""
+    found: list[str] = []
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(3, 8)
+    for who, wrap in (("ours", fully_shard), ("FSDP2", torch_fully_shard)):
+        model, ref = _net()
+        for block in model.blocks:
+            wrap(block, mesh=mesh)
+        wrap(model, mesh=mesh)
+        block, want = model.blocks[1], ref.blocks[1]
+        for async_op in (False, True):
+            handle = block.unshard(async_op=async_op)
+            if handle is not None:
+                handle.wait()
+            weight = block[0].weight
+            if isinstance(weight, DTensor) or not torch.equal(weight.detach(), want[0].weight):
+                found.append(f"{who} async_op={async_op}: after unshard() block[0].weight is "
+                             f"{type(weight).__name__} {tuple(weight.shape)}")
+            if not torch.allclose(block[0](x), want[0](x)):  # called directly
+                found.append(f"{who}: calling the unsharded submodule gave other values")
+            block.reshard()
+            if not isinstance(block[0].weight, DTensor):
+                found.append(f"{who}: after reshard() block[0].weight is not the DTensor")
+        model(torch.randn(3, 5)).sum().backward()  # and the model runs on afterwards
+    return found
+
+
+def test_unshard_registers_unsharded_params(ranks: RankPools) -> None:
+    for rank, found in enumerate(ranks.run(_unshard_worker, 2, timeout_s=TIMEOUT_S)):
         assert not found, f"rank {rank}: {found}"
 
 

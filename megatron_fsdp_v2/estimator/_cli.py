@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
                              "(world-size/tp, tp) mesh, then every strategy over the dp ranks "
                              "(memory and dp collectives; TP's own collectives are not counted)")
     parser.add_argument("--mesh", type=_parse_mesh, action="append", default=[],
-                        help="also estimate HSDP on an RxS mesh (repeatable)")
+                        help="also estimate HSDP on an RxS mesh (repeatable; with --tp, "
+                             "HSDP x TP: R*S = world-size/tp)")
     parser.add_argument("--budget-gib", type=float, default=None)
     args = parser.parse_args(argv)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
@@ -99,8 +100,6 @@ def main(argv: list[str] | None = None) -> None:
     common: dict[str, Any] = dict(world_size=args.world_size, wrap=(block,), mp_policy=mp,
                                   micro_batches=args.micro_batches, rank=args.rank)
     if args.tp > 1:
-        if args.mesh:
-            parser.error("--tp with --mesh (HSDP x TP) is not modelled")
         common.update(tp=args.tp, tp_plan=tp_plan(args.model))
     configs: list[tuple[str, tuple[int, int] | None, str]] = [
         (s, None, "no_shard") for s in STRATEGIES

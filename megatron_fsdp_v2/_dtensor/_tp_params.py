@@ -193,7 +193,7 @@ def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh,
     return TPFace(tp_mesh, tuple(param.placements), shape, _contiguous_stride(shape), dist_mesh)
 
 
-def _refuse_meta(what: str, param: nn.Parameter) -> None:
+def _refuse_meta(what: str, param: torch.Tensor) -> None:
     # The estimator wraps meta models with storage-free buffers (see [Note: meta buffers] in
     # _registry): there the TP-local meta shapes are all it needs.
     if param.device.type == "meta" and not _registry.meta_buffers[0]:
@@ -223,7 +223,7 @@ def _refuse_meta(what: str, param: nn.Parameter) -> None:
 # before the dp average (FSDP2 averages the partial sums as they are).
 
 
-def _spmd_face(what: str, param: nn.Parameter, dp_mesh: DeviceMesh, spmd: SpmdMesh) -> TPFace:
+def _spmd_face(what: str, param: DTensor, dp_mesh: DeviceMesh, spmd: SpmdMesh) -> TPFace:
     mesh = spmd.mesh
     names = mesh.mesh_dim_names
     assert names is not None  # resolve_dp_mesh requires names

@@ -1,10 +1,11 @@
 """FSDP2's ``dp_mesh_dims`` with tensor parallelism over the SPMD mesh's other dims
 (torchtitan's SPMD mode; [Note: SPMD parameters] in ``megatron_fsdp_v2/_dtensor/_tp_params.py``):
 parameters are DTensors on the whole mesh, ``Replicate()`` on the data-parallel dims and
-colwise/rowwise on ``tp``, inputs are DTensors there too. Same losses and parameters as
-single-process training and as FSDP2 running the same script (the control), and the
-optimizer-facing parameters on FSDP2's mesh with FSDP2's placements; a parameter not
-``Replicate()`` on a dp dim is refused."""
+colwise/rowwise on ``tp``, inputs are DTensors there too. Same losses, clipped gradient norms,
+parameters and torch full state dict as single-process training and as FSDP2 running the same
+script (the control), and the optimizer-facing parameters on FSDP2's mesh with FSDP2's
+placements (also with two shard dims flattened); a parameter not ``Replicate()`` on a dp dim
+is refused."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from test_dp_mesh_dims import Mlp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -33,6 +35,7 @@ TIMEOUT_S = 240
 MESHES = {
     "fsdp_tp": ((2, 2), ("dp", "tp"), dict(shard="dp")),
     "hsdp_tp": ((1, 2, 2), ("rep", "dp", "tp"), dict(shard="dp", replicate="rep")),
+    "flat_tp": ((2, 1, 2), ("dp", "cp", "tp"), dict(shard=("dp", "cp"))),  # flattened shard
     "dp_only": ((2,), ("dp",), dict(shard="dp")),  # DTensors on a mesh of dp dims only
 }
 
@@ -53,10 +56,12 @@ def _distribute(model: Mlp, mesh: DeviceMesh, dp_placement: object = Replicate()
 def _train(model: nn.Module, mesh: DeviceMesh | None, dp_rank: int, dp: int) -> list[float]:
     """Two AdamW steps on a global batch of ``2 * dp`` rows: this dp rank's rows as a DTensor
     replicated over ``mesh`` (each dp rank's own data, as FSDP2's tests), or all of them
-    (``mesh`` None: the single-process reference). Returns the global mean loss per step."""
+    (``mesh`` None: the single-process reference), gradients clipped by torch's
+    ``clip_grad_norm_`` (fully_shard routes it to its own). Returns the global mean loss per
+    step, then the gradient norms."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
-    losses = []
+    losses, norms = [], []
     for _ in range(2):
         x, y = torch.randn(2 * dp, 5, generator=g), torch.randn(2 * dp, 3, generator=g)
         if mesh is not None:
@@ -66,6 +71,8 @@ def _train(model: nn.Module, mesh: DeviceMesh | None, dp_rank: int, dp: int) -> 
             out = model(x)
         loss = F.mse_loss(out, y)
         loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # below every norm
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -73,7 +80,7 @@ def _train(model: nn.Module, mesh: DeviceMesh | None, dp_rank: int, dp: int) -> 
             dist.all_reduce(mean)
             mean /= dist.get_world_size()
         losses.append(float(mean))
-    return losses
+    return losses + norms
 
 
 def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]:
@@ -102,6 +109,11 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
         for name, p in model.named_parameters():
             if not torch.allclose(p.full_tensor(), want[name], rtol=1e-5, atol=1e-6):
                 errors.append(f"{who}: parameter {name} differs from single-process training")
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        if sorted(full) != sorted(want) or not all(
+            torch.allclose(full[k], want[k], rtol=1e-5, atol=1e-6) for k in want
+        ):
+            errors.append(f"{who}: torch's full state dict differs from single-process training")
     # The optimizer-facing parameters as FSDP2 makes them (strategies that shard over dp).
     if strategy != "no_shard":
         for (name, p), q in zip(ours.named_parameters(), control.parameters()):
@@ -117,6 +129,7 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
     ("fsdp_tp", "optim_grads_params"),
     ("fsdp_tp", "no_shard"),
     ("hsdp_tp", "optim_grads_params"),
+    ("flat_tp", "optim"),
     ("dp_only", "optim_grads_params"),
 ])
 def test_spmd_tp_parity_with_fsdp2(ranks: RankPools, case: str, strategy: str) -> None:

@@ -37,6 +37,9 @@ MESHES = {
     "hsdp_tp": ((1, 2, 2), ("rep", "dp", "tp"), dict(shard="dp", replicate="rep")),
     "flat_tp": ((2, 1, 2), ("dp", "cp", "tp"), dict(shard=("dp", "cp"))),  # flattened shard
     "dp_only": ((2,), ("dp",), dict(shard="dp")),  # DTensors on a mesh of dp dims only
+    # A TP dim before the dp dim: the optimizer-facing mesh lists the dp dims first (FSDP2
+    # keeps the SPMD mesh's order), the values are the same.
+    "tp_first": ((2, 2), ("tp", "dp"), dict(shard="dp")),
 }
 
 
@@ -115,7 +118,11 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
         ):
             errors.append(f"{who}: torch's full state dict differs from single-process training")
     # The optimizer-facing parameters as FSDP2 makes them (strategies that shard over dp).
-    if strategy != "no_shard":
+    if case == "tp_first":
+        names_first = ours.a.weight.device_mesh.mesh_dim_names
+        if names_first != ("dp", "tp"):
+            errors.append(f"tp_first: optimizer-facing mesh dims {names_first}")
+    elif strategy != "no_shard":
         for (name, p), q in zip(ours.named_parameters(), control.parameters()):
             if (p.device_mesh, p.placements) != (q.device_mesh, q.placements):
                 errors.append(f"{name}: {p.device_mesh} {p.placements}, FSDP2 "
@@ -131,6 +138,7 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
     ("hsdp_tp", "optim_grads_params"),
     ("flat_tp", "optim"),
     ("dp_only", "optim_grads_params"),
+    ("tp_first", "optim_grads"),
 ])
 def test_spmd_tp_parity_with_fsdp2(ranks: RankPools, case: str, strategy: str) -> None:
     world = 1

@@ -45,8 +45,9 @@ _HSDP_MESH_HINT = (
 # the mesh this library shards over, exactly as FSDP2 does: the ``shard`` dims (flattened into
 # one dim when several, e.g. ``("dp_shard", "cp")``) are the inner axis; with ``replicate``
 # dims too (flattened likewise) the result is the 2-D ``(replicate, shard)`` HSDP mesh; a
-# ``replicate`` without ``shard`` (FSDP2's DDP mode) is refused with the equivalent here
-# (``mesh=mesh[replicate]``, ``sharding_strategy="no_shard"``). The other dims may have any
+# ``replicate`` without ``shard`` (FSDP2's DDP mode) is the replicate dims' 1-D mesh with
+# ``sharding_strategy="no_shard"`` (another strategy is refused: it would shard over what
+# FSDP2 replicates over). The other dims may have any
 # size: parameters split over them (tensor, context or expert parallel) are DTensors on the
 # SPMD mesh, ``Replicate()`` on the dp dims, and take the FSDP x TP path with the placements on
 # the other dims as their TP part (:func:`spmd_mesh_of` hands the mesh and the dp dim names to
@@ -75,11 +76,14 @@ def _dim_names(value: Any, field: str) -> tuple[str, ...]:
     return names
 
 
-def resolve_dp_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any) -> DeviceMesh | None:
+def resolve_dp_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any,
+                    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS
+                    ) -> DeviceMesh | None:
     """The data-parallel mesh ``fully_shard`` works on: ``mesh`` itself, or with
-    ``dp_mesh_dims`` its data-parallel dims as a 1-D (shard) or 2-D (replicate, shard) mesh (see
-    [Note: SPMD meshes and dp_mesh_dims]). No collective, except flattening several dims into
-    one (which creates that group, as FSDP2 does)."""
+    ``dp_mesh_dims`` its data-parallel dims as a 1-D (shard, or replicate only with
+    ``no_shard``) or 2-D (replicate, shard) mesh (see [Note: SPMD meshes and dp_mesh_dims]). No
+    collective, except flattening several dims into one (which creates that group, as FSDP2
+    does)."""
     if dp_mesh_dims is None:
         return mesh
     if not (hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")):
@@ -107,12 +111,14 @@ def resolve_dp_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any) -> DeviceMesh | 
             f"dp_mesh_dims names a mesh dim twice: shard={shard}, replicate={replicate}"
         )
     if not shard:
-        raise NotImplementedError(
-            f"dp_mesh_dims with replicate={replicate} and no shard dims (FSDP2's replicated, "
-            "DDP-like mode) is not supported as such: pass mesh=mesh"
-            f"[{replicate[0]!r}] (the replicate dim) with sharding_strategy='no_shard', which "
-            "keeps parameters replicated and all-reduces gradients"
-        )
+        if strategy is not ShardingStrategy.NO_SHARD:
+            raise ValueError(
+                f"dp_mesh_dims with replicate={replicate} and no shard dims is FSDP2's "
+                "replicated, DDP-like mode: pass sharding_strategy='no_shard' with it "
+                "(parameters replicated, gradients all-reduced over the replicate dims), got "
+                f"sharding_strategy={strategy.value!r}"
+            )
+        return _flat_submesh(mesh, replicate)
     shard_mesh = _flat_submesh(mesh, shard)
     if not replicate:
         return shard_mesh

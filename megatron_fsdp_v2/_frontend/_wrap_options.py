@@ -133,7 +133,7 @@ def parse_options(
     reduce_bucket_size_mb = validate_bucket_size(reduce_bucket_size_mb)
     refresh_bucket_size_mb = validate_bucket_size(refresh_bucket_size_mb,
                                                   "refresh_bucket_size_mb")
-    axes = validate_mesh(resolve_dp_mesh(mesh, dp_mesh_dims), outer_strategy, strategy)
+    axes = validate_mesh(resolve_dp_mesh(mesh, dp_mesh_dims, strategy), outer_strategy, strategy)
     axes = dataclasses.replace(axes, spmd=spmd_mesh_of(mesh, dp_mesh_dims))
     if reduce_bucket_size_mb is not None and axes.outer is not None:
         raise NotImplementedError(

@@ -136,7 +136,8 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
 
 
 @pytest.mark.parametrize("case,needles", [
-    ("replicate_only", ["NotImplementedError", "no_shard", "mesh=mesh['tp']"]),
+    ("replicate_only", ["ValueError", "sharding_strategy='no_shard'", "DDP",
+                        "'optim_grads_params'"]),
     ("unknown_dim", ["ValueError", "'dp_shard'", "('dp', 'tp')"]),
     ("twice", ["ValueError", "twice"]),
     ("unnamed", ["ValueError", "dimension names"]),

@@ -4,8 +4,8 @@ parameters are DTensors on the whole mesh, ``Replicate()`` on the data-parallel 
 colwise/rowwise on ``tp``, inputs are DTensors there too. Same losses, clipped gradient norms,
 parameters and torch full state dict as single-process training and as FSDP2 running the same
 script (the control), and the optimizer-facing parameters on FSDP2's mesh with FSDP2's
-placements (also with two shard dims flattened); a parameter not ``Replicate()`` on a dp dim
-is refused."""
+placements (also with two shard dims flattened, and in FSDP2's DDP mode, replicate dims only,
+which is ``no_shard``); a parameter not ``Replicate()`` on a dp dim is refused."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ MESHES = {
     "fsdp_tp": ((2, 2), ("dp", "tp"), dict(shard="dp")),
     "hsdp_tp": ((1, 2, 2), ("rep", "dp", "tp"), dict(shard="dp", replicate="rep")),
     "flat_tp": ((2, 1, 2), ("dp", "cp", "tp"), dict(shard=("dp", "cp"))),  # flattened shard
+    "ddp_tp": ((2, 2), ("ddp", "tp"), dict(replicate="ddp")),  # FSDP2's DDP mode: no_shard
     "dp_only": ((2,), ("dp",), dict(shard="dp")),  # DTensors on a mesh of dp dims only
     # A TP dim before the dp dim: the optimizer-facing mesh lists the dp dims first (FSDP2
     # keeps the SPMD mesh's order), the values are the same.
@@ -122,7 +123,7 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
         names_first = ours.a.weight.device_mesh.mesh_dim_names
         if names_first != ("dp", "tp"):
             errors.append(f"tp_first: optimizer-facing mesh dims {names_first}")
-    elif strategy != "no_shard":
+    elif strategy != "no_shard" or case == "ddp_tp":
         for (name, p), q in zip(ours.named_parameters(), control.parameters()):
             if (p.device_mesh, p.placements) != (q.device_mesh, q.placements):
                 errors.append(f"{name}: {p.device_mesh} {p.placements}, FSDP2 "
@@ -137,6 +138,7 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
     ("fsdp_tp", "no_shard"),
     ("hsdp_tp", "optim_grads_params"),
     ("flat_tp", "optim"),
+    ("ddp_tp", "no_shard"),
     ("dp_only", "optim_grads_params"),
     ("tp_first", "optim_grads"),
 ])

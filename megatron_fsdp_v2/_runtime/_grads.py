@@ -15,7 +15,9 @@ retained graph): all-reducing those again would count them R times. So the first
 window (``pending_install`` False) that finds ``main_grad`` REDUCED moves what the optimizer-
 facing part holds into a temporary ``window_carry`` scratch buffer and restarts from EMPTY; after
 the window's outer all-reduce the carry is added back and freed. Clearing gradients in between
-(``zero_grad``, all installed gradients set to ``None``) drops the carry.
+(``zero_grad``, all installed gradients set to ``None``) drops the carry. A group with an
+all-reduce hook carries the same way on any mesh, and adds the carry back after the hook (see
+[Note: the all-reduce hook] in ``_all_reduce_hook.py``).
 
 With an outer ``optim`` axis the window's micro-batches add into a temporary ``window_grad``
 scratch buffer (the inner shard; the plan's ``window_grad_span``) and the window step

@@ -214,7 +214,8 @@ def _refuse_meta(what: str, param: torch.Tensor) -> None:
 # compute parameter keeps that mesh and those placements, and so do the in-place gradient
 # aliases and ``local_grad``'s target. The optimizer-facing DTensor is on the dp mesh's dims
 # then the other dims (``DeviceMesh._concatenate``; the SPMD mesh itself when its dp dims come
-# first, as torchtitan's ``(dp_replicate, dp_shard, cp, tp)`` with single dims), with FSDP2's
+# first, as torchtitan's; with a non-dp dim before a dp dim it is that mesh reordered dp first,
+# where FSDP2 keeps the SPMD mesh's order: the same values), with FSDP2's
 # placements: ``Shard(0)`` (``_StridedShard`` where TP shards dim 0 too) on the shard dim,
 # ``Replicate()`` on the replicate dim, the TP placements on the rest. A mesh of data-parallel
 # dims only leaves no TP part (``tp_mesh`` None): the optimizer-facing DTensor is the plain

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .. import _registry
 from .._comm._collective_impl import CollectiveCount, merge_counts
-from .._init import _conversions
+from .._init import _conversions, _materialize
 from .._runtime._context import TrainingState
 from .._runtime._state import FSDPState
 from ..api import ShardingStrategy
@@ -66,6 +66,8 @@ class FSDPModule(FSDP2Surface):
         whose ``wait()`` does the registering; the next forward waits on it anyway."""
         state = _registry.state_of(self)  # type: ignore[arg-type]
         assert state is not None
+        # A meta-built unit gets its values first, as at the first forward or state_dict().
+        _materialize.materialize(self)  # type: ignore[arg-type]
         state.unshard(async_op=async_op)
         if async_op:
             return UnshardHandle(state)

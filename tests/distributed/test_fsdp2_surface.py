@@ -153,6 +153,18 @@ def _unshard_worker(rank: int, world: int) -> list[str]:
             if not isinstance(block[0].weight, DTensor):
                 found.append(f"{who}: after reshard() block[0].weight is not the DTensor")
         model(torch.randn(3, 5)).sum().backward()  # and the model runs on afterwards
+    # Built on the meta device: unshard() gives the values first, as a forward would.
+    _, ref = _net()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = type(ref)()
+    for block in meta.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(meta, mesh=mesh)
+    meta.unshard()
+    if not torch.equal(meta.out.weight.detach(), ref.out.weight):
+        found.append("unshard() of a meta-built model: not the values built on the CPU")
+    meta.reshard()
     return found
 
 

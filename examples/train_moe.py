@@ -122,16 +122,27 @@ def clip_grad_norm_ep_(model: torch.nn.Module, max_norm: float,
     a DTensor on the edp sub-mesh, so its norm is reduced over the ranks that hold the *same*
     experts only, and ranks of different EP indices would clip by different norms. So: the
     dense gradients' norm (over the world), the local experts' norm (over edp), the latter's
-    square summed over the EP group, as torchtitan does for its expert parameters. The norms
-    come from ``torch.nn.utils.get_total_norm``, which fully_shard routes to the library's for
-    its gradients; FSDP2's come back as DTensors.
+    square summed over the EP group, as torchtitan does for its expert parameters.
+
+    Collectives: one all-reduce per distinct group, three in all (the world for the dense
+    norm, edp for the experts', ep for their sum). With fully_shard the norms come from
+    ``megatron_fsdp_v2.clip_grad_norm_(params, inf)`` (the norm only: the clip coefficient is
+    1), which reduces on the groups of the *parameters* it gets. ``get_total_norm``, which
+    takes gradients, would do two more: its contract is one all-reduce on every library group
+    per call whatever the list holds (a rank cannot tell from its gradients which groups its
+    peers reduce on, see [Note: total norm of gradient lists] in ``utils.py``), so its two
+    calls here would reduce on both the world and edp groups. FSDP2's and the single-process
+    reference's norms come from ``torch.nn.utils.get_total_norm`` (FSDP2's as DTensors).
     """
     dense, experts = [], []
     for name, p in model.named_parameters():
         if p.grad is not None:
             (experts if ".moe.experts." in name else dense).append(p)
+    ours = isinstance(model, mfsdp.FSDPModule)
 
     def norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+        if ours:
+            return mfsdp.clip_grad_norm_(params, float("inf")).float()
         total = torch.nn.utils.get_total_norm([p.grad for p in params])  # type: ignore[misc]
         return (total.full_tensor() if isinstance(total, DTensor) else total).float()
 

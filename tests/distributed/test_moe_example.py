@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from _fsdp2_api import TIMEOUT_S, _param_errors
 
+from _comm_counts import CollectiveCounts
 from _pool import RankPools
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,7 +31,9 @@ from moe_model import MoEGPT, keep_local_experts  # noqa: E402
 from train_moe import (  # noqa: E402
     build_meshes,
     build_model,
+    clip_grad_norm_ep_,
     config_from,
+    lm_loss,
     make_parser,
     step_batches,
     train_step,
@@ -64,6 +67,13 @@ def _moe_worker(rank: int, world: int, control: str, extra: list[str]) -> dict[s
                           ep_mesh["ep"].get_group())
         dist.all_reduce(loss)
         losses.append(loss.item() / world)
+    clip_all_reduces = None
+    if args.clip > 0 and not fsdp2:  # the clip alone, on one more backward's gradients
+        model.set_is_last_backward(True)  # type: ignore[operator]
+        lm_loss(model, step_batches(args, 0, rank)[0]).backward()
+        with CollectiveCounts() as counts:
+            clip_grad_norm_ep_(model, args.clip, ep_mesh["ep"].get_group())
+        clip_all_reduces = counts.get_comm_counts().get(torch.ops.c10d.allreduce_, 0)
 
     torch.manual_seed(args.seed)
     ref = MoEGPT(cfg)
@@ -74,7 +84,8 @@ def _moe_worker(rank: int, world: int, control: str, extra: list[str]) -> dict[s
         global_batches = [torch.cat([b[i] for b in per_rank]) for i in range(args.micro_batches)]
         ref_losses.append(train_step(ref, global_batches, ref_optimizer, args.clip).item())
     keep_local_experts(ref, ep_mesh.get_local_rank("ep"), args.ep, None)  # this rank's view
-    return {"losses": losses, "ref_losses": ref_losses, "errors": _param_errors(model, ref)}
+    return {"losses": losses, "ref_losses": ref_losses, "errors": _param_errors(model, ref),
+            "clip_all_reduces": clip_all_reduces}
 
 
 def _check(results: list[dict[str, Any]], control: str) -> None:
@@ -82,6 +93,8 @@ def _check(results: list[dict[str, Any]], control: str) -> None:
         assert not r["errors"], f"rank {rank} {control}:\n" + "\n".join(r["errors"][:4])
         torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"rank {rank} {control} losses: {m}")
+        # One all-reduce per distinct group: the world (dense), edp (experts), ep (their sum).
+        assert r["clip_all_reduces"] in (None, 3), (rank, control, r["clip_all_reduces"])
 
 
 @pytest.mark.parametrize("control", [*STRATEGIES, "fsdp2"])

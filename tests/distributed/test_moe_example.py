@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import subprocess
 import sys
@@ -104,8 +105,11 @@ def test_moe_example_top1_and_clipping(ranks: RankPools, control: str,
 
 
 def test_moe_example_runs_under_torchrun() -> None:
-    """The script itself: 4 CPU ranks, EP=2 x edp=2, finite losses, all-to-alls counted."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+    """The script as launched (its own process group, teardown and exit status): finite losses,
+    all-to-alls counted. 2 CPU ranks, EP=2 x edp=1, the fewest that still send tokens to another
+    rank's experts: each torchrun rank is an interpreter importing torch, and the 4-rank
+    EP=2 x edp=2 runs of ``main`` are the cases below."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(EXAMPLES, "train_moe.py"), *TINY, "--strategy", "optim_grads_params"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -123,13 +127,17 @@ def _main_worker(rank: int, world: int, argv: list[str]) -> str:
     return out.getvalue()
 
 
-def test_moe_example_main_runs_fsdp2(ranks: RankPools) -> None:
-    """``--fsdp2``, the script's control: its ``main(argv)`` on 4 pool ranks (the launch is
-    proven by the torchrun case above), the same checks on what every rank printed."""
-    _check_printed("".join(ranks.run(_main_worker, 4, [*TINY, "--fsdp2"], timeout_s=TIMEOUT_S)))
+@pytest.mark.parametrize("extra", [["--strategy", "optim_grads_params"], ["--fsdp2"]],
+                         ids=["optim_grads_params", "fsdp2"])
+def test_moe_example_main_runs(ranks: RankPools, extra: list[str]) -> None:
+    """The script's ``main(argv)`` on 4 pool ranks, EP=2 x edp=2, ours and the FSDP2 control:
+    the same checks on what every rank printed."""
+    _check_printed("".join(ranks.run(_main_worker, 4, [*TINY, *extra], timeout_s=TIMEOUT_S)))
 
 
 def _check_printed(stdout: str) -> None:
+    """Rank 0 printed 3 steps, each with a finite loss and all-to-alls counted."""
     steps = [line for line in stdout.splitlines() if line.startswith("step ")]
     assert len(steps) == 3, stdout
     assert all("all_to_all=" in line for line in steps), stdout
+    assert all(math.isfinite(float(line.split("| loss ")[1].split()[0])) for line in steps), stdout

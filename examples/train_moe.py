@@ -20,9 +20,10 @@ test_moe_example.py checks losses and parameters against one process holding eve
 ``--clip`` clips to the 2-norm over the whole model, every EP rank's experts included
 (``clip_grad_norm_ep_``: a plain ``clip_grad_norm_`` would see only this rank's experts).
 
-gloo on CPU, NCCL on GPU (one per local rank). Rank 0 prints per step the loss (mean over
-ranks), throughput and the bytes this rank communicated (all-gathers, reduce-scatters and the
-all-to-alls), counted by ``comm_counter.CommCounter``.
+gloo on CPU, NCCL on GPU (one per local rank); ``main(argv)`` inside an existing process group
+uses that group and leaves it to the caller (``train.setup_distributed``). Rank 0 prints per
+step the loss (mean over ranks), throughput and the bytes this rank communicated (all-gathers,
+reduce-scatters and the all-to-alls), counted by ``comm_counter.CommCounter``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,13 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from moe_model import MoEConfig, MoEGPT, keep_local_experts  # noqa: E402
-from train import MiB, build_parser, peak_memory_bytes, setup_distributed  # noqa: E402
+from train import (  # noqa: E402
+    MiB,
+    build_parser,
+    peak_memory_bytes,
+    setup_distributed,
+    teardown_distributed,
+)
 
 import megatron_fsdp_v2 as mfsdp  # noqa: E402
 
@@ -187,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.mesh is not None:
         raise SystemExit("train_moe.py builds its own (ep, edp) mesh: use --ep, not --mesh")
-    device = setup_distributed()
+    device, created = setup_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     flat, ep_mesh = build_meshes(args.ep, device)
     cfg = config_from(args)
@@ -222,13 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{tokens_per_step / elapsed:9,.0f} tok/s | {elapsed * 1e3:6.0f} ms | "
                   f"comm {comm.total_wire_bytes / MiB:7.2f} MiB/rank ({comm.summary()}) | "
                   f"peak {peak_memory_bytes(device) / MiB:.1f} MiB", flush=True)
-    dist.barrier()
-    backend = dist.get_backend()
-    dist.destroy_process_group()
-    if backend == "gloo":  # see train.py: skip gloo's C++ static destructors at exit
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    teardown_distributed(created)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,9 @@ factor. Top-2 routing, so each token's output mixes experts that may live on dif
 
 from __future__ import annotations
 
+import contextlib
+import io
+import math
 import os
 import subprocess
 import sys
@@ -27,6 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLES = os.path.join(ROOT, "examples")
 sys.path.insert(0, EXAMPLES)
 
+import train_moe  # noqa: E402
 from moe_model import MoEGPT, keep_local_experts  # noqa: E402
 from train_moe import (  # noqa: E402
     build_meshes,
@@ -113,14 +117,40 @@ def test_moe_example_top1_and_clipping(ranks: RankPools, control: str,
     _check(ranks.run(_moe_worker, 4, control, extra, timeout_s=TIMEOUT_S), control)
 
 
-@pytest.mark.parametrize("extra", [["--strategy", "optim_grads_params"], ["--fsdp2"]])
-def test_moe_example_runs_under_torchrun(extra: list[str]) -> None:
-    """The script itself: 4 CPU ranks, EP=2 x edp=2, finite losses, all-to-alls counted."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           os.path.join(EXAMPLES, "train_moe.py"), *TINY, *extra]
+def test_moe_example_runs_under_torchrun() -> None:
+    """The script as launched (its own process group, teardown and exit status): finite losses,
+    all-to-alls counted. 2 CPU ranks, EP=2 x edp=1, the fewest that still send tokens to another
+    rank's experts: each torchrun rank is an interpreter importing torch, and the 4-rank
+    EP=2 x edp=2 runs of ``main`` are the cases below."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(EXAMPLES, "train_moe.py"), *TINY, "--strategy", "optim_grads_params"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
-    assert len(steps) == 3, proc.stdout
-    assert all("all_to_all=" in line for line in steps), proc.stdout
+    _check_printed(proc.stdout)
+
+
+def _main_worker(rank: int, world: int, argv: list[str]) -> str:
+    """train_moe.py's ``main(argv)`` inside the pool's process group (which it must leave
+    alone); what it printed."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        train_moe.main(argv)
+    assert dist.is_initialized(), "train_moe.py destroyed its caller's process group"
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("extra", [["--strategy", "optim_grads_params"], ["--fsdp2"]],
+                         ids=["optim_grads_params", "fsdp2"])
+def test_moe_example_main_runs(ranks: RankPools, extra: list[str]) -> None:
+    """The script's ``main(argv)`` on 4 pool ranks, EP=2 x edp=2, ours and the FSDP2 control:
+    the same checks on what every rank printed."""
+    _check_printed("".join(ranks.run(_main_worker, 4, [*TINY, *extra], timeout_s=TIMEOUT_S)))
+
+
+def _check_printed(stdout: str) -> None:
+    """Rank 0 printed 3 steps, each with a finite loss and all-to-alls counted."""
+    steps = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3, stdout
+    assert all("all_to_all=" in line for line in steps), stdout
+    assert all(math.isfinite(float(line.split("| loss ")[1].split()[0])) for line in steps), stdout

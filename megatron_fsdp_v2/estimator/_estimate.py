@@ -14,7 +14,10 @@ from the objects the runtime itself executes, not from a second copy of their ma
   over the group's own buffer sizes;
 * the temporary peak: the plan's ``temporaries``, replayed through a ``ScratchAllocator`` (the
   accounting ``memory_report`` reads) in the order the hooks of ``_state.py`` allocate and free
-  them in a training iteration (see ``replay_temporaries`` in ``_replay.py``).
+  them in a training iteration (see ``replay_temporaries`` in ``_replay.py``);
+* FP8 parameters (torchao float8 with FP8 all-gathers): their FP8 buffers, gathered dtypes and
+  scales come from running the scale precompute and each group's refresh or gather without its
+  collective on the meta model (see [Note: estimating FP8 parameters] in ``_fp8.py``).
 
 What the estimate assumes: a training loop of ``micro_batches`` forward/backward passes marked
 with ``set_is_last_backward`` (only the last is last), every unit running once per micro-batch
@@ -33,6 +36,9 @@ as in a real run (see [Note: 2-D parameters] in ``_dtensor/_tp_params.py``). Eve
 then the dp accounting above, per rank: memory, and the dp collectives (their process group has
 ``world_size // tp`` ranks). Not counted: TP's own collectives (activations, and the all-reduce
 of a ``Replicate()`` parameter's ``Partial()`` gradient), which are the model's, not FSDP's.
+With ``mesh_shape=(R, S)`` as well (HSDP x TP) the mesh is ``(R, S, tp)`` named ``("replicate",
+"shard", "tp")`` and ``fully_shard`` runs over its ``("replicate", "shard")`` dims: the HSDP
+accounting of the TP-local tensors (inner S ranks, outer R).
 
 A process that already has a default process group cannot host the fake one: ``estimate``
 raises ``RuntimeError`` there (run it before ``init_process_group``, or in another process).
@@ -54,8 +60,8 @@ from .._buffers._plan import Collective, GradPath
 from .._frontend._fully_shard import fully_shard
 from .._runtime._flat_param_group import FlatParamGroup
 from .._runtime._memory import MemoryReport, memory_report
-from .._runtime._subclass_gather import has_all_gather_extensions
 from ..api import MixedPrecisionPolicy, ShardingStrategy
+from ._fp8 import convert_to_float8, fp8_groups_filled, gathered_dtypes, refuse_other_subclasses
 from ._replay import replay_temporaries
 
 __all__ = ["Estimate", "estimate", "meta_buffers", "optimizer_state_bytes"]
@@ -121,7 +127,7 @@ def meta_buffers() -> Iterator[None]:
 
 
 def _check_args(world_size: int, rank: int, micro_batches: int, optimizer: str,
-                mesh_shape: tuple[int, int] | None) -> None:
+                mesh_shape: tuple[int, int] | None, tp: int = 1) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -131,11 +137,12 @@ def _check_args(world_size: int, rank: int, micro_batches: int, optimizer: str,
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if mesh_shape is not None:
+        tp = tp if isinstance(tp, int) and tp >= 1 else 1  # a bad tp: _check_tp's error
         if (len(mesh_shape) != 2 or any(not isinstance(d, int) or d < 1 for d in mesh_shape)
-                or mesh_shape[0] * mesh_shape[1] != world_size):
+                or mesh_shape[0] * mesh_shape[1] * tp != world_size):
             raise ValueError(
-                f"mesh_shape must be (R, S) with R * S == world_size ({world_size}), got "
-                f"{mesh_shape!r}"
+                f"mesh_shape must be (R, S) with R * S == world_size ({world_size})"
+                + (f" // tp ({tp})" if tp > 1 else "") + f", got {mesh_shape!r}"
             )
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
@@ -146,8 +153,7 @@ def _check_args(world_size: int, rank: int, micro_batches: int, optimizer: str,
         )
 
 
-def _check_tp(tp: int, tp_plan: Mapping[str, Any] | None, world_size: int,
-              mesh_shape: tuple[int, int] | None) -> None:
+def _check_tp(tp: int, tp_plan: Mapping[str, Any] | None, world_size: int) -> None:
     if not isinstance(tp, int) or tp < 1 or world_size % tp:
         raise ValueError(f"tp must be a positive int dividing world_size ({world_size}), got "
                          f"{tp!r}")
@@ -160,11 +166,6 @@ def _check_tp(tp: int, tp_plan: Mapping[str, Any] | None, world_size: int,
             "tp > 1 needs tp_plan: a parallelize_module plan of the root module, e.g. "
             "{'blocks.*.up': ColwiseParallel(), 'blocks.*.down': RowwiseParallel()} (the "
             "presets' tp_plan functions build one)"
-        )
-    if mesh_shape is not None:
-        raise NotImplementedError(
-            "estimate(tp=...) with mesh_shape (HSDP x TP) is not modelled; estimate the dp x tp "
-            "layout (mesh_shape=None) instead"
         )
 
 
@@ -193,6 +194,7 @@ def estimate(
     max_padding_ratio: float = 0.01,
     tp: int = 1,
     tp_plan: Mapping[str, Any] | None = None,
+    float8: bool = False,
 ) -> Estimate:
     """Estimate ``rank``'s memory and the collectives of one training iteration when the model
     ``model_fn()`` builds is wrapped with ``fully_shard`` (each module ``wrap`` selects, then the
@@ -209,20 +211,35 @@ def estimate(
     ``tp > 1``: FSDP x tensor parallelism (see [Note: estimating FSDP x TP]): ``world_size``
     ranks on a ``(world_size // tp, tp)`` mesh named ``("dp", "tp")``, ``tp_plan`` (required) a
     ``parallelize_module`` plan of the root (``{"blocks.*.up": ColwiseParallel(), ...}``; the
-    presets' ``tp_plan`` functions build one), then ``fully_shard`` over the dp mesh.
+    presets' ``tp_plan`` functions build one), then ``fully_shard`` over the dp mesh. With
+    ``mesh_shape=(R, S)`` too (``R * S * tp == world_size``), HSDP x TP: a ``(R, S, tp)`` mesh
+    named ``("replicate", "shard", "tp")``, ``fully_shard`` over ``("replicate", "shard")``.
+
+    FP8 parameters (torchao float8 linears with FP8 all-gathers; see [Note: estimating FP8
+    parameters] in ``_fp8.py``): ``float8=True`` converts the linears inside the ``wrap`` units
+    whose dims are multiples of 16 with ``Float8LinearConfig(enable_fsdp_float8_all_gather=
+    True)`` (the command line's ``--param-dtype fp8``, with bf16 compute); a ``model_fn`` that
+    converts its model itself is estimated the same way. Assumed: ``precompute_float8_dynamic_
+    scale_for_fsdp(model)`` after every optimizer step (its all-reduce is counted). Needs
+    torchao.
     """
-    _check_args(world_size, rank, micro_batches, optimizer, mesh_shape)
-    _check_tp(tp, tp_plan, world_size, mesh_shape)
+    _check_args(world_size, rank, micro_batches, optimizer, mesh_shape, tp)
+    _check_tp(tp, tp_plan, world_size)
     selects = _unit_selector(wrap)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dtensor_ops = tp > 1
     try:
         tp_mesh = None
-        if tp > 1:
+        if tp > 1 and mesh_shape is None:
             root_mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
             mesh, tp_mesh = root_mesh["dp"], root_mesh["tp"]
+        elif tp > 1 and mesh_shape is not None:  # HSDP x TP, as test_hsdp_tp.py builds it
+            root_mesh = init_device_mesh("cpu", (*mesh_shape, tp),
+                                         mesh_dim_names=("replicate", "shard", "tp"))
+            mesh, tp_mesh = root_mesh["replicate", "shard"], root_mesh["tp"]
         elif mesh_shape is None:
             mesh = init_device_mesh("cpu", (world_size,))
         else:
@@ -238,11 +255,17 @@ def estimate(
                 "torch.device('meta') so that nothing is allocated: do not pass device=... or "
                 "move the model inside model_fn"
             )
-        _refuse_all_gather_extensions(model)
+        if float8:
+            convert_to_float8(model, selects)
+        has_fp8 = refuse_other_subclasses(model)
+        # DTensor ops on this estimate's meshes follow: TP's parallelize_module, FP8's scale
+        # precompute (see _forget_dtensor_shardings).
+        dtensor_ops = tp_mesh is not None or has_fp8
+        if dtensor_ops:
+            _forget_dtensor_shardings()
         if tp_mesh is not None:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            _forget_dtensor_shardings()
             parallelize_module(model, tp_mesh, dict(tp_plan or {}))
         units = [m for m in model.modules() if m is not model and selects(m)]
         options: dict[str, Any] = dict(
@@ -254,28 +277,12 @@ def estimate(
             for unit in reversed(units):  # children before their parents
                 fully_shard(unit, **options)
             fully_shard(model, **options)
-        return _measure(model, micro_batches, optimizer, world_size, rank)
+        return _measure(model, micro_batches, optimizer, world_size, rank, has_fp8)
     finally:
         _registry.reset()
         dist.destroy_process_group()
-        if tp > 1:
+        if dtensor_ops:
             _forget_dtensor_shardings()
-
-
-def _refuse_all_gather_extensions(model: nn.Module) -> None:
-    """FP8 parameters (torchao float8 with FP8 all-gather, or any subclass with FSDP2's
-    all-gather extensions) fill their FP8 buffers in ``fsdp_pre_all_gather`` at the first
-    gather or refresh, which an estimate never runs; their gathered bytes, scratch buffers and
-    scale all-reduce are not yet derived from the plan, so the estimate refuses them rather than
-    report the numbers of the plain dtype."""
-    name = next((n for n, p in model.named_parameters() if has_all_gather_extensions(p)), None)
-    if name is not None:
-        raise NotImplementedError(
-            f"parameter {name!r} is a {type(model.get_parameter(name)).__name__} with FSDP2 "
-            "all-gather extensions (e.g. torchao float8 with enable_fsdp_float8_all_gather): "
-            "estimate does not count FP8 parameters yet; estimate the model before "
-            "convert_to_float8_training for its numbers in the compute dtype of mp_policy"
-        )
 
 
 def _forget_dtensor_shardings() -> None:
@@ -283,7 +290,8 @@ def _forget_dtensor_shardings() -> None:
     entries hold the device meshes of the calls that filled them, and a mesh compares equal to
     another estimate's mesh of the same shape whose process groups differ: ``nn.Parameter(dtensor)``
     in ``parallelize_module`` would come back on a mesh whose groups were destroyed with an
-    earlier estimate's fake process group."""
+    earlier estimate's fake process group, and FP8's scale precompute would all-reduce over
+    such a group."""
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
@@ -294,11 +302,12 @@ def _states(model: nn.Module) -> list[tuple[str, Any]]:
 
 
 def _measure(model: nn.Module, micro_batches: int, optimizer: str, world_size: int,
-             rank: int) -> Estimate:
+             rank: int, has_fp8: bool) -> Estimate:
     states = _states(model)
+    groups = [g for _, s in states for g in s.groups]
+    extra = fp8_groups_filled(model, groups) if has_fp8 else []
     report = memory_report(model)
     report.temporary_peak = replay_temporaries([s for _, s in states], micro_batches)
-    groups = [g for _, s in states for g in s.groups]
     state_bytes = {name: optimizer_state_bytes(groups, name) for name in OPTIMIZERS}
     report.optimizer_state = state_bytes[optimizer]
     shards = [
@@ -306,7 +315,7 @@ def _measure(model: nn.Module, micro_batches: int, optimizer: str, world_size: i
                    g.plan.main_weight_span, g.plan.main_grad_span)
         for name, s in states for i, g in enumerate(s.groups)
     ]
-    collectives, wire = _collectives(groups, micro_batches)
+    collectives, wire = _collectives(groups, micro_batches, extra)
     return Estimate(report, collectives, report.padding_ratio, state_bytes, wire, shards,
                     world_size, rank)
 
@@ -330,11 +339,13 @@ def optimizer_state_bytes(groups: list[FlatParamGroup], optimizer: str) -> int:
     return total
 
 
-def _collectives(groups: list[FlatParamGroup], micro_batches: int
-                 ) -> tuple[dict[str, tuple[int, int]], dict[str, float]]:
+def _collectives(groups: list[FlatParamGroup], micro_batches: int,
+                 extra: list[tuple[str, int, int]]) -> tuple[dict[str, tuple[int, int]],
+                                                            dict[str, float]]:
     """Each group's plan steps, times how often an iteration of ``micro_batches`` runs them,
     over the buffers they cover (payload: the full buffer of the step's process group), and the
-    wire bytes of the same collectives."""
+    wire bytes of the same collectives; plus ``extra`` (kind, payload, group size) collectives
+    once per iteration (the FP8 scale precompute's)."""
     totals = {kind: [0, 0] for kind in _KIND.values()}
     wire = dict.fromkeys(_KIND.values(), 0.0)
 
@@ -351,11 +362,13 @@ def _collectives(groups: list[FlatParamGroup], micro_batches: int
     for group in groups:
         plan, dtypes, full = group.plan, group.dtypes, group.layout.total_numel
         inner_shard = plan.shard_span[1] - plan.shard_span[0]
+        # One all-gather per gathered dtype: the compute dtype, or an FP8 group's input buffers.
         for step in plan.gather_steps:  # before forward and before backward, each micro-batch
-            add(step.op, 2 * micro_batches, full, dtypes.model)
+            for dtype in gathered_dtypes(group):
+                add(step.op, 2 * micro_batches, full, dtype)
         for step in plan.refresh_steps:  # once, after the optimizer step
-            add(step.op, 1, full if step.axis == "shard" else inner_shard, dtypes.model,
-                step.axis)
+            for dtype in gathered_dtypes(group):
+                add(step.op, 1, full if step.axis == "shard" else inner_shard, dtype, step.axis)
         if not group.requires_grad:
             continue
         per_window = plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE
@@ -367,4 +380,8 @@ def _collectives(groups: list[FlatParamGroup], micro_batches: int
             else:
                 lo, hi = plan.main_weight_span
             add(step.op, 1, hi - lo, dtypes.comm, step.axis)
+    for kind, payload, n in extra:
+        totals[kind][0] += 1
+        totals[kind][1] += payload
+        wire[kind] += payload * (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
     return {kind: (c, b) for kind, (c, b) in totals.items()}, wire

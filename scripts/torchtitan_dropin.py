@@ -62,10 +62,14 @@ One run alone::
 Not a test (it needs torchtitan, which the project does not install): nothing collects it.
 
 Measured (2026-12-02, 2 CPU ranks, defaults): losses equal to FSDP2's within 1e-6 over 8
-steps. FSDP x TP (``--nproc 4 --tp 2``) does not run yet: with torchtitan's default backend
-``fully_shard`` refuses ``dp_mesh_dims`` on a mesh whose ``tp`` dim has 2 ranks, and with
-``-- --parallelism.spmd_backend partial_dtensor`` it refuses TP DTensor parameters on the
-meta device (both ``NotImplementedError``; torchtitan wraps before ``to_empty``).
+steps. FSDP x TP (``--nproc 4 --tp 2``; FSDP2 runs it) does not run with ours yet: with
+torchtitan's default ``spmd_types`` backend the parameters are plain TP-local tensors with
+``spmd_types`` annotations, which megatron_fsdp_v2 does not read (FSDP2 translates them into
+DTensors on the SPMD mesh), so each is taken as a whole plain parameter and torchtitan's
+fused-QKV init fails (``copy_`` of the full [768, 256] into a [384, 256] parameter); with
+``-- --parallelism.spmd_backend full_dtensor`` (or ``partial_dtensor``) ``fully_shard``
+refuses TP DTensor parameters on the meta device (``NotImplementedError``), and torchtitan
+always wraps before ``to_empty``.
 """
 
 from __future__ import annotations

@@ -250,8 +250,9 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
         peak = ("torch.cuda.max_memory_allocated" if device.type == "cuda"
                 else "RSS high-water mark")
         print("comm = ring-algorithm bytes sent by this rank, counted by a TorchDispatchMode over "
-              f"c10d ops; held = memory_report total (fully_shard buffers + optimizer state); "
-              f"peak = {peak}", flush=True)
+              "c10d ops (all-gathered: the full buffers of its all-gathers, 1 byte per element "
+              "for FP8 weights); held = memory_report total (fully_shard buffers + optimizer "
+              f"state); peak = {peak}", flush=True)
 
     counter = CommCounter()
     step_times: list[float] = []
@@ -290,7 +291,8 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
         if rank == 0:
             print(f"step {step + 1:3d}/{args.steps} | loss {everyone[:, 0].mean():.4f} | "
                   f"{tokens_per_step / elapsed:9,.0f} tok/s | {elapsed * 1e3:6.0f} ms | "
-                  f"comm {comm.total_wire_bytes / MiB:7.2f} MiB/rank ({comm.summary()}) | "
+                  f"comm {comm.total_wire_bytes / MiB:7.2f} MiB/rank ({comm.summary()}; "
+                  f"all-gathered {comm.payload_bytes['all_gather']:,} B) | "
                   f"held MiB {fmt_ranks((everyone[:, 1] / MiB).tolist())} | "
                   f"peak MiB {fmt_ranks((everyone[:, 2] / MiB).tolist())}", flush=True)
 

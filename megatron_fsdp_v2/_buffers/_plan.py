@@ -95,6 +95,11 @@ class Refresh(enum.Enum):
     """HSDP outer ``optim``: cast the main sub-shard into its slot of the inner-shard model
     weights (a no-op when they alias), then one in-place all-gather over the outer axis rebuilds
     the inner shard; the inner gathers then spread it as in ZeRO-3."""
+    EXTENSION_OWN_SLOT_THEN_OUTER_GATHER = "pre-all-gather own slot, outer all-gather"
+    """HSDP outer ``optim`` with all-gather extensions: the main sub-shard's all-gather inputs
+    (FP8 bytes) into its slot of persistent inner-shard buffers of their own dtype, then one
+    in-place all-gather per input buffer over the outer axis; each inner gather spreads those
+    buffers as in ZeRO-3; ``model_weight`` is empty."""
 
 
 class Collective(enum.Enum):
@@ -163,7 +168,8 @@ class BufferPlan:
     def keeps_model_weight(self) -> bool:
         """Whether ``model_weight`` is a persistent buffer (empty with
         :attr:`Refresh.CAST_AT_GATHER`: the main shard is cast into each gather instead)."""
-        return self.refresh not in (Refresh.CAST_AT_GATHER, Refresh.EXTENSION_OWN_SLOT_THEN_GATHER)
+        return self.refresh not in (Refresh.CAST_AT_GATHER, Refresh.EXTENSION_OWN_SLOT_THEN_GATHER,
+                                    Refresh.EXTENSION_OWN_SLOT_THEN_OUTER_GATHER)
 
     @property
     def reduces_in_place(self) -> bool:
@@ -203,14 +209,13 @@ def make_plan(
     window. ``OPTIM`` (inner ``OPTIM_GRADS_PARAMS`` only): ``layout`` is over ``outer_size *
     S`` sub-shards and ``outer_rank`` is this rank's index along the outer axis (see
     [Note: buffer plan]). ``extensions``: the group's parameters define FSDP2's all-gather
-    extensions (1-D meshes, or HSDP with outer ``NO_SHARD``): where weights are sharded, the
-    main weights get their own buffer and the gathered compute weights are the extensions'
-    (``CAST_AT_GATHER`` under ZeRO-3, ``EXTENSION_OWN_SLOT_THEN_GATHER`` under ZeRO-1/2),
-    never a compute-dtype copy."""
-    if extensions and outer is ShardingStrategy.OPTIM:
-        raise NotImplementedError("all-gather extensions with HSDP outer optim")
+    extensions: where weights are sharded, the main weights get their own buffer and the
+    gathered compute weights are the extensions' (``CAST_AT_GATHER`` under ZeRO-3,
+    ``EXTENSION_OWN_SLOT_THEN_GATHER`` under ZeRO-1/2, ``EXTENSION_OWN_SLOT_THEN_OUTER_GATHER``
+    with outer ``OPTIM``), never a compute-dtype copy."""
     if outer is ShardingStrategy.OPTIM:
-        return _outer_optim_plan(strategy, dtypes, layout, rank, outer_rank, outer_size)
+        return _outer_optim_plan(strategy, dtypes, layout, rank, outer_rank, outer_size,
+                                 extensions)
     if outer is not None and outer is not ShardingStrategy.NO_SHARD:
         raise ValueError(f"outer sharding strategy {outer.value!r}: use 'no_shard' or 'optim'")
     full = (0, layout.total_numel)
@@ -292,11 +297,13 @@ def make_plan(
 
 def _outer_optim_plan(
     strategy: ShardingStrategy, dtypes: ResolvedDtypes, layout: BufferLayout, rank: int,
-    outer_rank: int, outer_size: int,
+    outer_rank: int, outer_size: int, extensions: bool = False,
 ) -> BufferPlan:
     """HSDP with outer ``optim``: ZeRO-3 along the inner axis over inner shards of ``outer_size``
     sub-shards each, optimizer state (main weights and gradients) sharded along the outer axis
-    too (see [Note: buffer plan])."""
+    too (see [Note: buffer plan]). ``extensions``: the inner shard is held as the extensions'
+    all-gather inputs (FP8 bytes), not in the compute dtype, and the main weights get their own
+    buffer (``EXTENSION_OWN_SLOT_THEN_OUTER_GATHER``)."""
     if strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
         raise ValueError(
             "outer_dp_sharding_strategy='optim' needs sharding_strategy='optim_grads_params' "
@@ -319,13 +326,14 @@ def _outer_optim_plan(
         strategy=strategy,
         model_weight=Extent.SHARD,
         main_weight=Extent.SUB_SHARD,
-        main_weight_separate=dtypes.main != dtypes.model,
+        main_weight_separate=dtypes.main != dtypes.model or extensions,
         main_grad=Extent.SUB_SHARD,
         optimizer_placement=Extent.SUB_SHARD,
         gathers_weights=True,
         grad_path=GradPath.REDUCE_EACH_MICRO_BATCH,
         reduce_steps=(CollectiveStep(Collective.REDUCE_SCATTER),),
-        refresh=Refresh.CAST_OWN_SLOT_THEN_OUTER_GATHER,
+        refresh=(Refresh.EXTENSION_OWN_SLOT_THEN_OUTER_GATHER if extensions
+                 else Refresh.CAST_OWN_SLOT_THEN_OUTER_GATHER),
         refresh_steps=(CollectiveStep(Collective.ALL_GATHER, "outer"),),
         gather_steps=(CollectiveStep(Collective.ALL_GATHER),),
         window_steps=(CollectiveStep(Collective.REDUCE_SCATTER, "outer"),),

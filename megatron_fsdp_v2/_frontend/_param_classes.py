@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .._runtime._subclass_gather import has_all_gather_extensions
+from .. import _registry
+from .._runtime._subclass_gather import has_all_gather_extensions, values_names
 
 __all__ = ["check_param_class", "extension_refusal"]
 
@@ -30,9 +31,8 @@ __all__ = ["check_param_class", "extension_refusal"]
 # the extensions (see [Note: FSDP2 all-gather extensions] in ``_runtime/_subclass_gather.py``).
 # A protocol over several inner tensors (torchao's ``NF4Tensor``) is refused: the flat buffers
 # cannot honour it. On an HSDP (2-D) mesh it works with outer ``no_shard`` (every replica runs
-# the 1-D design over the shard axis); outer ``optim`` is refused: its inner shard is rebuilt
-# from the replicas' main sub-shards by an outer all-gather of compute weights, which has no
-# FP8 counterpart here (design.md §3 "FP8 parameters").
+# the 1-D design over the shard axis) and outer ``optim`` (the inner shard held as FP8 bytes,
+# rebuilt by an outer FP8 all-gather after each step; design.md §3 "FP8 parameters").
 
 _PLAIN_TORCH_FUNCTION = nn.Parameter.__torch_function__
 _PLAIN_TORCH_DISPATCH = torch.Tensor.__torch_dispatch__
@@ -59,44 +59,37 @@ def extension_refusal(param: torch.Tensor) -> str | None:
     if flatten is None:
         return "it does not define __tensor_flatten__/__tensor_unflatten__"
     inner_names, _ = flatten()
-    inner = [getattr(param, n) for n in inner_names]
-    inner = [t for t in inner if isinstance(t, torch.Tensor)]
-    if len(inner) != 1 or inner[0].shape != param.shape or inner[0].dtype != param.dtype:
+    inner = {n: t for n in inner_names if isinstance(t := getattr(param, n, None), torch.Tensor)}
+    values = values_names(param)
+    # Besides the values, only 0-d metadata: torchao's _precomputed_scale when the scale was
+    # precomputed before fully_shard (dropped at wrap: the wrapped weights get their own).
+    if len(values) != 1 or any(t.dim() for n, t in inner.items() if n not in values):
         return (f"its values are held by {len(inner)} inner tensors ({', '.join(inner_names)}), "
                 "not by one inner tensor of the parameter's shape and dtype, which is what the "
                 "flat buffers can hold")
     return None
 
 
-def check_param_class(fqn: str, param: torch.Tensor, outer_optim: bool = False) -> None:
+def check_param_class(fqn: str, param: torch.Tensor) -> None:
     """Refuse a parameter of a tensor subclass the flat buffers cannot hold, naming it, its class
-    and what to do (see [Note: tensor-subclass parameters]). ``outer_optim``: the unit is HSDP
-    with outer ``optim`` (all-gather extensions are not supported there)."""
+    and what to do (see [Note: tensor-subclass parameters])."""
     cls = type(param)
     if _is_plain_parameter_class(cls):
         return
     name = f"{cls.__module__}.{cls.__qualname__}"
     if has_all_gather_extensions(param) and not isinstance(param, nn.UninitializedParameter):
         why = extension_refusal(param)
-        if why is None and param.device.type == "meta":
+        # (The estimator wraps meta models: nothing is materialized there, see [Note: meta
+        # buffers] in _registry.)
+        if why is None and param.device.type == "meta" and not _registry.meta_buffers[0]:
             raise NotImplementedError(
                 f"parameter '{fqn}' is a {name} on the meta device: fully_shard does not "
                 "materialize parameters with FSDP2 all-gather extensions yet; build the model "
                 "on a real device before fully_shard (or convert it to float8 with "
                 "enable_fsdp_float8_all_gather=False)"
             )
-        if why is None and not outer_optim:
-            return  # gathered through its extensions (_runtime/_subclass_gather.py)
         if why is None:
-            raise NotImplementedError(
-                f"parameter '{fqn}' is a {name}, whose FSDP2 all-gather extensions "
-                "(fsdp_pre_all_gather/fsdp_post_all_gather) fully_shard does not support with "
-                "outer_dp_sharding_strategy='optim': its inner shard is rebuilt from the "
-                "replicas' main sub-shards by an outer all-gather of compute weights, which has "
-                "no FP8 form. Use outer_dp_sharding_strategy='no_shard' (FP8 all-gathers over "
-                "the shard axis), or convert it to a plain nn.Parameter (e.g. torchao float8 "
-                "with enable_fsdp_float8_all_gather=False)"
-            )
+            return  # gathered through its extensions (_runtime/_subclass_gather.py)
         raise TypeError(
             f"parameter '{fqn}' is a tensor subclass ({name}) with FSDP2 all-gather extensions "
             f"that fully_shard cannot honour: {why}. If it is frozen (e.g. the quantized base "

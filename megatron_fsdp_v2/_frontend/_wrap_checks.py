@@ -159,11 +159,9 @@ def collect_managed_params(
     module: nn.Module,
     mesh: DeviceMesh,
     ignored_params: Iterable[nn.Parameter] | None,
-    outer_optim: bool = False,
 ) -> list[ManagedParam]:
     """The parameters ``module``'s unit will manage: its own and those of its submodules, minus
-    ignored ones and those of already-wrapped submodules. Raises on anything unsupported.
-    ``outer_optim``: HSDP with outer ``optim`` (see ``check_param_class``)."""
+    ignored ones and those of already-wrapped submodules. Raises on anything unsupported."""
     ignored_ids = _check_ignored(module, ignored_params)
     wrapped_children: list[str] = []
     managed: list[ManagedParam] = []
@@ -193,7 +191,7 @@ def collect_managed_params(
                     "its children's parameters"
                 )
             tp = tp_face_of(fqn, param, mesh)  # None for a plain tensor; raises if unusable
-            check_param_class(fqn, param if tp is None else param._local_tensor, outer_optim)
+            check_param_class(fqn, param if tp is None else param._local_tensor)
             if tp is not None and has_all_gather_extensions(param._local_tensor):
                 raise NotImplementedError(
                     f"parameter '{fqn}' is a tensor-parallel DTensor whose local tensor is a "

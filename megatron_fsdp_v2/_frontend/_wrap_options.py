@@ -169,8 +169,7 @@ def inspect_unit(
     cross-rank check, so that every rank raises the same error at once instead of the others
     waiting for the timeout. Without it (or on one rank) it is raised here."""
     try:
-        managed = collect_managed_params(module, options.mesh, ignored_params,
-                                         options.outer_optim)
+        managed = collect_managed_params(module, options.mesh, ignored_params)
         _fsdp2_compat.check_shard_placements(shard_placement_fn,
                                              [(m.fqn, m.param) for m in managed])
         meta_init = has_meta_state(module)

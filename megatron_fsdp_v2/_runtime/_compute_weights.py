@@ -161,8 +161,12 @@ class ComputeWeights:
         if self._gathered:
             return False
         if self.extension is not None:
+            outer = None  # HSDP outer optim: the inner shard's FP8 bytes are rebuilt first
+            if self._weights_stale and \
+                    self.plan.refresh is Refresh.EXTENSION_OWN_SLOT_THEN_OUTER_GATHER:
+                outer = self.extension.refresh_inner_shard(async_op)
             self._weights_stale = False
-            self._pending_weights = self.extension.gather_scratch(async_op)
+            self._pending_weights = self.extension.gather_scratch(async_op, after=outer)
             self._gathered = True
             return True
         refresh: Pending | None = None

@@ -32,13 +32,18 @@ same storage as before). Here:
   ``optim_grads`` into persistent replicated buffers (the FP8 bytes; the scales are the
   metadata, one per parameter), refreshed once after each optimizer step. ``post_all_gather``
   runs when the gather is waited on; registration of the compute parameters follows the wait.
+* HSDP outer ``optim``: the main weights are each rank's sub-shard, so the inputs are packed
+  into persistent buffers over the inner shard and gathered over the outer axis once after
+  each step (:meth:`ExtensionGather.refresh_inner_shard`, metadata kept with them); every
+  inner gather then all-gathers those buffers into the scratch buffers
+  (:meth:`ExtensionGather.gather_scratch`). A dynamic amax gets the flattened mesh.
 * ``no_shard`` gathers nothing: the compute parameter is the subclass rebuilt over the
   full-precision ``model_weight`` view, which torchao casts to float8 in each forward.
 * Gradients are plain tensors of the compute dtype (``Float8Linear``'s weight gradient) and take
   the plain path into ``main_grad``.
 * torchao float8 weights with precomputed scales skip ``fsdp_pre_all_gather``: the fused
   ``ops.fp8_quantize_`` writes the same bits into the FP8 buffer for the whole group in one call
-  (``_fused_float8_cast``); the metadata is the same ``(scale,)``.
+  (``_float8_cast.fused_float8_cast``); the metadata is the same ``(scale,)``.
 """
 
 from __future__ import annotations
@@ -50,44 +55,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from .. import ops
-from .._buffers._plan import Collective
+from .._buffers._plan import Collective, Refresh
 from .._profiling import traced
+from ._float8_cast import fused_float8_cast
 from ._issuer import CollectiveLaunch, Pending
+from ._subclass_faces import has_all_gather_extensions, inner_values, rewrap, values_names
 
 if TYPE_CHECKING:
     from ._flat_param_group import FlatParamGroup
     from ._param_record import ParamRecord
 
-__all__ = ["ExtensionGather", "has_all_gather_extensions", "inner_values", "rewrap"]
+__all__ = [
+    "ExtensionGather", "has_all_gather_extensions", "inner_values", "rewrap", "values_names",
+]
 
 _FLOAT8 = {d for d in vars(torch).values() if isinstance(d, torch.dtype) and "float8" in str(d)}
-
-
-def has_all_gather_extensions(param: torch.Tensor) -> bool:
-    """Whether ``param``'s class defines FSDP2's all-gather extension methods."""
-    return hasattr(param, "fsdp_pre_all_gather") and hasattr(param, "fsdp_post_all_gather")
-
-
-def inner_values(param: torch.Tensor) -> torch.Tensor:
-    """The plain tensor holding ``param``'s values: the one inner tensor of an extension
-    subclass (see [Note: FSDP2 all-gather extensions]), else ``param`` detached."""
-    if not has_all_gather_extensions(param):
-        return param.detach()
-    names, _ = param.__tensor_flatten__()  # type: ignore[attr-defined]
-    (inner,) = [t for t in (getattr(param, n) for n in names) if isinstance(t, torch.Tensor)]
-    return inner.detach()
-
-
-def rewrap(template: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``template``'s subclass (same configuration) rebuilt over the plain tensor ``values``."""
-    names, context = template.__tensor_flatten__()  # type: ignore[attr-defined]
-    inner = {n: getattr(template, n) for n in names}
-    (name,) = [n for n, t in inner.items() if t.shape == template.shape]
-    inner[name] = values
-    return type(template).__tensor_unflatten__(  # type: ignore[attr-defined]
-        inner, context, values.shape, values.stride()
-    )
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -98,16 +80,17 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 class ExtensionGather:
     """The all-gather extensions of one flat group (see [Note: FSDP2 all-gather extensions])."""
 
-    # Cast torchao float8 weights with the fused kernel (see _fused_float8_cast); False: always
+    # Cast torchao float8 weights with the fused kernel (see _float8_cast.py); False: always
     # through the protocol (tests compare both).
     fuse_float8 = True
 
     def __init__(self, group: FlatParamGroup, params: list[nn.Parameter]) -> None:
         self.group = group
         # Storage-free copies of the wrapped parameters: their subclass and configuration.
-        with torch.no_grad():
+        with torch.no_grad():  # (a scale precomputed before wrapping is dropped: see rewrap)
             self.templates = [
-                rewrap(p, torch.empty(0, dtype=p.dtype, device=group.device)) for p in params
+                rewrap(p, torch.empty(0, dtype=p.dtype, device=group.device), False)
+                for p in params
             ]
         # ids of the parameter objects the module held at wrap time (ParamSlots maps them).
         self.original_ids = [id(p) for p in params]
@@ -124,9 +107,15 @@ class ExtensionGather:
         # The mesh fsdp_pre_all_gather gets, as FSDP2's ``shard_mesh``: the shard axis the inputs
         # are gathered over (on HSDP the inner axis; torchao all-reduces a dynamic amax there,
         # which every replica computes alike).
+        # Under HSDP outer optim each rank of the whole mesh holds distinct rows (a sub-shard):
+        # the amax must cover them all, so it gets the flattened mesh.
         mesh, names = group.mesh, group.mesh.mesh_dim_names
         self.shard_mesh = mesh if mesh.ndim == 1 or names is None else mesh[names[-1]]
+        if group.plan.refresh is Refresh.EXTENSION_OWN_SLOT_THEN_OUTER_GATHER:
+            self.shard_mesh = mesh._flatten()
         self._persistent: list[torch.Tensor] = []  # optim/optim_grads: the gathered inputs
+        # HSDP outer optim: the metadata and trailing shapes of the last inner-shard refresh.
+        self._inner_metadata: tuple[list[Any], list[torch.Size]] = ([], [])
         self._viewed: list[torch.Tensor] | None = None  # the buffers compute params view
 
     # ------------------------------------------------------------------ the faces
@@ -203,14 +192,15 @@ class ExtensionGather:
                 )
         return tuple(inputs), metadata
 
-    def _pack(self, buffer_for: Callable[[int, torch.dtype], torch.Tensor]
+    def _pack(self, buffer_for: Callable[[int, torch.dtype], torch.Tensor], base: int = 0
               ) -> tuple[list[torch.Tensor], list[Any], list[torch.Size]]:
         """Run every parameter's pre-all-gather and copy its inputs into its rows of this rank's
-        slot of the input buffers (``buffer_for(k, dtype)``: full-size flat buffer ``k``)."""
+        slot of the input buffers (``buffer_for(k, dtype)``: flat buffer ``k``, starting at
+        element ``base`` of the layout: 0 for a full-size one)."""
         group = self.group
         span = group.plan.main_weight_span
         self._check_empty_shards()
-        fused = self._fused_float8_cast(buffer_for)
+        fused = fused_float8_cast(group, buffer_for, base) if self.fuse_float8 else None
         if fused is not None:
             return fused
         calls = [self._pre_all_gather(r) for r in group.records]
@@ -228,41 +218,9 @@ class ExtensionGather:
                 lo, hi = group.layout.local_item_range(index, *span)
                 for buffer, t in zip(buffers, inputs):
                     if hi > lo:
-                        buffer[lo:hi].copy_(t.reshape(-1))
+                        buffer[lo - base : hi - base].copy_(t.reshape(-1))
         trailing = [inputs[0].shape[1:] if inputs else torch.Size() for inputs, _ in calls]
         return buffers, [metadata for _, metadata in calls], trailing
-
-    def _fused_float8_cast(self, buffer_for: Callable[[int, torch.dtype], torch.Tensor]
-                           ) -> tuple[list[torch.Tensor], list[Any], list[torch.Size]] | None:
-        """torchao's ``WeightWithDynamicFloat8CastTensor`` with precomputed scales: its
-        ``fsdp_pre_all_gather`` is ``(rows * scale).clamp(-max, max).to(float8)`` into a new
-        tensor with metadata ``(scale,)``; the library's fused ``ops.fp8_quantize_`` writes the
-        same bits (tested against it) straight into this rank's slot of the FP8 buffer for the
-        whole group in one call, saving the per-parameter tensors and copies. None: take the
-        protocol (another class, a scale not precomputed, mixed float8 formats)."""
-        group = self.group
-        locals_ = [r.dist_param._local_tensor for r in group.records]  # type: ignore[attr-defined]
-        if not self.fuse_float8 or not all(
-            type(t).__qualname__ == "WeightWithDynamicFloat8CastTensor"
-            and type(t).__module__.startswith("torchao.float8")
-            and isinstance(getattr(t, "_precomputed_scale", None), torch.Tensor)
-            for t in locals_
-        ):
-            return None
-        formats = {t._dtype for t in locals_}
-        if len(formats) != 1 or not group.main_weight.is_contiguous():
-            return None
-        (fmt,) = formats
-        buffer = buffer_for(0, fmt)
-        span = group.plan.main_weight_span
-        scales = [t._precomputed_scale for t in locals_]
-        inputs = [group.local_view(group.main_weight, i) for i in range(len(locals_))]
-        offsets = [group.layout.local_item_range(i, *span)[0] for i in range(len(locals_))]
-        amaxes = torch.empty(len(locals_), dtype=torch.float32, device=group.device)
-        ops.fp8_quantize_(inputs, [s.reshape(()) for s in scales], offsets, buffer,
-                          list(amaxes.unbind()))
-        trailing = [r.item.shape[1:] for r in group.records]
-        return [buffer], [(scale,) for scale in scales], trailing
 
     @traced("mfsdp::gather")
     def gather(self, buffer_for: Callable[[int, torch.dtype], torch.Tensor],
@@ -286,15 +244,74 @@ class ExtensionGather:
 
         return Pending(None, finish)
 
-    def gather_scratch(self, async_op: bool) -> Pending:
-        """ZeRO-3: into the storage-freeing scratch buffers ``unsharded_model_weight:<k>``."""
+    def gather_scratch(self, async_op: bool, after: list[Pending] | None = None) -> Pending:
+        """ZeRO-3: into the storage-freeing scratch buffers ``unsharded_model_weight:<k>``.
+        HSDP outer ``optim``: from the persistent inner-shard input buffers, which
+        :meth:`refresh_inner_shard` filled (``after``: its outer all-gathers, one per buffer,
+        each waited on where the inner gather of that buffer launches)."""
+        if self.group.plan.refresh is not Refresh.EXTENSION_OWN_SLOT_THEN_OUTER_GATHER:
+            return self.gather(self._scratch, async_op, "all-gather (all-gather extensions)")
+        group, (metadata, trailing) = self.group, self._inner_metadata
+        buffers = [self._scratch(k, shard.dtype) for k, shard in enumerate(self._persistent)]
+        pendings = [
+            group.issuer.launch(CollectiveLaunch(
+                Collective.ALL_GATHER, _wire(buffer), _wire(shard),
+                what="all-gather (all-gather extensions)", after=after[k] if after else None,
+            ), async_op)
+            for k, (buffer, shard) in enumerate(zip(buffers, self._persistent))
+        ]
+
+        def finish() -> None:
+            for pending in pendings:
+                pending.finish()
+            self._post_all_gather(buffers, metadata, trailing)
+
+        return Pending(None, finish)
+
+    def refresh_inner_shard(self, async_op: bool) -> list[Pending]:
+        """HSDP outer ``optim``: this rank's main sub-shard's all-gather inputs (the fused FP8
+        cast, or ``fsdp_pre_all_gather``) into its slot of the persistent inner-shard buffers,
+        then one in-place all-gather per buffer over the outer axis; the metadata (scales) is
+        kept for the inner gathers until the next refresh."""
         group = self.group
+        lo, _ = group.plan.model_weight_span  # the inner shard
+        own_lo, own_hi = group.plan.main_weight_span
+        buffers, metadata, trailing = self._pack(self._persistent_input, base=lo)
+        self._inner_metadata = (metadata, trailing)
+        return [
+            group.issuer.launch(CollectiveLaunch(
+                Collective.ALL_GATHER, _wire(buffer), _wire(buffer[own_lo - lo : own_hi - lo]),
+                what="outer refresh all-gather (all-gather extensions)", axis="outer",
+            ), async_op)
+            for buffer in buffers
+        ]
 
-        def buffer_for(k: int, dtype: torch.dtype) -> torch.Tensor:
-            return group.allocator.allocate(self._key(k), group.layout.total_numel, dtype,
-                                            group.device)
+    def _scratch(self, k: int, dtype: torch.dtype) -> torch.Tensor:
+        group = self.group
+        return group.allocator.allocate(self._key(k), group.layout.total_numel, dtype,
+                                        group.device)
 
-        return self.gather(buffer_for, async_op, "all-gather (all-gather extensions)")
+    def fill_without_collective(self) -> None:
+        """The estimator's (meta buffers under a fake process group, where no collective
+        runs): what a refresh (``optim``/``optim_grads``) or a gather (ZeRO-3, its scratch
+        buffers then freed) leaves in the buffers and compute weights, the all-gather left out,
+        so that ``memory_report`` and :attr:`gathered_dtypes` answer as after a real one."""
+        plan = self.group.plan
+        if plan.refresh is Refresh.EXTENSION_OWN_SLOT_THEN_OUTER_GATHER:
+            self._inner_metadata = self._pack(self._persistent_input, plan.model_weight_span[0])[1:]
+            buffers = [self._scratch(k, t.dtype) for k, t in enumerate(self._persistent)]
+            self._post_all_gather(buffers, *self._inner_metadata)
+        else:
+            zero3 = plan.gathers_weights
+            self._post_all_gather(*self._pack(self._scratch if zero3 else self._persistent_input))
+        if plan.gathers_weights:
+            self.free_scratch()
+
+    @property
+    def gathered_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtype of each all-gather input buffer (torchao float8: one, its float8 dtype),
+        known once a gather or refresh ran; empty before."""
+        return tuple(b.dtype for b in self._viewed or ())
 
     def _key(self, k: int) -> tuple[tuple[int, int], str]:
         return self.group.temporary_key(f"unsharded_model_weight:{k}")
@@ -317,25 +334,28 @@ class ExtensionGather:
     def refresh_persistent(self, async_op: bool) -> Pending:
         """``optim``/``optim_grads``: into the persistent replicated input buffers (the FP8
         bytes), allocated on the first refresh."""
-        group = self.group
+        return self.gather(self._persistent_input, async_op,
+                           "refresh all-gather (all-gather extensions)")
 
-        def buffer_for(k: int, dtype: torch.dtype) -> torch.Tensor:
-            if k == len(self._persistent):
-                self._persistent.append(
-                    torch.zeros(group.layout.total_numel, dtype=dtype, device=group.device))
-            return self._persistent[k]
-
-        return self.gather(buffer_for, async_op, "refresh all-gather (all-gather extensions)")
+    def _persistent_input(self, k: int, dtype: torch.dtype) -> torch.Tensor:
+        """Persistent input buffer ``k`` over the plan's model-weight span: full (``optim``,
+        ``optim_grads``), or the inner shard (HSDP outer ``optim``)."""
+        lo, hi = self.group.plan.model_weight_span
+        if k == len(self._persistent):
+            self._persistent.append(torch.zeros(hi - lo, dtype=dtype, device=self.group.device))
+        return self._persistent[k]
 
     def persistent_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._persistent)
 
     def side_tensors(self) -> list[torch.Tensor]:
-        """The tensors this group's parameter objects hold outside its flat buffers: the inner
-        tensors (``__tensor_flatten__``) of each compute weight and each optimizer-facing local
-        tensor that view none of the group's buffers -- torchao's scales (``_scale`` of the
+        """The tensors this group's parameter objects hold outside its flat buffers: the tensor
+        attributes of each compute weight and each optimizer-facing local tensor of a wrapper
+        subclass that view none of the group's buffers -- torchao's scales (``_scale`` of the
         gathered ``Float8TrainingTensor``, ``_precomputed_scale`` of the weight). For
-        ``memory_report``, which counts each storage once."""
+        ``memory_report``, which counts each storage once. (Attributes, not
+        ``__tensor_flatten__``: torchao's tests ``if self._precomputed_scale``, a host sync on
+        CUDA and an error on the estimator's meta tensors.)"""
         group = self.group
         own = {t.untyped_storage()._cdata for t in (group.main_weight, group.model_weight,
                                                      *self._persistent)}
@@ -347,14 +367,11 @@ class ExtensionGather:
         for record in group.records:
             for holder in (record.compute_param,
                            record.dist_param._local_tensor):  # type: ignore[attr-defined]
-                flatten = getattr(holder, "__tensor_flatten__", None)
-                if flatten is None:
+                if not hasattr(holder, "__tensor_flatten__"):
                     continue
-                for name in flatten()[0]:
-                    inner = getattr(holder, name, None)
-                    if isinstance(inner, torch.Tensor) and \
-                            inner.untyped_storage()._cdata not in own:
-                        found.append(inner)
+                found += [inner for inner in vars(holder).values()
+                          if isinstance(inner, torch.Tensor)
+                          and inner.untyped_storage()._cdata not in own]
         return found
 
     def _post_all_gather(self, buffers: list[torch.Tensor], metadata: list[Any],

@@ -82,8 +82,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--micro-batches", type=int, default=1)
-    parser.add_argument("--param-dtype", choices=("bf16", "fp32"), default="bf16",
-                        help="compute dtype (main weights and gradients stay fp32)")
+    parser.add_argument("--param-dtype", choices=("bf16", "fp32", "fp8"), default="bf16",
+                        help="compute dtype (main weights and gradients stay fp32); fp8: bf16 "
+                             "compute with the blocks' linears as torchao float8 linears "
+                             "gathered in FP8 (needs torchao; scales precomputed every step)")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel degree: the preset's Megatron-style TP plan on a "
                              "(world-size/tp, tp) mesh, then every strategy over the dp ranks "
@@ -93,14 +95,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-gib", type=float, default=None)
     args = parser.parse_args(argv)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
-          if args.param_dtype == "bf16" else None)
+          if args.param_dtype in ("bf16", "fp8") else None)
     model_fn, block = build_preset(args)
     rows: list[tuple[str, Estimate]] = []
     common: dict[str, Any] = dict(world_size=args.world_size, wrap=(block,), mp_policy=mp,
-                                  micro_batches=args.micro_batches, rank=args.rank)
+                                  micro_batches=args.micro_batches, rank=args.rank,
+                                  float8=args.param_dtype == "fp8")
     if args.tp > 1:
         if args.mesh:
             parser.error("--tp with --mesh (HSDP x TP) is not modelled")
+        if args.param_dtype == "fp8":
+            parser.error("--param-dtype fp8 with --tp: fully_shard gathers FP8 weights on a "
+                         "data-parallel mesh only (FSDP x TP refuses them)")
         common.update(tp=args.tp, tp_plan=tp_plan(args.model))
     configs: list[tuple[str, tuple[int, int] | None, str]] = [
         (s, None, "no_shard") for s in STRATEGIES
@@ -120,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
             rows.append((label, est))
     params = sum(p.numel() for p in _count_model(model_fn))
     print(f"{args.model}: {params / 1e9:.2f}B parameters, world size {args.world_size}, "
-          f"{args.micro_batches} micro-batch(es), {args.param_dtype} compute, rank {args.rank}"
+          f"{args.micro_batches} micro-batch(es), "
+          + ("bf16 compute, float8 linears gathered in FP8" if args.param_dtype == "fp8"
+             else f"{args.param_dtype} compute") + f", rank {args.rank}"
           + (f", tp {args.tp} (dp {args.world_size // args.tp})" if args.tp > 1 else ""))
     print(table(rows, args.budget_gib))
     padded = {str(w.message).split("'")[1] for w in caught if "padded" in str(w.message)}

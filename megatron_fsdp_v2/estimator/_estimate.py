@@ -14,7 +14,10 @@ from the objects the runtime itself executes, not from a second copy of their ma
   over the group's own buffer sizes;
 * the temporary peak: the plan's ``temporaries``, replayed through a ``ScratchAllocator`` (the
   accounting ``memory_report`` reads) in the order the hooks of ``_state.py`` allocate and free
-  them in a training iteration (see ``replay_temporaries`` in ``_replay.py``).
+  them in a training iteration (see ``replay_temporaries`` in ``_replay.py``);
+* FP8 parameters (torchao float8 with FP8 all-gathers): their FP8 buffers, gathered dtypes and
+  scales come from running the scale precompute and each group's refresh or gather without its
+  collective on the meta model (see [Note: estimating FP8 parameters] in ``_fp8.py``).
 
 What the estimate assumes: a training loop of ``micro_batches`` forward/backward passes marked
 with ``set_is_last_backward`` (only the last is last), every unit running once per micro-batch
@@ -54,8 +57,8 @@ from .._buffers._plan import Collective, GradPath
 from .._frontend._fully_shard import fully_shard
 from .._runtime._flat_param_group import FlatParamGroup
 from .._runtime._memory import MemoryReport, memory_report
-from .._runtime._subclass_gather import has_all_gather_extensions
 from ..api import MixedPrecisionPolicy, ShardingStrategy
+from ._fp8 import convert_to_float8, fp8_groups_filled, gathered_dtypes, refuse_other_subclasses
 from ._replay import replay_temporaries
 
 __all__ = ["Estimate", "estimate", "meta_buffers", "optimizer_state_bytes"]
@@ -193,6 +196,7 @@ def estimate(
     max_padding_ratio: float = 0.01,
     tp: int = 1,
     tp_plan: Mapping[str, Any] | None = None,
+    float8: bool = False,
 ) -> Estimate:
     """Estimate ``rank``'s memory and the collectives of one training iteration when the model
     ``model_fn()`` builds is wrapped with ``fully_shard`` (each module ``wrap`` selects, then the
@@ -210,6 +214,14 @@ def estimate(
     ranks on a ``(world_size // tp, tp)`` mesh named ``("dp", "tp")``, ``tp_plan`` (required) a
     ``parallelize_module`` plan of the root (``{"blocks.*.up": ColwiseParallel(), ...}``; the
     presets' ``tp_plan`` functions build one), then ``fully_shard`` over the dp mesh.
+
+    FP8 parameters (torchao float8 linears with FP8 all-gathers; see [Note: estimating FP8
+    parameters] in ``_fp8.py``): ``float8=True`` converts the linears inside the ``wrap`` units
+    whose dims are multiples of 16 with ``Float8LinearConfig(enable_fsdp_float8_all_gather=
+    True)`` (the command line's ``--param-dtype fp8``, with bf16 compute); a ``model_fn`` that
+    converts its model itself is estimated the same way. Assumed: ``precompute_float8_dynamic_
+    scale_for_fsdp(model)`` after every optimizer step (its all-reduce is counted). Needs
+    torchao.
     """
     _check_args(world_size, rank, micro_batches, optimizer, mesh_shape)
     _check_tp(tp, tp_plan, world_size, mesh_shape)
@@ -218,6 +230,7 @@ def estimate(
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dtensor_ops = tp > 1
     try:
         tp_mesh = None
         if tp > 1:
@@ -238,11 +251,17 @@ def estimate(
                 "torch.device('meta') so that nothing is allocated: do not pass device=... or "
                 "move the model inside model_fn"
             )
-        _refuse_all_gather_extensions(model)
+        if float8:
+            convert_to_float8(model, selects)
+        has_fp8 = refuse_other_subclasses(model)
+        # DTensor ops on this estimate's meshes follow: TP's parallelize_module, FP8's scale
+        # precompute (see _forget_dtensor_shardings).
+        dtensor_ops = tp_mesh is not None or has_fp8
+        if dtensor_ops:
+            _forget_dtensor_shardings()
         if tp_mesh is not None:
             from torch.distributed.tensor.parallel import parallelize_module
 
-            _forget_dtensor_shardings()
             parallelize_module(model, tp_mesh, dict(tp_plan or {}))
         units = [m for m in model.modules() if m is not model and selects(m)]
         options: dict[str, Any] = dict(
@@ -254,28 +273,12 @@ def estimate(
             for unit in reversed(units):  # children before their parents
                 fully_shard(unit, **options)
             fully_shard(model, **options)
-        return _measure(model, micro_batches, optimizer, world_size, rank)
+        return _measure(model, micro_batches, optimizer, world_size, rank, has_fp8)
     finally:
         _registry.reset()
         dist.destroy_process_group()
-        if tp > 1:
+        if dtensor_ops:
             _forget_dtensor_shardings()
-
-
-def _refuse_all_gather_extensions(model: nn.Module) -> None:
-    """FP8 parameters (torchao float8 with FP8 all-gather, or any subclass with FSDP2's
-    all-gather extensions) fill their FP8 buffers in ``fsdp_pre_all_gather`` at the first
-    gather or refresh, which an estimate never runs; their gathered bytes, scratch buffers and
-    scale all-reduce are not yet derived from the plan, so the estimate refuses them rather than
-    report the numbers of the plain dtype."""
-    name = next((n for n, p in model.named_parameters() if has_all_gather_extensions(p)), None)
-    if name is not None:
-        raise NotImplementedError(
-            f"parameter {name!r} is a {type(model.get_parameter(name)).__name__} with FSDP2 "
-            "all-gather extensions (e.g. torchao float8 with enable_fsdp_float8_all_gather): "
-            "estimate does not count FP8 parameters yet; estimate the model before "
-            "convert_to_float8_training for its numbers in the compute dtype of mp_policy"
-        )
 
 
 def _forget_dtensor_shardings() -> None:
@@ -283,7 +286,8 @@ def _forget_dtensor_shardings() -> None:
     entries hold the device meshes of the calls that filled them, and a mesh compares equal to
     another estimate's mesh of the same shape whose process groups differ: ``nn.Parameter(dtensor)``
     in ``parallelize_module`` would come back on a mesh whose groups were destroyed with an
-    earlier estimate's fake process group."""
+    earlier estimate's fake process group, and FP8's scale precompute would all-reduce over
+    such a group."""
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
@@ -294,11 +298,12 @@ def _states(model: nn.Module) -> list[tuple[str, Any]]:
 
 
 def _measure(model: nn.Module, micro_batches: int, optimizer: str, world_size: int,
-             rank: int) -> Estimate:
+             rank: int, has_fp8: bool) -> Estimate:
     states = _states(model)
+    groups = [g for _, s in states for g in s.groups]
+    extra = fp8_groups_filled(model, groups) if has_fp8 else []
     report = memory_report(model)
     report.temporary_peak = replay_temporaries([s for _, s in states], micro_batches)
-    groups = [g for _, s in states for g in s.groups]
     state_bytes = {name: optimizer_state_bytes(groups, name) for name in OPTIMIZERS}
     report.optimizer_state = state_bytes[optimizer]
     shards = [
@@ -306,7 +311,7 @@ def _measure(model: nn.Module, micro_batches: int, optimizer: str, world_size: i
                    g.plan.main_weight_span, g.plan.main_grad_span)
         for name, s in states for i, g in enumerate(s.groups)
     ]
-    collectives, wire = _collectives(groups, micro_batches)
+    collectives, wire = _collectives(groups, micro_batches, extra)
     return Estimate(report, collectives, report.padding_ratio, state_bytes, wire, shards,
                     world_size, rank)
 
@@ -330,11 +335,13 @@ def optimizer_state_bytes(groups: list[FlatParamGroup], optimizer: str) -> int:
     return total
 
 
-def _collectives(groups: list[FlatParamGroup], micro_batches: int
-                 ) -> tuple[dict[str, tuple[int, int]], dict[str, float]]:
+def _collectives(groups: list[FlatParamGroup], micro_batches: int,
+                 extra: list[tuple[str, int, int]]) -> tuple[dict[str, tuple[int, int]],
+                                                            dict[str, float]]:
     """Each group's plan steps, times how often an iteration of ``micro_batches`` runs them,
     over the buffers they cover (payload: the full buffer of the step's process group), and the
-    wire bytes of the same collectives."""
+    wire bytes of the same collectives; plus ``extra`` (kind, payload, group size) collectives
+    once per iteration (the FP8 scale precompute's)."""
     totals = {kind: [0, 0] for kind in _KIND.values()}
     wire = dict.fromkeys(_KIND.values(), 0.0)
 
@@ -351,11 +358,13 @@ def _collectives(groups: list[FlatParamGroup], micro_batches: int
     for group in groups:
         plan, dtypes, full = group.plan, group.dtypes, group.layout.total_numel
         inner_shard = plan.shard_span[1] - plan.shard_span[0]
+        # One all-gather per gathered dtype: the compute dtype, or an FP8 group's input buffers.
         for step in plan.gather_steps:  # before forward and before backward, each micro-batch
-            add(step.op, 2 * micro_batches, full, dtypes.model)
+            for dtype in gathered_dtypes(group):
+                add(step.op, 2 * micro_batches, full, dtype)
         for step in plan.refresh_steps:  # once, after the optimizer step
-            add(step.op, 1, full if step.axis == "shard" else inner_shard, dtypes.model,
-                step.axis)
+            for dtype in gathered_dtypes(group):
+                add(step.op, 1, full if step.axis == "shard" else inner_shard, dtype, step.axis)
         if not group.requires_grad:
             continue
         per_window = plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE
@@ -367,4 +376,8 @@ def _collectives(groups: list[FlatParamGroup], micro_batches: int
             else:
                 lo, hi = plan.main_weight_span
             add(step.op, 1, hi - lo, dtypes.comm, step.axis)
+    for kind, payload, n in extra:
+        totals[kind][0] += 1
+        totals[kind][1] += payload
+        wire[kind] += payload * (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n
     return {kind: (c, b) for kind, (c, b) in totals.items()}, wire

@@ -13,6 +13,7 @@ import torch
 
 from .._buffers._allocator import ScratchAllocator
 from .._buffers._plan import GradPath
+from ._fp8 import gathered_dtypes
 
 __all__ = ["replay_temporaries"]
 
@@ -73,12 +74,14 @@ class _Replay:
 
     def gather(self, i: int) -> None:
         for k, g in enumerate(self.states[i].groups):
-            if g.plan.gathers_weights:
-                self.alloc.allocate((i, k, "w"), g.layout.total_numel, g.dtypes.model, _META)
+            if g.plan.gathers_weights:  # one scratch buffer per gathered dtype (FP8: 1 byte)
+                for j, dtype in enumerate(gathered_dtypes(g)):
+                    self.alloc.allocate((i, k, f"w{j}"), g.layout.total_numel, dtype, _META)
 
     def reshard(self, i: int) -> None:
-        for k in range(len(self.states[i].groups)):
-            self.alloc.free((i, k, "w"))
+        for k, g in enumerate(self.states[i].groups):
+            for j in range(len(gathered_dtypes(g))):
+                self.alloc.free((i, k, f"w{j}"))
 
     def forward(self, i: int) -> None:
         self.gather(i)

@@ -33,11 +33,15 @@ failing case paid that again, a quarter of the full suite's time on two cores. T
 runs nothing but imports (no process group, no OpenMP region, no library state), so a forked rank
 starts as a spawned one did; multiprocessing still runs the spawn preparation in it (the parent's
 ``sys.path``, working directory and ``__main__``), and ``_serve`` applies the environment the
-parent has when the pool starts (the server's is the one of its own start).
+parent has when the pool starts (the server's is the one of its own start). A test suite adds
+its own heavy imports with :func:`preload_in_server` (``tests/conftest.py``: the Hugging Face
+model classes, torchao), and a rank freezes what it inherits out of the garbage collector's
+sight (``gc.freeze()``), so a full collection walks only what the tasks allocate.
 """
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -49,7 +53,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DistributedTestError", "RankPool", "RankPools"]
+__all__ = ["DistributedTestError", "RankPool", "RankPools", "preload_in_server"]
 
 
 class DistributedTestError(AssertionError):
@@ -59,6 +63,17 @@ class DistributedTestError(AssertionError):
 # Imported once by the fork server, not by every rank (see [Note: ranks fork from a preloaded
 # server]); a module missing here is only slower to start (multiprocessing skips ImportError).
 _SERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megatron_fsdp_v2"]
+
+
+def preload_in_server(*modules: str) -> None:
+    """Have the fork server import ``modules`` too, so that ranks start with them imported.
+
+    For heavy modules many ranks import (a test suite's ``conftest.py``: Hugging Face models
+    take seconds per process). Takes effect when the server starts, i.e. called before the first
+    pool of the process; a module that cannot be imported is skipped (the ranks import it
+    themselves, or fail as they would have).
+    """
+    _SERVER_PRELOAD.extend(m for m in modules if m not in _SERVER_PRELOAD)
 
 
 def _context() -> Any:
@@ -80,6 +95,10 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
     del preload
     os.environ.clear()
     os.environ.update(environ)
+    # The objects inherited from the server (torch's and the library's modules, about a million)
+    # never become garbage: out of the collector's sight, a full collection in a task no longer
+    # walks them (a few percent of a rank's CPU), and their pages stay shared with the server.
+    gc.freeze()
     import torch
     import torch.distributed as dist
 

@@ -5,6 +5,7 @@ side (the weights a forward sees, the optimizer-facing parameters), each storage
 * ``fp8_weights``: the persistent FP8 buffers, i.e. the storages the gathered float8 weights of
   ``optim``/``optim_grads`` view (1 byte per element of the group); none under ``no_shard``
   (full-precision weights, cast per forward) and ZeRO-3 (scratch buffers, freed after use);
+  on an HSDP mesh with outer ``optim``, the inner shard's FP8 bytes (half the group at 2x2);
 * ``temporary_peak`` under ZeRO-3: over a forward, exactly the scratch storages the weights view
   while it runs (the FP8 bytes and the plain group's gathered biases);
 * ``fp8_scales``: the scale tensors (``_scale`` of each gathered float8 weight,
@@ -63,13 +64,14 @@ def _seen_in_forward(model: nn.Module, x: torch.Tensor) -> dict[str, list[torch.
     return seen
 
 
-def _memory(rank: int, world: int, strategy: str, hsdp: bool) -> None:
+def _memory(rank: int, world: int, strategy: str, hsdp: str | None) -> None:
     dim = DIMS[2]
     model = _model(dim)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp \
         else None
     fully_shard(model, mesh=mesh, sharding_strategy=strategy,
-                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
+                **({"outer_dp_sharding_strategy": hsdp} if hsdp else {}))
     _train(model, rank, _batches(world, dim)[:2])  # FP8 buffers and scales exist after a step
     state = state_of(model)
     assert state is not None
@@ -85,6 +87,9 @@ def _memory(rank: int, world: int, strategy: str, hsdp: bool) -> None:
         numel = sum(g.layout.total_numel for g in state.groups if g.extension is not None)
         agree(f"{strategy}: the FP8 buffer is 1 byte per element",
               lambda: _equal(expected_fp8, numel))
+    elif hsdp == "optim":  # the inner shard as FP8 bytes (the forward sees the gathered scratch)
+        expected_fp8 = sum(g.layout.total_numel // 2 for g in state.groups
+                           if g.extension is not None)
     else:
         expected_fp8 = 0
     agree(f"{strategy}: fp8_weights", lambda: _equal(report.fp8_weights, expected_fp8))
@@ -112,9 +117,11 @@ def _positive(value: int) -> None:
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_memory_report_counts_fp8(ranks: RankPools, strategy: str) -> None:
-    ranks.run(_memory, 2, strategy, False, timeout_s=TIMEOUT_S)
+    ranks.run(_memory, 2, strategy, None, timeout_s=TIMEOUT_S)
 
 
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
-def test_memory_report_counts_fp8_hsdp(ranks: RankPools, strategy: str) -> None:
-    ranks.run(_memory, 4, strategy, True, timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize(("strategy", "outer"), [("optim", "no_shard"),
+                                                 ("optim_grads_params", "no_shard"),
+                                                 ("optim_grads_params", "optim")])
+def test_memory_report_counts_fp8_hsdp(ranks: RankPools, strategy: str, outer: str) -> None:
+    ranks.run(_memory, 4, strategy, outer, timeout_s=TIMEOUT_S)

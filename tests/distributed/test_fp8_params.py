@@ -291,18 +291,64 @@ def test_empty_rows_need_a_precomputed_scale(ranks: RankPools) -> None:
     ranks.run(_empty_rows_without_scale, 3, timeout_s=TIMEOUT_S)
 
 
+def _scale_set_before_wrap(rank: int, world: int, strategy: str) -> None:
+    """torchao weights whose ``_precomputed_scale`` was set before ``fully_shard`` (a scale
+    precomputed for them elsewhere, or carried by a loaded model; torchao's ``__tensor_flatten__``
+    then lists it as a second inner tensor): accepted, and the stale scale (1.0 here, far from
+    max/amax) is dropped as FSDP2 drops it, so neither the compute weights (``no_shard`` casts
+    its own per forward) nor the gathers use it: losses and parameters equal FSDP2's on the same
+    models over 2 steps."""
+    dim = DIMS[world]
+    ours, control = _model(dim), _model(dim, fp8_all_gather=strategy != "no_shard")
+    for model in (ours, control):
+        for layer in model:
+            if isinstance(layer, nn.Linear) and hasattr(layer.weight, "_precomputed_scale"):
+                layer.weight._precomputed_scale = torch.tensor(1.0)
+    fully_shard(ours, sharding_strategy=strategy)
+    _fsdp2(control, torch.float32)
+    kept = [p._local_tensor._precomputed_scale for p in ours.parameters()  # type: ignore[attr-defined]
+            if hasattr(p._local_tensor, "_precomputed_scale")]
+    agree(f"{strategy}: the pre-wrap scale is dropped", lambda: _equal(kept, [None, None]))
+    batches = _batches(world, dim)[:2]
+    losses, control_losses = _train(ours, rank, batches), _train(control, rank, batches)
+    tol = _tolerances(world, strategy)
+    agree(f"{strategy}: losses", lambda: torch.testing.assert_close(
+        losses, control_losses, rtol=tol["loss_rtol"], atol=0.0))
+    controls = dict(control.named_parameters())
+    for name, p in ours.named_parameters():
+        full, expected = p.full_tensor().detach(), controls[name].full_tensor().detach()
+        agree(f"{strategy}: parameter {name}", lambda: torch.testing.assert_close(
+            full, expected, rtol=0.0, atol=tol["param_atol"]))
+
+
+def _equal(got: Any, expected: Any) -> None:
+    assert got == expected, (got, expected)
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_scale_precomputed_before_wrap(ranks: RankPools, strategy: str) -> None:
+    ranks.run(_scale_set_before_wrap, 2, strategy, timeout_s=TIMEOUT_S)
+
+
 # ---------------------------------------------------------------------- checkpoints and refusals
 
-def _state_dict_round_trip(rank: int, world: int, strategy: str) -> None:
+def _state_dict_round_trip(rank: int, world: int, strategy: str, outer: str | None = None
+                           ) -> None:
     """``state_dict()`` holds the main weights (DTensors over the float8 subclass); loading it
     into a model with other weights marks the FP8 compute weights stale: the next forward
-    gathers the loaded ones."""
+    gathers the loaded ones. ``outer``: on a (2, world / 2) HSDP mesh with that outer
+    strategy."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
-    dim = DIMS[world]
+    dim = DIMS[world if outer is None else world // 2]
     source, target = _model(dim), _model(dim)
+    hsdp: dict[str, Any] = {}
+    if outer is not None:
+        hsdp = dict(mesh=init_device_mesh("cpu", (2, world // 2),
+                                          mesh_dim_names=("replicate", "shard")),
+                    outer_dp_sharding_strategy=outer)
     for model in (source, target):
-        fully_shard(model, sharding_strategy=strategy)
+        fully_shard(model, sharding_strategy=strategy, **hsdp)
         precompute_float8_dynamic_scale_for_fsdp(model)
     x = torch.randn(ROWS, dim, generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
@@ -327,7 +373,7 @@ def _meta_model() -> nn.Module:
 
 
 def _refused(rank: int, world: int, case: str) -> None:
-    # (FP8 on an HSDP mesh: supported with outer no_shard, refused with outer optim; see
+    # (FP8 on an HSDP mesh, outer no_shard and outer optim: see
     # test_fp8_hsdp.py.)
     make, call = _meta_model, fully_shard
     pattern = r"parameter '0\.weight' .*WeightWithDynamicFloat8CastTensor on the meta device"

@@ -157,17 +157,32 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert "nothing fits" in out and "\n* " not in out
 
 
-def test_fp8_parameters_refused() -> None:
-    """FP8 weights are not counted yet: a clear refusal, not the plain dtype's numbers."""
+def test_fp8_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    """``float8=True`` (``--param-dtype fp8``): the blocks' linears are gathered as 1 byte per
+    element, their scales counted (one fp32 each, one stacked storage), and the scale
+    precompute adds one all-reduce; another subclass and FP8 with --tp are refused. Exactness
+    against real runs: tests/distributed/test_estimate_fp8.py."""
     pytest.importorskip("torchao")
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    def fp8_model() -> nn.Module:
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-        return convert_to_float8_training(nn.Sequential(nn.Linear(32, 64)), config=config)
+    def llama() -> nn.Module:  # 7 linears per block, every dim a multiple of 16
+        return LlamaDecoder(layers=2, dim=64, ffn=128, vocab=96, heads=4, kv_heads=2)
 
-    with pytest.raises(NotImplementedError, match="does not count FP8 parameters"):
-        estimate(fp8_model, world_size=2)
+    plain = estimate(llama, world_size=4, wrap=(LlamaBlock,), mp_policy=BF16)
+    fp8 = estimate(llama, world_size=4, wrap=(LlamaBlock,), mp_policy=BF16, float8=True)
+    assert fp8.memory.fp8_scales == 2 * 7 * 4 and fp8.memory.fp8_weights == 0
+    linears = sum(m.weight.numel() for b in llama().blocks for m in b.modules()
+                  if isinstance(m, nn.Linear))
+    # ZeRO-3, one micro-batch: each linear gathered twice, 1 byte per element instead of 2 (up
+    # to the layouts' padding, which differs once the linears form groups of their own).
+    saved = plain.collectives["all_gather"][1] - fp8.collectives["all_gather"][1]
+    assert abs(saved - 2 * linears) <= 0.02 * linears, (saved, linears)
+    assert fp8.collectives["all_reduce"] == (1, 2 * 7 * 4)  # the amaxes, fp32
+    main(["--layers", "1", "--dim", "64", "--ffn", "128", "--vocab", "96", "--heads", "4",
+          "--kv-heads", "2", "--world-size", "4", "--mesh", "2x2", "--param-dtype", "fp8"])
+    out = capsys.readouterr().out
+    assert "float8 linears gathered in FP8" in out and "+outer optim" in out, out
+    with pytest.raises(SystemExit):
+        main(["--world-size", "4", "--tp", "2", "--param-dtype", "fp8"])
     assert not dist.is_initialized()
 
 

@@ -14,8 +14,9 @@ recompile per step although parameter objects are swapped around every forward).
 
 The sweep uses the ``aot_eager`` backend (AOTAutograd, the part that rejected the parameter
 rebinding: "set_ on a graph input"), which compiles in about a second; one case uses the default
-inductor backend (C++ codegen, in the rank itself: about 5 s after the sweep warmed dynamo up),
-and two add activation checkpointing inside and around the compiled blocks (ZeRO-3).
+inductor backend (C++ codegen, in the rank itself: about 5 s with inductor's on-disk cache warm
+from an earlier run, about a minute cold), and two add activation checkpointing inside and
+around the compiled blocks (ZeRO-3).
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ imported only then) and calls ``precompute_float8_dynamic_scale_for_fsdp`` after
 after every optimizer step (one all-reduce of every weight's amax). The tied output head stays
 a plain linear. 1-D meshes only (no ``--mesh``).
 
+``main(argv)`` also runs inside a process group that already exists (called by a harness, a
+test's ranks or your own launcher): it trains on that group's ranks and leaves the group, and the
+process, to the caller; under torchrun it creates the group and ends it (``setup_distributed``,
+``teardown_distributed``).
+
 ``--help`` prints once (rank 0) with every option's default. ``examples/train_hf.py`` trains
 Hugging Face models with this same loop (``train``).
 """
@@ -133,7 +138,19 @@ def build_mesh(shape: tuple[int, int] | None, device: torch.device):
     return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
 
 
-def setup_distributed() -> torch.device:
+def setup_distributed() -> tuple[torch.device, bool]:
+    """This rank's device, and whether this call created the process group.
+
+    Launched by torchrun (no group yet): NCCL on the local rank's GPU when CUDA is available,
+    else gloo on CPU; the group is then the example's to end (``teardown_distributed``). Called
+    inside a process group that already exists (``main(argv)`` from a harness, a test's ranks
+    or your own launcher), it uses that group and leaves it to its owner: the device is the
+    current CUDA device when the group's backend includes NCCL, else CPU.
+    """
+    if dist.is_initialized():
+        if "nccl" in dist.get_backend() and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device()), False
+        return torch.device("cpu"), False
     if "RANK" not in os.environ:
         script = os.path.relpath(sys.argv[0]) if sys.argv[0] else "examples/train.py"
         raise SystemExit(f"launch with torchrun, e.g. `torchrun --nproc_per_node=4 {script}`")
@@ -141,9 +158,27 @@ def setup_distributed() -> torch.device:
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", local_rank), True
     dist.init_process_group("gloo")
-    return torch.device("cpu")
+    return torch.device("cpu"), True
+
+
+def teardown_distributed(created: bool) -> None:
+    """End the run: when ``setup_distributed`` created the process group (``created``), wait for
+    every rank, destroy the group and, on gloo, exit the process; otherwise nothing (the group
+    and the process are the caller's)."""
+    if not created:
+        return
+    dist.barrier()
+    backend = dist.get_backend()
+    dist.destroy_process_group()
+    if backend == "gloo":
+        # Every result is printed and the group is destroyed. About one gloo process in 25 aborts
+        # in C++ static destructors at interpreter exit ("terminate called without an active
+        # exception", FSDP2 too), which torchrun reports as a failed job: skip those destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -159,7 +194,7 @@ def fmt_ranks(values: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = setup_distributed()
+    device, created = setup_distributed()
 
     cfg = GPTConfig(vocab=args.vocab, seq_len=args.seq_len, dim=args.dim, layers=args.layers,
                     heads=args.heads)
@@ -171,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
              f"heads={cfg.heads} vocab={cfg.vocab} seq={cfg.seq_len})")
     train(model, list(model.blocks), args, device, title=title, loss_fn=lm_loss,
           batch_len=args.seq_len, vocab=args.vocab)
+    teardown_distributed(created)
 
 
 def float8_api() -> tuple[Callable[..., torch.nn.Module], Callable[[torch.nn.Module], None],
@@ -212,8 +248,8 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
           vocab: int) -> None:
     """Wrap ``blocks`` then ``model``, train ``args.steps`` steps on ``synthetic_batch(...,
     batch_len, ...)`` tokens with ``loss_fn(model, tokens)``, print (rank 0) the loss, throughput,
-    communication and memory of every step, then tear the process group down. Shared by
-    ``train.py`` and ``train_hf.py``."""
+    communication and memory of every step. Shared by ``train.py`` and ``train_hf.py``, whose
+    ``main`` then calls ``teardown_distributed``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     mp_policy = (
         mfsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
@@ -305,16 +341,6 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
               f"(step 1 excluded)")
         for r, text in enumerate(reports):
             print(f"memory_report rank {r}: {text}")
-    dist.barrier()
-    backend = dist.get_backend()
-    dist.destroy_process_group()
-    if backend == "gloo":
-        # Every result is printed and the group is destroyed. About one gloo process in 25 aborts
-        # in C++ static destructors at interpreter exit ("terminate called without an active
-        # exception", FSDP2 too), which torchrun reports as a failed job: skip those destructors.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from train import build_parser, setup_distributed, train  # noqa: E402
+from train import build_parser, setup_distributed, teardown_distributed, train  # noqa: E402
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -103,7 +103,7 @@ def hf_loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    device = setup_distributed()
+    device, created = setup_distributed()
     torch.manual_seed(args.seed)  # the same initial weights on every rank
     model = build_model(args).to(device)
     num_params = sum(p.numel() for p in model.parameters())
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     # synthetic_batch(..., seq_len - 1) gives seq_len tokens: the model sees seq_len positions.
     train(model, decoder_layers(model), args, device, title=title, loss_fn=hf_loss,
           batch_len=args.seq_len - 1, vocab=args.vocab)
+    teardown_distributed(created)
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ test_moe_example.py checks losses and parameters against one process holding eve
 ``--clip`` clips to the 2-norm over the whole model, every EP rank's experts included
 (``clip_grad_norm_ep_``: a plain ``clip_grad_norm_`` would see only this rank's experts).
 
-gloo on CPU, NCCL on GPU (one per local rank). Rank 0 prints per step the loss (mean over
-ranks), throughput and the bytes this rank communicated (all-gathers, reduce-scatters and the
-all-to-alls), counted by ``comm_counter.CommCounter``.
+gloo on CPU, NCCL on GPU (one per local rank); ``main(argv)`` inside an existing process group
+uses that group and leaves it to the caller (``train.setup_distributed``). Rank 0 prints per
+step the loss (mean over ranks), throughput and the bytes this rank communicated (all-gathers,
+reduce-scatters and the all-to-alls), counted by ``comm_counter.CommCounter``.
 """
 
 from __future__ import annotations
@@ -42,7 +43,13 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from moe_model import MoEConfig, MoEGPT, keep_local_experts  # noqa: E402
-from train import MiB, build_parser, peak_memory_bytes, setup_distributed  # noqa: E402
+from train import (  # noqa: E402
+    MiB,
+    build_parser,
+    peak_memory_bytes,
+    setup_distributed,
+    teardown_distributed,
+)
 
 import megatron_fsdp_v2 as mfsdp  # noqa: E402
 
@@ -122,16 +129,27 @@ def clip_grad_norm_ep_(model: torch.nn.Module, max_norm: float,
     a DTensor on the edp sub-mesh, so its norm is reduced over the ranks that hold the *same*
     experts only, and ranks of different EP indices would clip by different norms. So: the
     dense gradients' norm (over the world), the local experts' norm (over edp), the latter's
-    square summed over the EP group, as torchtitan does for its expert parameters. The norms
-    come from ``torch.nn.utils.get_total_norm``, which fully_shard routes to the library's for
-    its gradients; FSDP2's come back as DTensors.
+    square summed over the EP group, as torchtitan does for its expert parameters.
+
+    Collectives: one all-reduce per distinct group, three in all (the world for the dense
+    norm, edp for the experts', ep for their sum). With fully_shard the norms come from
+    ``megatron_fsdp_v2.clip_grad_norm_(params, inf)`` (the norm only: the clip coefficient is
+    1), which reduces on the groups of the *parameters* it gets. ``get_total_norm``, which
+    takes gradients, would do two more: its contract is one all-reduce on every library group
+    per call whatever the list holds (a rank cannot tell from its gradients which groups its
+    peers reduce on, see [Note: total norm of gradient lists] in ``utils.py``), so its two
+    calls here would reduce on both the world and edp groups. FSDP2's and the single-process
+    reference's norms come from ``torch.nn.utils.get_total_norm`` (FSDP2's as DTensors).
     """
     dense, experts = [], []
     for name, p in model.named_parameters():
         if p.grad is not None:
             (experts if ".moe.experts." in name else dense).append(p)
+    ours = isinstance(model, mfsdp.FSDPModule)
 
     def norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+        if ours:
+            return mfsdp.clip_grad_norm_(params, float("inf")).float()
         total = torch.nn.utils.get_total_norm([p.grad for p in params])  # type: ignore[misc]
         return (total.full_tensor() if isinstance(total, DTensor) else total).float()
 
@@ -176,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.mesh is not None:
         raise SystemExit("train_moe.py builds its own (ep, edp) mesh: use --ep, not --mesh")
-    device = setup_distributed()
+    device, created = setup_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     flat, ep_mesh = build_meshes(args.ep, device)
     cfg = config_from(args)
@@ -211,13 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{tokens_per_step / elapsed:9,.0f} tok/s | {elapsed * 1e3:6.0f} ms | "
                   f"comm {comm.total_wire_bytes / MiB:7.2f} MiB/rank ({comm.summary()}) | "
                   f"peak {peak_memory_bytes(device) / MiB:.1f} MiB", flush=True)
-    dist.barrier()
-    backend = dist.get_backend()
-    dist.destroy_process_group()
-    if backend == "gloo":  # see train.py: skip gloo's C++ static destructors at exit
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    teardown_distributed(created)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,15 @@
 """Session-wide set-up shared by every test folder."""
 
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
 from megatron_fsdp_v2.testing import preload_in_server
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _fresh_python import FreshPython  # noqa: E402
 
 # Test-only dependencies that many ranks import (the Hugging Face model classes take about 3 s
 # of CPU per process; torchao's float8 about 1 s): imported once by the rank pools' fork server
@@ -11,3 +20,12 @@ preload_in_server(
     "transformers.models.gpt2.modeling_gpt2",
     "transformers.models.llama.modeling_llama",
 )
+
+
+@pytest.fixture(scope="session")
+def fresh_python() -> Iterator[FreshPython]:
+    """``fresh_python.run(code)``: ``python -c code`` forked from a server that imported torch
+    once (see ``tests/_fresh_python.py``)."""
+    server = FreshPython()
+    yield server
+    server.close()

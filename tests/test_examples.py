@@ -1,21 +1,34 @@
-"""Smoke tests for examples/: train.py and train_hf.py under torchrun (train_hf.py's losses
-against a single-process run of the same model and data; train.py --fp8's all-gathered bytes
-against its bf16 run), their ``--help`` (printed once, every default shown), and the collective
-byte counter the examples and benchmarks/bench_training.py rely on (it must see DDP's C++
-reducer as well as our library)."""
+"""Smoke tests for examples/: train.py and train_hf.py (train_hf.py's losses against a
+single-process run of the same model and data; train.py --fp8's all-gathered bytes against its
+bf16 run), their ``--help`` (printed once, every default shown), and the collective byte counter
+the examples and benchmarks/bench_training.py rely on (it must see DDP's C++ reducer as well as
+our library).
+
+Two runs go through torchrun, for what only the launched script shows: train.py's own process
+group, teardown and exit status (``test_train_example_runs``), and ``--help`` parsed by every
+rank (``test_train_example_help_prints_once_under_torchrun``). The other runs (FP8, HSDP mesh,
+the Hugging Face models) call the example's ``main(argv)`` on forked ranks of a rank pool (see
+[Note: rank pools] in megatron_fsdp_v2/testing/_pool.py), in the pool's process group as a
+harness or a user's own launcher would, and check every rank's printed output: the same
+training code as under torchrun, without a launcher and an interpreter importing torch per rank
+(seconds of CPU each)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import math
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
 
-from megatron_fsdp_v2.testing import run_distributed
+from megatron_fsdp_v2.testing import RankPools, run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -28,15 +41,15 @@ sys.path.insert(0, EXAMPLES)
 _ZERO3 = ["--strategy", "optim_grads_params", "--steps", "3", "--micro-batches", "2",
           "--batch-size", "2", "--seq-len", "16", "--dim", "64", "--layers", "3", "--heads", "2",
           "--vocab", "16", "--bf16"]
-_ZERO3_RUNS: dict[bool, subprocess.CompletedProcess] = {}
+_ZERO3_RUNS: list[subprocess.CompletedProcess] = []
 
 
-def _zero3_run(fp8: bool) -> subprocess.CompletedProcess:
-    """The run of ``_ZERO3`` (``--fp8`` added when ``fp8``), once per session."""
-    if fp8 not in _ZERO3_RUNS:
-        _ZERO3_RUNS[fp8] = _torchrun("train.py", _ZERO3 + (["--fp8"] if fp8 else []),
-                                     timeout=240)
-    proc = _ZERO3_RUNS[fp8]
+def _zero3_run() -> subprocess.CompletedProcess:
+    """The bf16 run of ``_ZERO3`` under torchrun, once per session (the launch test's run, and
+    the FP8 test's reference bytes: the counter counts the same under any launcher)."""
+    if not _ZERO3_RUNS:
+        _ZERO3_RUNS.append(_torchrun("train.py", _ZERO3, timeout=240))
+    proc = _ZERO3_RUNS[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -52,7 +65,7 @@ def test_train_example_runs() -> None:
     """ZeRO-3 on a 1-D mesh of 2 ranks. train.py passes ``--strategy`` to fully_shard as given
     (no branch of its own), so one strategy proves the example's 1-D path; the HSDP run below is
     the ``optim_grads`` run (every strategy's training is proven in tests/distributed)."""
-    proc = _zero3_run(fp8=False)
+    proc = _zero3_run()
     steps = _steps(proc.stdout)
     assert [s for s, *_ in steps] == [1, 2, 3], proc.stdout
     assert all(math.isfinite(loss) for _, loss, _, _ in steps)
@@ -61,38 +74,63 @@ def test_train_example_runs() -> None:
     assert "memory_report rank 1:" in proc.stdout
 
 
-def test_train_example_fp8() -> None:
+@pytest.fixture(scope="module")
+def pools() -> Iterator[RankPools]:
+    """Gloo rank pools, one per world size, for the cases that call an example's ``main``."""
+    pools = RankPools()
+    yield pools
+    pools.close()
+
+
+def _main_worker(rank: int, world: int, script: str, argv: list[str]) -> str:
+    """``script``'s ``main(argv)`` on a pool rank, inside the pool's process group (which it
+    must leave alone); what it printed."""
+    module = importlib.import_module(script.removesuffix(".py"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        module.main(argv)
+    assert torch.distributed.is_initialized(), f"{script} destroyed its caller's process group"
+    return out.getvalue()
+
+
+def _run_main(pools: RankPools, script: str, argv: list[str], nproc: int = 2,
+              timeout: float = 240) -> str:
+    """Every rank's output of ``script``'s ``main(argv)`` on ``nproc`` pool ranks, in rank
+    order (what torchrun would have collected). A rank that raises (``SystemExit`` included)
+    or exits fails the case."""
+    return "".join(pools.run(_main_worker, nproc, script, argv, timeout_s=timeout))
+
+
+def test_train_example_fp8(pools: RankPools) -> None:
     """``--fp8`` under ZeRO-3: torchao float8 linears with FP8 all-gathers train (finite,
     decreasing loss), and each step all-gathers at most 0.52x the bytes of the same run in bf16
     (the example's byte counter: the collectives issued, FP8 moved as 1 byte per element)."""
     pytest.importorskip("torchao")
-    proc = _zero3_run(fp8=True)
-    assert "float8 linears (FP8 all-gathers)" in proc.stdout, proc.stdout
-    steps = _steps(proc.stdout)
-    assert [s for s, *_ in steps] == [1, 2, 3], proc.stdout
+    stdout = _run_main(pools, "train.py", [*_ZERO3, "--fp8"])
+    assert "float8 linears (FP8 all-gathers)" in stdout, stdout
+    steps = _steps(stdout)
+    assert [s for s, *_ in steps] == [1, 2, 3], stdout
     losses = [loss for _, loss, _, _ in steps]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
-    bf16 = _steps(_zero3_run(fp8=False).stdout)
+    bf16 = _steps(_zero3_run().stdout)
     ratios = [fp8[3] / ref[3] for fp8, ref in zip(steps, bf16)]
     assert len(ratios) == 3 and all(r <= 0.52 for r in ratios), (ratios, steps, bf16)
 
 
-def test_train_example_hsdp_mesh() -> None:
+def test_train_example_hsdp_mesh(pools: RankPools) -> None:
     """``--mesh 2,2``: HSDP (2 replicas x 2 shards, outer no_shard) on 4 CPU ranks."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-           os.path.join(EXAMPLES, "train.py"), "--mesh", "2,2", "--strategy", "optim_grads",
-           "--steps", "3", "--micro-batches", "2", "--batch-size", "2", "--seq-len", "16",
-           "--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64"]
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "mesh=2x2" in proc.stdout, proc.stdout
+    stdout = _run_main(pools, "train.py",
+                       ["--mesh", "2,2", "--strategy", "optim_grads", "--steps", "3",
+                        "--micro-batches", "2", "--batch-size", "2", "--seq-len", "16",
+                        "--dim", "32", "--layers", "2", "--heads", "2", "--vocab", "64"],
+                       nproc=4)
+    assert "mesh=2x2" in stdout, stdout
     steps = re.findall(r"step\s+(\d+)/3 \| loss ([0-9.]+) .* comm\s+([0-9.]+) MiB/rank",
-                       proc.stdout)
-    assert [int(s) for s, _, _ in steps] == [1, 2, 3], proc.stdout
+                       stdout)
+    assert [int(s) for s, _, _ in steps] == [1, 2, 3], stdout
     assert all(math.isfinite(float(loss)) for _, loss, _ in steps)
     assert all(float(comm) > 0 for _, _, comm in steps), "no collective bytes counted"
-    assert "memory_report rank 3:" in proc.stdout
+    assert "memory_report rank 3:" in stdout
 
 
 def _torchrun(script: str, args: list[str], nproc: int = 2,
@@ -178,22 +216,22 @@ def _hf_reference_losses(argv: list[str], world: int) -> list[float]:
     ("gpt2", ["--strategy", "optim_grads_params"]),
     ("llama", ["--strategy", "optim", "--checkpointing"]),
 ], ids=["gpt2-optim_grads_params", "llama-optim-checkpointing"])
-def test_train_hf_example_matches_single_process(model: str, extra: list[str]) -> None:
+def test_train_hf_example_matches_single_process(pools: RankPools, model: str,
+                                                 extra: list[str]) -> None:
     pytest.importorskip("transformers",
                         reason="transformers is not installed (a test dependency: "
                                "scripts/install.sh)")
     argv = ["--model", model, *_HF_ARGS, *extra]
-    proc = _torchrun("train_hf.py", argv)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = _run_main(pools, "train_hf.py", argv, timeout=180)
     steps = re.findall(r"step\s+(\d+)/3 \| loss ([0-9.]+) .* comm\s+([0-9.]+) MiB/rank",
-                       proc.stdout)
-    assert [int(s) for s, _, _ in steps] == [1, 2, 3], proc.stdout
+                       stdout)
+    assert [int(s) for s, _, _ in steps] == [1, 2, 3], stdout
     assert all(float(comm) > 0 for _, _, comm in steps), "no collective bytes counted"
-    assert "memory_report rank 1:" in proc.stdout and "optimizer_state=" in proc.stdout
+    assert "memory_report rank 1:" in stdout and "optimizer_state=" in stdout
     expected = _hf_reference_losses(argv, world=2)
     got = [float(loss) for _, loss, _ in steps]
     # Printed with 4 decimals.
-    assert got == pytest.approx(expected, abs=1.5e-4), (got, expected, proc.stdout)
+    assert got == pytest.approx(expected, abs=1.5e-4), (got, expected, stdout)
 
 
 def _counter_worker(rank: int, world: int) -> dict[str, float]:

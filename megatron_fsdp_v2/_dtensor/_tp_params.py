@@ -49,7 +49,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import _registry
 
-__all__ = ["TPFace", "tp_face_of"]
+__all__ = ["SpmdMesh", "TPFace", "tp_face_of"]
 
 _RULE = (
     "fully_shard composes with tensor parallelism when the data-parallel mesh and the "
@@ -59,31 +59,53 @@ _RULE = (
 )
 
 
+@dataclass(frozen=True)
+class SpmdMesh:
+    """FSDP2's SPMD mesh (``fully_shard(mesh=..., dp_mesh_dims=...)``): the whole mesh and the
+    names of its data-parallel dims (shard and replicate)."""
+
+    mesh: DeviceMesh
+    dp_names: tuple[str, ...]
+
+
 @dataclass(frozen=True, eq=False)
 class TPFace:
-    """How one tensor-parallel parameter is seen (see [Note: 2-D parameters])."""
+    """How one tensor-parallel parameter is seen (see [Note: 2-D parameters]). ``tp_mesh`` is
+    ``None`` for a DTensor on an SPMD mesh of data-parallel dims only; ``compute_mesh`` and
+    ``compute_placements``, where the compute parameter lives when that is not the TP mesh (a
+    DTensor on a whole SPMD mesh, [Note: SPMD parameters])."""
 
-    tp_mesh: DeviceMesh
+    tp_mesh: DeviceMesh | None
     tp_placements: tuple[Placement, ...]
     shape: torch.Size  # global
     stride: tuple[int, ...]  # global, contiguous
     dist_mesh: DeviceMesh  # the dp mesh's dims, then the TP mesh's
+    compute_mesh: DeviceMesh | None = None  # None: tp_mesh
+    compute_placements: tuple[Placement, ...] | None = None  # None: tp_placements
 
     @property
     def dp_ndim(self) -> int:
-        return self.dist_mesh.ndim - self.tp_mesh.ndim
+        return self.dist_mesh.ndim - (0 if self.tp_mesh is None else self.tp_mesh.ndim)
+
+    def _compute_spec(self) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+        if self.compute_mesh is not None and self.compute_placements is not None:
+            return self.compute_mesh, self.compute_placements
+        assert self.tp_mesh is not None  # a face without TP dims has a compute mesh
+        return self.tp_mesh, self.tp_placements
 
     def compute_dtensor(self, local: torch.Tensor) -> DTensor:
-        """``local`` (a view of this rank's TP-local rows in a weight buffer) as the TP DTensor
-        the module computes with."""
-        return DTensor.from_local(local, self.tp_mesh, self.tp_placements, run_check=False,
+        """``local`` (a view of this rank's TP-local rows in a weight buffer) as the DTensor
+        the module computes with (on the TP mesh, or the SPMD mesh)."""
+        mesh, placements = self._compute_spec()
+        return DTensor.from_local(local, mesh, placements, run_check=False,
                                   shape=self.shape, stride=self.stride)
 
     def dist_placements(self, dp_placements: tuple[Placement, ...]) -> tuple[Placement, ...]:
         """The optimizer-facing placements: ``dp_placements`` (the group's, on the dp mesh)
         with a dp ``Shard(0)`` made strided where TP shards dim 0 too, then the TP ones."""
-        split = math.prod(
-            self.tp_mesh.size(i) for i, p in enumerate(self.tp_placements)
+        tp_mesh = self.tp_mesh
+        split = 1 if tp_mesh is None else math.prod(
+            tp_mesh.size(i) for i, p in enumerate(self.tp_placements)
             if isinstance(p, Shard) and p.dim == 0
         )
         dp = tuple(
@@ -103,23 +125,29 @@ class TPFace:
         TP's shards are ``torch.chunk`` pieces)."""
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+        if self.tp_mesh is None:
+            return (0,) * len(self.shape)
         _, offsets = compute_local_shape_and_global_offset(self.shape, self.tp_mesh,
                                                            self.tp_placements)
         return tuple(offsets)
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """This rank's TP-local part of a compute gradient, in the parameter's TP placements
-        (a ``Partial()`` gradient of a ``Replicate()`` parameter is all-reduced over TP)."""
+        """This rank's TP-local part of a compute gradient, in the parameter's compute
+        placements (a ``Partial()`` gradient of a ``Replicate()`` parameter is all-reduced)."""
         if not isinstance(grad, DTensor):
             return grad  # user code assigned a local tensor: taken as the TP-local gradient
-        if tuple(grad.placements) != self.tp_placements:
-            grad = grad.redistribute(self.tp_mesh, self.tp_placements)
+        mesh, placements = self._compute_spec()
+        if tuple(grad.placements) != placements:
+            grad = grad.redistribute(mesh, placements)
         return grad._local_tensor
 
 
-def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh) -> TPFace | None:
+def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh,
+               spmd: SpmdMesh | None = None) -> TPFace | None:
     """``None`` for a plain parameter; for a DTensor one, its :class:`TPFace`, or a
-    ``ValueError``/``TypeError`` naming what cannot be composed (no collective)."""
+    ``ValueError``/``TypeError`` naming what cannot be composed (no collective). ``spmd``: the
+    SPMD mesh ``dp_mesh`` was taken from with ``dp_mesh_dims`` (a DTensor on it takes
+    [Note: SPMD parameters]; one on a TP sub-mesh the usual way)."""
     if not isinstance(param, DTensor):
         return None
     tp_mesh = param.device_mesh
@@ -131,6 +159,8 @@ def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh) -> TPFace | N
                 "Replicate() (tensor parallelism), not Partial or strided ones (torch's "
                 "fully_shard already applied?): pass it in ignored_params"
             )
+    if spmd is not None and tp_mesh == spmd.mesh:
+        return _spmd_face(what, param, dp_mesh, spmd)
     if tp_mesh == dp_mesh:
         raise ValueError(
             f"{what}: the data-parallel mesh itself (e.g. from distribute_tensor or torch's "
@@ -158,6 +188,12 @@ def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh) -> TPFace | N
     except RuntimeError as error:
         raise ValueError(f"{what}, which cannot be combined with the data-parallel mesh "
                          f"{dp_mesh} ({error}). {_RULE}") from None
+    _refuse_meta(what, param)
+    shape = param.shape
+    return TPFace(tp_mesh, tuple(param.placements), shape, _contiguous_stride(shape), dist_mesh)
+
+
+def _refuse_meta(what: str, param: torch.Tensor) -> None:
     # The estimator wraps meta models with storage-free buffers (see [Note: meta buffers] in
     # _registry): there the TP-local meta shapes are all it needs.
     if param.device.type == "meta" and not _registry.meta_buffers[0]:
@@ -166,8 +202,51 @@ def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh) -> TPFace | N
             "materialized models; call module.to_empty(device=...) and initialize before "
             "fully_shard"
         )
+
+
+# [Note: SPMD parameters]
+# With FSDP2's ``dp_mesh_dims`` (torchtitan's SPMD mode) a parameter is a DTensor on the whole
+# SPMD mesh: ``Replicate()`` on the data-parallel dims, its tensor-parallel placements on the
+# others (``distribute_module``/``distribute_tensor`` over the mesh). Its TP part is those
+# other dims and placements, so it takes the FSDP x TP path of [Note: 2-D parameters]
+# unchanged (its local tensor is the TP-local tensor), except for its compute face: the module
+# computes with the user's DTensor on the SPMD mesh (its inputs are DTensors there), so the
+# compute parameter keeps that mesh and those placements, and so do the in-place gradient
+# aliases and ``local_grad``'s target. The optimizer-facing DTensor is on the dp mesh's dims
+# then the other dims (``DeviceMesh._concatenate``; the SPMD mesh itself when its dp dims come
+# first, as torchtitan's; with a non-dp dim before a dp dim it is that mesh reordered dp first,
+# where FSDP2 keeps the SPMD mesh's order: the same values), with FSDP2's
+# placements: ``Shard(0)`` (``_StridedShard`` where TP shards dim 0 too) on the shard dim,
+# ``Replicate()`` on the replicate dim, the TP placements on the rest. A mesh of data-parallel
+# dims only leaves no TP part (``tp_mesh`` None): the optimizer-facing DTensor is the plain
+# one's. One difference from FSDP2: a gradient that arrives ``Partial()`` over a dp dim
+# (inputs sharded over it as DTensors) is made ``Replicate()`` there, as over the TP dims,
+# before the dp average (FSDP2 averages the partial sums as they are).
+
+
+def _spmd_face(what: str, param: DTensor, dp_mesh: DeviceMesh, spmd: SpmdMesh) -> TPFace:
+    mesh = spmd.mesh
+    names = mesh.mesh_dim_names
+    assert names is not None  # resolve_dp_mesh requires names
+    placements = tuple(param.placements)
+    for name in spmd.dp_names:
+        placement = placements[names.index(name)]
+        if not placement.is_replicate():
+            raise ValueError(
+                f"{what}: with dp_mesh_dims a parameter must be Replicate() on every "
+                f"data-parallel dim (as FSDP2 requires), got {placement} on '{name}'; "
+                "distribute it Replicate() over the data-parallel dims (fully_shard shards it "
+                "there) and with its tensor-parallel placements over the others"
+            )
+    _refuse_meta(what, param)
+    tp_names = tuple(n for n in names if n not in spmd.dp_names)
+    tp_placements = tuple(placements[names.index(n)] for n in tp_names)
+    tp_mesh = (None if not tp_names
+               else mesh[tp_names[0]] if len(tp_names) == 1 else mesh[tp_names])
+    dist_mesh = dp_mesh if tp_mesh is None else DeviceMesh._concatenate([dp_mesh, tp_mesh])
     shape = param.shape
-    return TPFace(tp_mesh, tuple(param.placements), shape, _contiguous_stride(shape), dist_mesh)
+    return TPFace(tp_mesh, tp_placements, shape, _contiguous_stride(shape), dist_mesh,
+                  compute_mesh=mesh, compute_placements=placements)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

@@ -24,16 +24,20 @@ design:
   the backward is not the last of its window (see ``UnitState.is_last_backward``).
 * ``reset_iter_state`` is the tree's ``recover()`` (see ``_runtime/_context.py``).
 * refused: what replaces FSDP2's per-collective buffers and streams (custom collectives,
-  symmetric or process-group memory, input-buffer caps, a second reduce-scatter group, the
-  all-reduce hook, post-optimizer events), and torch's private state accessors.
+  symmetric or process-group memory, input-buffer caps, a second reduce-scatter group,
+  post-optimizer events), and torch's private state accessors.
+* ``set_all_reduce_hook``: the hook runs on each group's reduced shard at the end of its
+  window (see [Note: the all-reduce hook] in ``_runtime/_all_reduce_hook.py``).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp._fully_shard import _fully_shard as _torch_fully_shard
@@ -55,11 +59,6 @@ REFUSED: dict[str, str] = {
         "gradients are reduced from one flat buffer (and coalesced across units with "
         "reduce_bucket_size_mb) by the library's own collective; choose its implementation with "
         "fully_shard(collective_impl=...), and its scale with set_gradient_divide_factor"
-    ),
-    "set_all_reduce_hook": (
-        "no per-reduction hook runs on the flat gradient buffer; for an extra reduction over "
-        "another mesh, pass a 2-D mesh (HSDP, outer_dp_sharding_strategy) or reduce the "
-        "DTensor gradients' to_local() yourself after backward, before optimizer.step()"
     ),
     "set_post_optim_event": (
         "the library's gathers already wait on the stream the optimizer step ran on; record "
@@ -219,6 +218,43 @@ class FSDP2Surface(TorchFSDPModule):
             )
         ctx.recover()
 
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,
+                            stream: torch.cuda.Stream | None = None) -> None:
+        """FSDP2's method: ``hook(reduced)`` runs on each of this unit's groups' reduced
+        gradient shard (flat, in the gradient dtype; edit it in place), after the reduce-scatter
+        (or all-reduce) on a 1-D mesh, where the hook may implement a replica all-reduce itself,
+        and after the outer reduction under HSDP; then the gradients are installed. Once per
+        group and accumulation window, on the window's sum (FSDP2: per reduce-scatter; the same
+        for a linear hook); see [Note: the all-reduce hook]. ``stream``: a CUDA stream to run
+        it on, not with an HSDP mesh (``ValueError``, as FSDP2). Not recursive (as FSDP2);
+        set it between steps (``RuntimeError`` inside an accumulation window)."""
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        groups = self._own_state().groups
+        if stream is not None:
+            if any(g.mesh.ndim > 1 for g in groups):
+                raise ValueError(
+                    "set_all_reduce_hook: stream cannot be set when using native HSDP (a 2-D "
+                    "mesh), as in FSDP2: the hook runs after the outer all-reduce, in order"
+                )
+            if not isinstance(stream, torch.cuda.Stream) or any(
+                g.device.type != "cuda" for g in groups
+            ):
+                raise ValueError(
+                    f"set_all_reduce_hook: stream must be a torch.cuda.Stream of a unit on "
+                    f"CUDA, got {type(stream).__name__} for a unit on "
+                    f"{groups[0].device.type if groups else 'no device'}; pass stream=None"
+                )
+        if any(g.grads.pending_install for g in groups):
+            raise RuntimeError(
+                f"set_all_reduce_hook on {type(self).__name__} in the middle of an accumulation "
+                "window (part of its gradients are reduced already): call it between steps, "
+                "e.g. once after fully_shard"
+            )
+        for group in groups:
+            group.grads.all_reduce_hook = hook
+            group.grads.all_reduce_hook_stream = stream
+
     # ------------------------------------------------------------------ refused
 
     def set_custom_all_gather(self, comm: Any) -> None:
@@ -226,9 +262,6 @@ class FSDP2Surface(TorchFSDPModule):
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
         raise refuse("set_custom_reduce_scatter")
-
-    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
-        raise refuse("set_all_reduce_hook")
 
     def set_post_optim_event(self, event: Any) -> None:
         raise refuse("set_post_optim_event")

@@ -16,7 +16,7 @@ from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .. import _registry
 from .._comm._collective_impl import CollectiveCount, merge_counts
-from .._init import _conversions
+from .._init import _conversions, _materialize
 from .._runtime._context import TrainingState
 from .._runtime._state import FSDPState
 from ..api import ShardingStrategy
@@ -35,6 +35,7 @@ class UnshardHandle(TorchUnshardHandle):
     def wait(self) -> None:
         if self._state is not None:
             self._state.wait_for_unshard()
+            self._state.register_compute_params()  # FSDP2's: unsharded until reshard()
             self._state = None
 
 
@@ -57,21 +58,30 @@ class FSDPModule(FSDP2Surface):
         return [s for _, s in _registry.unit_states(self)]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """Gather (ZeRO-3) or refresh (ZeRO-1/2) this unit's compute weights ahead of use.
-        With ``async_op=True`` returns a handle; the next forward waits on it anyway."""
+        """Gather (ZeRO-3) or refresh (ZeRO-1/2) this unit's compute weights ahead of use and,
+        as FSDP2, register them on the module until :meth:`reshard` or the end of the next
+        forward: ``module.weight`` is then the unsharded parameter (a plain tensor, or the TP
+        DTensor of a tensor-parallel one) and submodules may be called directly. The
+        optimizer's DTensor parameters are unchanged. With ``async_op=True`` returns a handle
+        whose ``wait()`` does the registering; the next forward waits on it anyway."""
         state = _registry.state_of(self)  # type: ignore[arg-type]
         assert state is not None
+        # A meta-built unit gets its values first, as at the first forward or state_dict().
+        _materialize.materialize(self)  # type: ignore[arg-type]
         state.unshard(async_op=async_op)
         if async_op:
             return UnshardHandle(state)
         state.wait_for_unshard()
+        state.register_compute_params()
         return None
 
     def reshard(self) -> None:
-        """Free this unit's gathered weights (ZeRO-3; no-op for replicated strategies)."""
+        """Free this unit's gathered weights (ZeRO-3; replicated strategies keep theirs) and
+        register the sharded DTensor parameters again (FSDP2's ``reshard``)."""
         state = _registry.state_of(self)  # type: ignore[arg-type]
         assert state is not None
         state.reshard()
+        state.register_dist_params()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Mark whether the next backward ends the gradient-accumulation window (the last

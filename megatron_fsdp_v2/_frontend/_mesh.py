@@ -11,9 +11,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._comm._comm_groups import LAUNCH_HINT, default_mesh
+from .._dtensor._tp_params import SpmdMesh
 from ..api import ShardingStrategy
 
-__all__ = ["MeshAxes", "parse_outer_strategy", "resolve_dp_mesh", "validate_mesh"]
+__all__ = ["MeshAxes", "parse_outer_strategy", "resolve_dp_mesh", "spmd_mesh_of",
+           "validate_mesh"]
 
 
 @dataclass(frozen=True)
@@ -21,11 +23,13 @@ class MeshAxes:
     """The mesh a unit lives on, split into its axes. ``mesh`` is what the optimizer-facing
     DTensors live on; ``inner`` (1-D) is the axis the sharding strategy, the layout and the
     step's collectives run over; ``outer`` (1-D) is HSDP's replicate axis (dim 0 of a 2-D mesh),
-    ``None`` on a 1-D mesh."""
+    ``None`` on a 1-D mesh. ``spmd``: the SPMD mesh ``mesh`` was taken from with FSDP2's
+    ``dp_mesh_dims``, else ``None``."""
 
     mesh: DeviceMesh
     inner: DeviceMesh
     outer: DeviceMesh | None = None
+    spmd: SpmdMesh | None = None
 
 
 _HSDP_MESH_HINT = (
@@ -41,11 +45,16 @@ _HSDP_MESH_HINT = (
 # the mesh this library shards over, exactly as FSDP2 does: the ``shard`` dims (flattened into
 # one dim when several, e.g. ``("dp_shard", "cp")``) are the inner axis; with ``replicate``
 # dims too (flattened likewise) the result is the 2-D ``(replicate, shard)`` HSDP mesh; a
-# ``replicate`` without ``shard`` (FSDP2's DDP mode) is refused with the equivalent here
-# (``mesh=mesh[replicate]``, ``sharding_strategy="no_shard"``). The other dims must have size 1
-# for now: parameters split over them (tensor parallel) are DTensors on the SPMD mesh, which a
-# later change maps (this function is the one place the mesh is resolved). Parameters may be
-# plain tensors, as with any ``mesh=``; FSDP2 requires DTensors on the SPMD mesh there.
+# ``replicate`` without ``shard`` (FSDP2's DDP mode) is the replicate dims' 1-D mesh with
+# ``sharding_strategy="no_shard"`` (another strategy is refused: it would shard over what
+# FSDP2 replicates over). The other dims may have any
+# size: parameters split over them (tensor, context or expert parallel) are DTensors on the
+# SPMD mesh, ``Replicate()`` on the dp dims, and take the FSDP x TP path with the placements on
+# the other dims as their TP part (:func:`spmd_mesh_of` hands the mesh and the dp dim names to
+# the parameter checks; [Note: SPMD parameters] in ``_dtensor/_tp_params.py``). DTensors on a
+# TP sub-mesh of the same root mesh are accepted too (the ``mesh=mesh["dp"]`` way). Parameters
+# may be plain tensors, as with any ``mesh=`` (replicated over the other dims); FSDP2 requires
+# DTensors on the SPMD mesh there.
 
 
 def _flat_submesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
@@ -67,11 +76,14 @@ def _dim_names(value: Any, field: str) -> tuple[str, ...]:
     return names
 
 
-def resolve_dp_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any) -> DeviceMesh | None:
+def resolve_dp_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any,
+                    strategy: ShardingStrategy = ShardingStrategy.OPTIM_GRADS_PARAMS
+                    ) -> DeviceMesh | None:
     """The data-parallel mesh ``fully_shard`` works on: ``mesh`` itself, or with
-    ``dp_mesh_dims`` its data-parallel dims as a 1-D (shard) or 2-D (replicate, shard) mesh (see
-    [Note: SPMD meshes and dp_mesh_dims]). No collective, except flattening several dims into
-    one (which creates that group, as FSDP2 does)."""
+    ``dp_mesh_dims`` its data-parallel dims as a 1-D (shard, or replicate only with
+    ``no_shard``) or 2-D (replicate, shard) mesh (see [Note: SPMD meshes and dp_mesh_dims]). No
+    collective, except flattening several dims into one (which creates that group, as FSDP2
+    does)."""
     if dp_mesh_dims is None:
         return mesh
     if not (hasattr(dp_mesh_dims, "shard") and hasattr(dp_mesh_dims, "replicate")):
@@ -99,25 +111,28 @@ def resolve_dp_mesh(mesh: DeviceMesh | None, dp_mesh_dims: Any) -> DeviceMesh | 
             f"dp_mesh_dims names a mesh dim twice: shard={shard}, replicate={replicate}"
         )
     if not shard:
-        raise NotImplementedError(
-            f"dp_mesh_dims with replicate={replicate} and no shard dims (FSDP2's replicated, "
-            "DDP-like mode) is not supported as such: pass mesh=mesh"
-            f"[{replicate[0]!r}] (the replicate dim) with sharding_strategy='no_shard', which "
-            "keeps parameters replicated and all-reduces gradients"
-        )
-    others = {n: mesh.size(all_names.index(n)) for n in all_names if n not in shard + replicate}
-    split = {n: size for n, size in others.items() if size > 1}
-    if split:
-        raise NotImplementedError(
-            f"dp_mesh_dims on a mesh whose other dims {split} have more than one rank (tensor, "
-            "context or expert parallel over them) is not supported yet: parameters split "
-            "over those dims are DTensors fully_shard cannot take. Wrap with mesh= the "
-            "data-parallel sub-mesh only, or give the other dims size 1"
-        )
+        if strategy is not ShardingStrategy.NO_SHARD:
+            raise ValueError(
+                f"dp_mesh_dims with replicate={replicate} and no shard dims is FSDP2's "
+                "replicated, DDP-like mode: pass sharding_strategy='no_shard' with it "
+                "(parameters replicated, gradients all-reduced over the replicate dims), got "
+                f"sharding_strategy={strategy.value!r}"
+            )
+        return _flat_submesh(mesh, replicate)
     shard_mesh = _flat_submesh(mesh, shard)
     if not replicate:
         return shard_mesh
     return DeviceMesh._concatenate([_flat_submesh(mesh, replicate), shard_mesh])
+
+
+def spmd_mesh_of(mesh: DeviceMesh | None, dp_mesh_dims: Any) -> SpmdMesh | None:
+    """The SPMD mesh and its data-parallel dim names, for ``dp_mesh_dims`` that
+    :func:`resolve_dp_mesh` accepted; ``None`` without ``dp_mesh_dims``."""
+    if dp_mesh_dims is None or mesh is None:
+        return None
+    names = (_dim_names(dp_mesh_dims.shard, "shard")
+             + _dim_names(dp_mesh_dims.replicate, "replicate"))
+    return SpmdMesh(mesh, names)
 
 
 def parse_outer_strategy(value: Any) -> ShardingStrategy:

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _registry
 from .._buffers._layout import BufferLayout
-from .._dtensor._tp_params import TPFace, tp_face_of
+from .._dtensor._tp_params import SpmdMesh, TPFace, tp_face_of
 from .._runtime._subclass_gather import has_all_gather_extensions
 from ..api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 from ._param_classes import check_param_class
@@ -159,9 +159,11 @@ def collect_managed_params(
     module: nn.Module,
     mesh: DeviceMesh,
     ignored_params: Iterable[nn.Parameter] | None,
+    spmd: SpmdMesh | None = None,
 ) -> list[ManagedParam]:
     """The parameters ``module``'s unit will manage: its own and those of its submodules, minus
-    ignored ones and those of already-wrapped submodules. Raises on anything unsupported."""
+    ignored ones and those of already-wrapped submodules. Raises on anything unsupported.
+    ``spmd``: the SPMD mesh of ``dp_mesh_dims`` (see [Note: SPMD parameters])."""
     ignored_ids = _check_ignored(module, ignored_params)
     wrapped_children: list[str] = []
     managed: list[ManagedParam] = []
@@ -190,7 +192,7 @@ def collect_managed_params(
                     "Also wrap children before their parents: a parent's unit already manages "
                     "its children's parameters"
                 )
-            tp = tp_face_of(fqn, param, mesh)  # None for a plain tensor; raises if unusable
+            tp = tp_face_of(fqn, param, mesh, spmd)  # None for a plain tensor; raises if unusable
             check_param_class(fqn, param if tp is None else param._local_tensor)
             if tp is not None and has_all_gather_extensions(param._local_tensor):
                 raise NotImplementedError(

@@ -6,6 +6,7 @@ rank wraps the same thing. The checks themselves are in ``_wrap_checks.py``, ``_
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,7 +24,13 @@ from .._runtime._coalesce import validate_bucket_size
 from ..api import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from . import _fsdp2_compat
 from ._fsdp_module import FSDPModule
-from ._mesh import MeshAxes, parse_outer_strategy, resolve_dp_mesh, validate_mesh
+from ._mesh import (
+    MeshAxes,
+    parse_outer_strategy,
+    resolve_dp_mesh,
+    spmd_mesh_of,
+    validate_mesh,
+)
 from ._wrap_checks import (
     ManagedParam,
     check_mesh_agrees,
@@ -126,7 +133,8 @@ def parse_options(
     reduce_bucket_size_mb = validate_bucket_size(reduce_bucket_size_mb)
     refresh_bucket_size_mb = validate_bucket_size(refresh_bucket_size_mb,
                                                   "refresh_bucket_size_mb")
-    axes = validate_mesh(resolve_dp_mesh(mesh, dp_mesh_dims), outer_strategy, strategy)
+    axes = validate_mesh(resolve_dp_mesh(mesh, dp_mesh_dims, strategy), outer_strategy, strategy)
+    axes = dataclasses.replace(axes, spmd=spmd_mesh_of(mesh, dp_mesh_dims))
     if reduce_bucket_size_mb is not None and axes.outer is not None:
         raise NotImplementedError(
             "reduce_bucket_size_mb with a 2-D (HSDP) mesh is not supported: the window's outer "
@@ -169,7 +177,8 @@ def inspect_unit(
     cross-rank check, so that every rank raises the same error at once instead of the others
     waiting for the timeout. Without it (or on one rank) it is raised here."""
     try:
-        managed = collect_managed_params(module, options.mesh, ignored_params)
+        managed = collect_managed_params(module, options.mesh, ignored_params,
+                                         spmd=options.axes.spmd)
         _fsdp2_compat.check_shard_placements(shard_placement_fn,
                                              [(m.fqn, m.param) for m in managed])
         meta_init = has_meta_state(module)

@@ -15,7 +15,9 @@ retained graph): all-reducing those again would count them R times. So the first
 window (``pending_install`` False) that finds ``main_grad`` REDUCED moves what the optimizer-
 facing part holds into a temporary ``window_carry`` scratch buffer and restarts from EMPTY; after
 the window's outer all-reduce the carry is added back and freed. Clearing gradients in between
-(``zero_grad``, all installed gradients set to ``None``) drops the carry.
+(``zero_grad``, all installed gradients set to ``None``) drops the carry. A group with an
+all-reduce hook carries the same way on any mesh, and adds the carry back after the hook (see
+[Note: the all-reduce hook] in ``_all_reduce_hook.py``).
 
 With an outer ``optim`` axis the window's micro-batches add into a temporary ``window_grad``
 scratch buffer (the inner shard; the plan's ``window_grad_span``) and the window step
@@ -35,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from .._buffers._plan import GradPath
 from .._profiling import traced
 from . import _reduce
+from ._all_reduce_hook import AllReduceHook, run_all_reduce_hook
 from ._grad_staging import GradStaging
 from ._grad_state import GradState
 from ._grad_views import OptimizerGrads
@@ -87,6 +90,9 @@ class GroupGrads(GradStaging, OptimizerGrads):
         self._aliases: list[torch.Tensor] = []
         self._grad_aliases: list[torch.Tensor] = []  # what .grad is set to (TP: DTensors)
         self._armed: list[int | None] | None = None
+        # [Note: the all-reduce hook] FSDP2's hook on the window's reduced shard, its stream.
+        self.all_reduce_hook: AllReduceHook | None = None
+        self.all_reduce_hook_stream: torch.cuda.Stream | None = None
 
     # ------------------------------------------------------------------ main_grad
 
@@ -153,8 +159,8 @@ class GroupGrads(GradStaging, OptimizerGrads):
                 self._clear_aliases()
             return False
         if (
-            group.plan.window_steps and not self.pending_install
-            and self.state is GradState.REDUCED
+            (group.plan.window_steps or self.all_reduce_hook is not None)
+            and not self.pending_install and self.state is GradState.REDUCED
         ):
             self._carry_over()
         delayed = (
@@ -285,7 +291,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
             group.plan, self.main_grad_local(), window_grad, group.dtypes.comm, group.issuer,
             group.allocator, group.temporary_key("outer_comm"), window_key, async_op,
         )
-        if self._carrying:
+        if self._carrying and self.all_reduce_hook is None:  # else after the hook
             self._pending.append(Pending(None, self._restore_carry))
 
     @property
@@ -355,6 +361,10 @@ class GroupGrads(GradStaging, OptimizerGrads):
 
     def _finish_window(self) -> None:
         self.wait_for_reduction()
+        hook = self.all_reduce_hook
+        if hook is not None and self.pending_install and self.state is GradState.REDUCED:
+            run_all_reduce_hook(hook, self.all_reduce_hook_stream, self.main_grad_local())
+        self._restore_carry()
         self.install()
 
     def memory_bytes(self) -> int:

@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> None:
                              "(world-size/tp, tp) mesh, then every strategy over the dp ranks "
                              "(memory and dp collectives; TP's own collectives are not counted)")
     parser.add_argument("--mesh", type=_parse_mesh, action="append", default=[],
-                        help="also estimate HSDP on an RxS mesh (repeatable)")
+                        help="also estimate HSDP on an RxS mesh (repeatable; with --tp, "
+                             "HSDP x TP: R*S = world-size/tp)")
     parser.add_argument("--budget-gib", type=float, default=None)
     args = parser.parse_args(argv)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
@@ -102,8 +103,6 @@ def main(argv: list[str] | None = None) -> None:
                                   micro_batches=args.micro_batches, rank=args.rank,
                                   float8=args.param_dtype == "fp8")
     if args.tp > 1:
-        if args.mesh:
-            parser.error("--tp with --mesh (HSDP x TP) is not modelled")
         if args.param_dtype == "fp8":
             parser.error("--param-dtype fp8 with --tp: fully_shard gathers FP8 weights on a "
                          "data-parallel mesh only (FSDP x TP refuses them)")

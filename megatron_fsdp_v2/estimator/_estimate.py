@@ -36,6 +36,9 @@ as in a real run (see [Note: 2-D parameters] in ``_dtensor/_tp_params.py``). Eve
 then the dp accounting above, per rank: memory, and the dp collectives (their process group has
 ``world_size // tp`` ranks). Not counted: TP's own collectives (activations, and the all-reduce
 of a ``Replicate()`` parameter's ``Partial()`` gradient), which are the model's, not FSDP's.
+With ``mesh_shape=(R, S)`` as well (HSDP x TP) the mesh is ``(R, S, tp)`` named ``("replicate",
+"shard", "tp")`` and ``fully_shard`` runs over its ``("replicate", "shard")`` dims: the HSDP
+accounting of the TP-local tensors (inner S ranks, outer R).
 
 A process that already has a default process group cannot host the fake one: ``estimate``
 raises ``RuntimeError`` there (run it before ``init_process_group``, or in another process).
@@ -124,7 +127,7 @@ def meta_buffers() -> Iterator[None]:
 
 
 def _check_args(world_size: int, rank: int, micro_batches: int, optimizer: str,
-                mesh_shape: tuple[int, int] | None) -> None:
+                mesh_shape: tuple[int, int] | None, tp: int = 1) -> None:
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
@@ -134,11 +137,12 @@ def _check_args(world_size: int, rank: int, micro_batches: int, optimizer: str,
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
     if mesh_shape is not None:
+        tp = tp if isinstance(tp, int) and tp >= 1 else 1  # a bad tp: _check_tp's error
         if (len(mesh_shape) != 2 or any(not isinstance(d, int) or d < 1 for d in mesh_shape)
-                or mesh_shape[0] * mesh_shape[1] != world_size):
+                or mesh_shape[0] * mesh_shape[1] * tp != world_size):
             raise ValueError(
-                f"mesh_shape must be (R, S) with R * S == world_size ({world_size}), got "
-                f"{mesh_shape!r}"
+                f"mesh_shape must be (R, S) with R * S == world_size ({world_size})"
+                + (f" // tp ({tp})" if tp > 1 else "") + f", got {mesh_shape!r}"
             )
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
@@ -149,8 +153,7 @@ def _check_args(world_size: int, rank: int, micro_batches: int, optimizer: str,
         )
 
 
-def _check_tp(tp: int, tp_plan: Mapping[str, Any] | None, world_size: int,
-              mesh_shape: tuple[int, int] | None) -> None:
+def _check_tp(tp: int, tp_plan: Mapping[str, Any] | None, world_size: int) -> None:
     if not isinstance(tp, int) or tp < 1 or world_size % tp:
         raise ValueError(f"tp must be a positive int dividing world_size ({world_size}), got "
                          f"{tp!r}")
@@ -163,11 +166,6 @@ def _check_tp(tp: int, tp_plan: Mapping[str, Any] | None, world_size: int,
             "tp > 1 needs tp_plan: a parallelize_module plan of the root module, e.g. "
             "{'blocks.*.up': ColwiseParallel(), 'blocks.*.down': RowwiseParallel()} (the "
             "presets' tp_plan functions build one)"
-        )
-    if mesh_shape is not None:
-        raise NotImplementedError(
-            "estimate(tp=...) with mesh_shape (HSDP x TP) is not modelled; estimate the dp x tp "
-            "layout (mesh_shape=None) instead"
         )
 
 
@@ -213,7 +211,9 @@ def estimate(
     ``tp > 1``: FSDP x tensor parallelism (see [Note: estimating FSDP x TP]): ``world_size``
     ranks on a ``(world_size // tp, tp)`` mesh named ``("dp", "tp")``, ``tp_plan`` (required) a
     ``parallelize_module`` plan of the root (``{"blocks.*.up": ColwiseParallel(), ...}``; the
-    presets' ``tp_plan`` functions build one), then ``fully_shard`` over the dp mesh.
+    presets' ``tp_plan`` functions build one), then ``fully_shard`` over the dp mesh. With
+    ``mesh_shape=(R, S)`` too (``R * S * tp == world_size``), HSDP x TP: a ``(R, S, tp)`` mesh
+    named ``("replicate", "shard", "tp")``, ``fully_shard`` over ``("replicate", "shard")``.
 
     FP8 parameters (torchao float8 linears with FP8 all-gathers; see [Note: estimating FP8
     parameters] in ``_fp8.py``): ``float8=True`` converts the linears inside the ``wrap`` units
@@ -223,8 +223,8 @@ def estimate(
     scale_for_fsdp(model)`` after every optimizer step (its all-reduce is counted). Needs
     torchao.
     """
-    _check_args(world_size, rank, micro_batches, optimizer, mesh_shape)
-    _check_tp(tp, tp_plan, world_size, mesh_shape)
+    _check_args(world_size, rank, micro_batches, optimizer, mesh_shape, tp)
+    _check_tp(tp, tp_plan, world_size)
     selects = _unit_selector(wrap)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -233,9 +233,13 @@ def estimate(
     dtensor_ops = tp > 1
     try:
         tp_mesh = None
-        if tp > 1:
+        if tp > 1 and mesh_shape is None:
             root_mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
             mesh, tp_mesh = root_mesh["dp"], root_mesh["tp"]
+        elif tp > 1 and mesh_shape is not None:  # HSDP x TP, as test_hsdp_tp.py builds it
+            root_mesh = init_device_mesh("cpu", (*mesh_shape, tp),
+                                         mesh_dim_names=("replicate", "shard", "tp"))
+            mesh, tp_mesh = root_mesh["replicate", "shard"], root_mesh["tp"]
         elif mesh_shape is None:
             mesh = init_device_mesh("cpu", (world_size,))
         else:

@@ -116,7 +116,6 @@ def test_spmd_mesh_trains_like_its_dp_mesh(ranks: RankPools, case: str, strategy
 def _refusal_worker(rank: int, world: int, case: str) -> str:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     kwargs: dict[str, Any] = {
-        "tp_split": dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp")),
         "replicate_only": dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(replicate="tp")),
         "unknown_dim": dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")),
         "twice": dict(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="tp", replicate="tp")),
@@ -137,8 +136,8 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
 
 
 @pytest.mark.parametrize("case,needles", [
-    ("tp_split", ["NotImplementedError", "{'tp': 2}", "data-parallel sub-mesh"]),
-    ("replicate_only", ["NotImplementedError", "no_shard", "mesh=mesh['tp']"]),
+    ("replicate_only", ["ValueError", "sharding_strategy='no_shard'", "DDP",
+                        "'optim_grads_params'"]),
     ("unknown_dim", ["ValueError", "'dp_shard'", "('dp', 'tp')"]),
     ("twice", ["ValueError", "twice"]),
     ("unnamed", ["ValueError", "dimension names"]),

@@ -1,4 +1,5 @@
-"""``estimate(tp=2, tp_plan=...)`` against real FSDP x TP gloo runs on a (dp=2, tp=2) mesh.
+"""``estimate(tp=2, tp_plan=...)`` against real FSDP x TP gloo runs on a (dp=2, tp=2) mesh, and
+with ``mesh_shape=(2, 1)`` against HSDP x TP runs on a (replicate=2, shard=1, tp=2) mesh.
 
 For every strategy, fp32 and bf16 compute, 2 micro-batches: each of the 4 ranks trains the tiny
 tensor-parallel model of ``_tp_common.py`` (its TP plan, then ``fully_shard`` of each block and
@@ -30,7 +31,9 @@ from _tp_common import (
     loss_of,
     wrap_ours,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, memory_report
@@ -62,11 +65,22 @@ def _groups(model: torch.nn.Module) -> list[tuple[str, int, Any]]:
             if (s := state_of(m)) is not None for i, g in enumerate(s.groups)]
 
 
-def _one_case(rank: int, strategy: str, precision: str) -> dict[str, Any]:
-    mesh = dp_tp_mesh()
-    dp_rank = mesh["dp"].get_local_rank()
+def _one_case(rank: int, strategy: str, precision: str, outer: str | None = None
+              ) -> dict[str, Any]:
+    """``outer``: HSDP x TP on a (replicate 2, shard 1, tp 2) mesh with that outer strategy
+    (4 ranks: the outer reductions and the sub-shards of outer optim over TP-local tensors)."""
+    if outer is None:
+        mesh = dp_tp_mesh()
+        dp_mesh, dp_rank, kw = mesh["dp"], mesh["dp"].get_local_rank(), {}
+    else:
+        # DTensor's sharding caches would hand parallelize_module the equal "tp" mesh of the
+        # (dp, tp) cases before, whose root mesh is not this one's (fully_shard refuses that).
+        _clear_sharding_prop_cache()
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+        dp_mesh, dp_rank = mesh["replicate", "shard"], mesh.get_local_rank("replicate")
+        kw = {"outer_dp_sharding_strategy": outer}
     model = apply_tp(build_model(), mesh["tp"])
-    wrap_ours(model, mesh["dp"], strategy, mp_policy=_mp(precision))
+    wrap_ours(model, dp_mesh, strategy, mp_policy=_mp(precision), **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = batches(2, MICRO, 2)
     report = None
@@ -93,14 +107,18 @@ def _one_case(rank: int, strategy: str, precision: str) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, world: int) -> dict[tuple[str, str], Any]:
-    results: dict[tuple[str, str], Any] = {}
-    for strategy in STRATEGIES:
-        for precision in PRECISIONS:
-            try:
-                results[(strategy, precision)] = _one_case(rank, strategy, precision)
-            except Exception as e:  # noqa: BLE001 - reported per case by the test
-                results[(strategy, precision)] = f"{type(e).__name__}: {e}"
+# HSDP x TP cases (strategy, precision, outer), run in the same pool task as the others.
+HSDP_CASES = [("optim_grads", "bf16", "no_shard"), ("optim_grads_params", "fp32", "optim")]
+
+
+def _worker(rank: int, world: int) -> dict[tuple[str, ...], Any]:
+    results: dict[tuple[str, ...], Any] = {}
+    cases = [(s, p) for s in STRATEGIES for p in PRECISIONS] + HSDP_CASES
+    for case in cases:
+        try:
+            results[case] = _one_case(rank, *case)
+        except Exception as e:  # noqa: BLE001 - reported per case by the test
+            results[case] = f"{type(e).__name__}: {e}"
     return results
 
 
@@ -108,17 +126,21 @@ _REAL: list[Any] = []
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_tp_estimate_equals_real_run(ranks: RankPools, strategy: str, precision: str) -> None:
+@pytest.mark.parametrize("case", [(s, p) for s in STRATEGIES for p in PRECISIONS] + HSDP_CASES,
+                         ids=lambda c: "-".join(c if len(c) == 2 else (*c[:2], "hsdp", c[2])))
+def test_tp_estimate_equals_real_run(ranks: RankPools, case: tuple[str, ...]) -> None:
     if not _REAL:
         _REAL.append(ranks.run(_worker, 4, timeout_s=600))
+    strategy, precision = case[:2]
+    hsdp: dict[str, Any] = {} if len(case) == 2 else {"mesh_shape": (2, 1),
+                                                        "outer_dp_sharding_strategy": case[2]}
     problems = []
     for rank in range(4):
-        got = _REAL[0][rank][(strategy, precision)]
+        got = _REAL[0][rank][case]
         assert not isinstance(got, str), f"rank {rank}: the real run raised {got}"
         est = estimate(TPModel, world_size=4, rank=rank, tp=2, tp_plan=TP_PLAN, wrap=(TPBlock,),
-                       micro_batches=MICRO, sharding_strategy=strategy, mp_policy=_mp(precision))
+                       micro_batches=MICRO, sharding_strategy=strategy, mp_policy=_mp(precision),
+                       **hsdp)
         if dataclasses.asdict(est.memory) != got["memory"]:
             problems.append(f"rank {rank} memory: estimate {est.memory!r} != real {got['memory']}")
         if est.collectives != got["collectives"]:
@@ -138,5 +160,5 @@ def test_tp_arguments_checked() -> None:
         estimate(TPModel, world_size=4, tp=3, tp_plan=TP_PLAN)
     with pytest.raises(ValueError, match="tp_plan given with tp=1"):
         estimate(TPModel, world_size=4, tp_plan=TP_PLAN)
-    with pytest.raises(NotImplementedError, match="HSDP x TP"):
+    with pytest.raises(ValueError, match=r"R \* S == world_size \(4\) // tp \(2\)"):
         estimate(TPModel, world_size=4, tp=2, tp_plan=TP_PLAN, mesh_shape=(2, 2))

@@ -92,12 +92,9 @@ def test_methods_reject_bad_arguments(ranks: RankPools) -> None:
         assert found == ["ok"] * 4, (rank, found)
 
 
-def test_clip_route_is_installed_by_wrapping_and_removed_by_reset() -> None:
+def test_clip_route_is_installed_by_wrapping_and_removed_by_reset(fresh_python) -> None:
     """Importing the package leaves torch alone; the first wrap replaces
     ``torch.nn.utils.clip_grad_norm_`` (both attributes); ``_registry.reset`` restores it."""
-    import subprocess
-    import sys
-
     code = (
         "import torch.nn.utils as u, torch.nn.utils.clip_grad as c\n"
         "before = (u.clip_grad_norm_, c.clip_grad_norm_)\n"
@@ -112,4 +109,4 @@ def test_clip_route_is_installed_by_wrapping_and_removed_by_reset() -> None:
         "_registry.reset()\n"
         "assert (u.clip_grad_norm_, c.clip_grad_norm_) == before\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    fresh_python.run(code)

@@ -19,6 +19,7 @@ from _fsdp2_api import TIMEOUT_S, _loss, _net, _param_errors
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import FSDPModule, fully_shard
 from megatron_fsdp_v2._frontend._fsdp2_surface import REFUSED
@@ -35,14 +36,14 @@ SUPPORTED = {
     "set_reshard_after_backward", "set_modules_to_forward_prefetch",
     "set_modules_to_backward_prefetch", "set_gradient_divide_factor",
     "set_reduce_scatter_divide_factor", "set_force_sum_reduction_for_comms",
-    "set_reduce_scatter_unused_params",
+    "set_reduce_scatter_unused_params", "set_all_reduce_hook",
 }
 NOT_METHODS = {"__annotations__", "__dict__", "__doc__", "__module__", "__weakref__",
                "_orig_cls_mro_index"}
 # Arguments for calling each refused method.
 REFUSED_CALLS: dict[str, tuple[Any, ...]] = {
     "set_custom_all_gather": (object(),), "set_custom_reduce_scatter": (object(),),
-    "set_all_reduce_hook": (lambda t: None,), "set_post_optim_event": (object(),),
+    "set_post_optim_event": (object(),),
     "set_symm_mem_for_comm": ("NCCL",), "set_allocate_memory_from_process_group_for_comm": (True,),
     "set_reduce_scatter_max_input_buffers": (2,), "set_separate_reduce_scatter_group": (True,),
     "set_unshard_in_backward": (False,), "_set_unshard_async_op": (True,),
@@ -122,6 +123,53 @@ def _surface_worker(rank: int, world: int) -> list[str]:
 
 def test_surface_on_wrapped_modules(ranks: RankPools) -> None:
     for rank, found in enumerate(ranks.run(_surface_worker, 2, timeout_s=TIMEOUT_S)):
+        assert not found, f"rank {rank}: {found}"
+
+
+def _unshard_worker(rank: int, world: int) -> list[str]:
+    """``unshard()`` registers the unsharded parameters until ``reshard()`` (or the end of the
+    next forward), as FSDP2 does: ``module.weight`` is a plain tensor of the full value and a
+    submodule can be called directly; FSDP2 runs the same script as the control."""
+    found: list[str] = []
+    mesh = init_device_mesh("cpu", (world,))
+    x = torch.randn(3, 8)
+    for who, wrap in (("ours", fully_shard), ("FSDP2", torch_fully_shard)):
+        model, ref = _net()
+        for block in model.blocks:
+            wrap(block, mesh=mesh)
+        wrap(model, mesh=mesh)
+        block, want = model.blocks[1], ref.blocks[1]
+        for async_op in (False, True):
+            handle = block.unshard(async_op=async_op)
+            if handle is not None:
+                handle.wait()
+            weight = block[0].weight
+            if isinstance(weight, DTensor) or not torch.equal(weight.detach(), want[0].weight):
+                found.append(f"{who} async_op={async_op}: after unshard() block[0].weight is "
+                             f"{type(weight).__name__} {tuple(weight.shape)}")
+            if not torch.allclose(block[0](x), want[0](x)):  # called directly
+                found.append(f"{who}: calling the unsharded submodule gave other values")
+            block.reshard()
+            if not isinstance(block[0].weight, DTensor):
+                found.append(f"{who}: after reshard() block[0].weight is not the DTensor")
+        model(torch.randn(3, 5)).sum().backward()  # and the model runs on afterwards
+    # Built on the meta device: unshard() gives the values first, as a forward would.
+    _, ref = _net()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = type(ref)()
+    for block in meta.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(meta, mesh=mesh)
+    meta.unshard()
+    if not torch.equal(meta.out.weight.detach(), ref.out.weight):
+        found.append("unshard() of a meta-built model: not the values built on the CPU")
+    meta.reshard()
+    return found
+
+
+def test_unshard_registers_unsharded_params(ranks: RankPools) -> None:
+    for rank, found in enumerate(ranks.run(_unshard_worker, 2, timeout_s=TIMEOUT_S)):
         assert not found, f"rank {rank}: {found}"
 
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -140,22 +138,21 @@ def test_build_info():
         assert info["cuda_built"] is None
 
 
-def test_reference_ops_env_var():
+def test_reference_ops_env_var(fresh_python):
     code = (
         "import megatron_fsdp_v2.ops as o; from megatron_fsdp_v2.ops import _reference as r; "
         "assert o.USE_REFERENCE_OPS and o._impl is r, o._impl"
     )
     env = dict(os.environ, MFSDP_USE_REFERENCE_OPS="1")
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    fresh_python.run(code, env=env)
 
 
-def test_stale_build_raises_one_clear_import_error():
+def test_stale_build_raises_one_clear_import_error(fresh_python):
     code = (
         "import torch; torch.__version__ = '0.0.1'\n"
         "try:\n    import megatron_fsdp_v2.ops\n"
         "except ImportError as e:\n    print(e)\nelse:\n    raise SystemExit('no ImportError')"
     )
-    out = subprocess.run([sys.executable, "-c", code], check=True, timeout=120,
-                         capture_output=True, text=True).stdout
+    out = fresh_python.run(code).stdout
     assert "built against torch" in out and "0.0.1" in out
     assert "pip install --no-build-isolation -e ." in out

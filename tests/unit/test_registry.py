@@ -3,11 +3,8 @@ forgets everything on ``reset``."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
-
-def test_import_installs_no_optimizer_hooks() -> None:
+def test_import_installs_no_optimizer_hooks(fresh_python) -> None:
     code = (
         "import torch.optim.optimizer as o\n"
         "before = (len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))\n"
@@ -15,7 +12,7 @@ def test_import_installs_no_optimizer_hooks() -> None:
         "after = (len(o._global_optimizer_pre_hooks), len(o._global_optimizer_post_hooks))\n"
         "assert before == after, (before, after)\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    fresh_python.run(code)
 
 
 def test_reset_forgets_hooks_and_caches() -> None:

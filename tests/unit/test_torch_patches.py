@@ -98,17 +98,14 @@ def test_fully_shard_patches_and_reset_restores_the_originals() -> None:
     assert run_distributed(_patch_lifecycle_worker, 1, timeout_s=120) == [[]]
 
 
-def test_import_patches_nothing() -> None:
-    import subprocess
-    import sys
-
+def test_import_patches_nothing(fresh_python) -> None:
     code = (
         "import tests.unit.test_torch_patches as t\n"
         "before = t._torch_objects()\n"
         "import megatron_fsdp_v2, megatron_fsdp_v2._torch_patches\n"
         "assert not t._same(before, t._torch_objects())\n"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=PACKAGE.parent)
+    fresh_python.run(code, cwd=str(PACKAGE.parent))
 
 
 def test_version_gate(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,6 +2,7 @@
 torch and the library once.
 
     python tests/_forked_programs.py serve SOCKET        # prints "ready", then serves until killed
+    python tests/_forked_programs.py serve SOCKET torch  # the same, the library not imported
     python -S tests/_forked_programs.py run SOCKET ARGS  # as `python ARGS`: a script, -c or -m
 
 A program started with ``python program.py`` pays the imports (about 3 s of CPU, more when
@@ -66,14 +67,16 @@ def client(path: str, argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------- the server
 
-def serve(path: str) -> None:
-    """Import torch and the library, then fork a supervisor per connection, forever."""
+def serve(path: str, library: bool = True) -> None:
+    """Import torch and (``library``) the library, then fork a supervisor per connection,
+    forever. Without the library: for programs that check what importing it does."""
     import torch  # noqa: F401 - imported once, before forking: the point of the server
     import torch._dynamo  # noqa: F401 - DTensor.from_local imports it on first use (seconds)
 
-    # The library of this checkout, as scripts/gpu_checks/_common.py imports it.
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import megatron_fsdp_v2  # noqa: F401
+    if library:
+        # The library of this checkout, as scripts/gpu_checks/_common.py imports it.
+        sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import megatron_fsdp_v2  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # supervisors are reaped by the kernel
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -177,7 +180,9 @@ def _program(request: dict, fds: list[int]) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["serve"] and len(sys.argv) == 3:
         serve(sys.argv[2])
+    elif sys.argv[1:2] == ["serve"] and sys.argv[3:] == ["torch"]:
+        serve(sys.argv[2], library=False)
     elif sys.argv[1:2] == ["run"] and len(sys.argv) >= 3:
         sys.exit(client(sys.argv[2], sys.argv[3:]))
     else:
-        sys.exit(f"usage: {sys.argv[0]} serve SOCKET | run SOCKET ARGS...")
+        sys.exit(f"usage: {sys.argv[0]} serve SOCKET [torch] | run SOCKET ARGS...")

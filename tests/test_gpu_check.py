@@ -3,15 +3,20 @@ of scripts/gpu_checks run with ``--device cpu`` (gloo) and pass; each check prog
 known defect (``--self-test``), fails; and the trace arithmetic of the profiled step, which only
 runs on a GPU, is right on synthetic kernels.
 
-The dry run takes about 45 s of CPU time (one pass of the script, shared by the cases)."""
+The script's ``PYTHON`` is a stand-in that forks each program from one interpreter that
+imported torch and the library once (tests/_forked_programs.py), the script itself unchanged: its
+dry run started six interpreters (and the self-tests three) that spent most of their CPU time
+importing. One pass of the script, shared by the cases."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
+import shlex
+import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -43,9 +48,33 @@ def _env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def dry_run() -> tuple[subprocess.CompletedProcess[str], dict[str, tuple[str, str]]]:
+def python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An executable that runs like ``python ARGS``, each program forked from one server
+    interpreter that imported torch and the library (tests/_forked_programs.py)."""
+    folder = tmp_path_factory.mktemp("forked_python")
+    server_socket = str(folder / "server.sock")
+    forked = os.path.join(ROOT, "tests", "_forked_programs.py")
+    server = subprocess.Popen([sys.executable, forked, "serve", server_socket], cwd=ROOT,
+                              env=_env(), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "ready\n", \
+            "the program server did not start"
+        wrapper = folder / "python"
+        wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "
+                           f"{shlex.quote(forked)} run {shlex.quote(server_socket)} \"$@\"\n")
+        wrapper.chmod(wrapper.stat().st_mode | stat.S_IXUSR)
+        yield str(wrapper)
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def dry_run(python: str) -> tuple[subprocess.CompletedProcess[str], dict[str, tuple[str, str]]]:
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu_check.sh")], cwd=ROOT,
-                          env=_env(), capture_output=True, text=True, timeout=850)
+                          env=dict(_env(), PYTHON=python), capture_output=True, text=True,
+                          timeout=850)
     summary = proc.stdout.split("### gpu_check summary", 1)
     assert len(summary) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {}
@@ -100,18 +129,16 @@ SELF_TESTS = [
 
 
 @pytest.fixture(scope="module")
-def self_tests() -> dict[str, tuple[int, str]]:
-    """Each program's ``--self-test`` run: (exit status, stdout + stderr). One interpreter
-    imports torch and the library once and forks a process per program (tests/_forked_programs.py),
-    instead of three interpreters paying the imports."""
-    commands = [[os.path.join(CHECKS, program), "--device", "cpu", "--self-test", *args]
-                for program, args, _ in SELF_TESTS]
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_forked_programs.py"),
-                           json.dumps(commands)], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return {program: (code, out + err)
-            for (program, _, _), (code, out, err) in zip(SELF_TESTS, json.loads(proc.stdout))}
+def self_tests(python: str) -> dict[str, tuple[int, str]]:
+    """Each program's ``--self-test`` run: (exit status, stdout + stderr), forked from the
+    server that runs the dry run's programs."""
+    results = {}
+    for program, args, _ in SELF_TESTS:
+        proc = subprocess.run([python, os.path.join(CHECKS, program), "--device", "cpu",
+                               "--self-test", *args], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=300)
+        results[program] = (proc.returncode, proc.stdout + proc.stderr)
+    return results
 
 
 @pytest.mark.parametrize("program,args,expected", SELF_TESTS)

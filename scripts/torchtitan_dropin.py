@@ -67,7 +67,9 @@ agrees with FSDP2's to 1e-9 (the norms of their ``full_tensor()``, in float64), 
 norm (torch's ``get_total_norm`` over the local shards, in float32 on CPU) is off the float64
 norm of its own gradients by that much, ours is not. With ``-- --training.mixed_precision_param
 bfloat16`` (6 steps) step 1 is equal and the losses then drift apart by up to 2.4e-4: bf16
-rounds the slightly different weights differently. FSDP x TP (``--nproc 4 --tp 2``; FSDP2 runs it) does not run with ours yet: with
+rounds the slightly different weights differently.
+
+FSDP x TP (``--nproc 4 --tp 2``; FSDP2 runs it) does not run with ours yet: with
 torchtitan's default ``spmd_types`` backend the parameters are plain TP-local tensors with
 ``spmd_types`` annotations, which megatron_fsdp_v2 does not read (FSDP2 translates them into
 DTensors on the SPMD mesh), so each is taken as a whole plain parameter and torchtitan's

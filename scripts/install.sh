@@ -45,6 +45,11 @@ PY
 
 python -c "import importlib.metadata as md, sys; sys.exit(md.version('torchao') != '${TORCHAO_VERSION}')" \
     2>/dev/null || $PIP install --no-deps "torchao==${TORCHAO_VERSION}"
+# spmd_types: a test dependency only (tests/distributed/test_dp_mesh_dims_tp.py: torchtitan's
+# SPMD annotations on plain parameters, which fully_shard refuses), pure Python, --no-deps.
+SPMD_TYPES_VERSION=0.2.3
+python -c "import importlib.metadata as md, sys; sys.exit(md.version('spmd_types') != '${SPMD_TYPES_VERSION}')" \
+    2>/dev/null || $PIP install --no-deps "spmd_types==${SPMD_TYPES_VERSION}"
 
 # One CUDA arch keeps the CI build short (setup.py's default builds every arch torch was built
 # for, about 6x the nvcc time); its PTX costs no extra nvcc pass (the same compute_90 front end)

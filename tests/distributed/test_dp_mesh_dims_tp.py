@@ -166,3 +166,30 @@ def test_dp_dim_must_be_replicate(ranks: RankPools) -> None:
         for needle in ("ValueError", "'a.weight'", "Replicate()", "'dp'"):
             assert needle in message, message
         assert "[module changed]" not in message, message
+
+
+def _spmd_types_worker(rank: int, world: int, local_type: str) -> str:
+    """``spmd_types``-annotated plain parameters (torchtitan's default SPMD backend): ``V`` (a
+    rank's piece) is refused before any collective; ``R`` (the whole tensor) wraps as plain."""
+    import spmd_types as spmd
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = Mlp()
+    spmd.assert_type(model.a.weight, {mesh.get_group(): getattr(spmd, local_type)})
+    try:
+        fully_shard(model, mesh=mesh)
+    except NotImplementedError as e:
+        return f"NotImplementedError: {e}" + ("" if type(model) is Mlp else " [module changed]")
+    return "accepted"
+
+
+@pytest.mark.parametrize("local_type", ["V", "P", "R"])
+def test_spmd_types_annotations(ranks: RankPools, local_type: str) -> None:
+    pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
+    for message in ranks.run(_spmd_types_worker, 2, local_type, timeout_s=TIMEOUT_S):
+        if local_type == "R":
+            assert message == "accepted", message
+            continue
+        for needle in ("NotImplementedError", "'a.weight'", "spmd_types", "DTensors"):
+            assert needle in message, message
+        assert "[module changed]" not in message, message

@@ -72,8 +72,9 @@ rounds the slightly different weights differently.
 FSDP x TP (``--nproc 4 --tp 2``; FSDP2 runs it) does not run with ours yet: with
 torchtitan's default ``spmd_types`` backend the parameters are plain TP-local tensors with
 ``spmd_types`` annotations, which megatron_fsdp_v2 does not read (FSDP2 translates them into
-DTensors on the SPMD mesh), so each is taken as a whole plain parameter and torchtitan's
-fused-QKV init fails (``copy_`` of the full [768, 256] into a [384, 256] parameter); with
+DTensors on the SPMD mesh): ``fully_shard`` refuses a parameter annotated as a piece
+(``NotImplementedError`` naming it, e.g. ``{mesh_dp: R, mesh_tp: V}``) instead of taking it for
+the whole parameter (which made torchtitan's fused-QKV init fail on the shape); with
 ``-- --parallelism.spmd_backend full_dtensor`` (or ``partial_dtensor``) ``fully_shard``
 refuses TP DTensor parameters on the meta device (``NotImplementedError``), and torchtitan
 always wraps before ``to_empty``.

@@ -321,9 +321,9 @@ class _Checkpoints:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(ranks: RankPools):
+def checkpoints(_rank_pools: RankPools):
     with tempfile.TemporaryDirectory() as root:
-        yield _Checkpoints(root, ranks)
+        yield _Checkpoints(root, _rank_pools)
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)

@@ -1,13 +1,6 @@
 """Test helpers shipped with the package so downstream users can reuse them."""
 
 from ._dist import run_distributed
-from ._pool import (
-    DistributedTestError,
-    RankPool,
-    RankPools,
-    fresh_library_state,
-    preload_in_server,
-)
+from ._pool import DistributedTestError, RankPool, RankPools, preload_in_server
 
-__all__ = ["DistributedTestError", "RankPool", "RankPools", "fresh_library_state",
-           "preload_in_server", "run_distributed"]
+__all__ = ["DistributedTestError", "RankPool", "RankPools", "preload_in_server", "run_distributed"]

@@ -58,8 +58,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DistributedTestError", "RankPool", "RankPools", "fresh_library_state",
-           "preload_in_server"]
+__all__ = ["DistributedTestError", "RankPool", "RankPools", "preload_in_server"]
 
 
 class DistributedTestError(AssertionError):
@@ -160,14 +159,6 @@ def _too_many_groups() -> bool:
     held = torch.tensor([threads])
     dist.all_reduce(held, op=dist.ReduceOp.MAX)
     return int(held.item()) > THREAD_LIMIT
-
-
-def fresh_library_state() -> None:
-    """In a rank: forget what earlier tasks left in the library and in torch.distributed, as a
-    task of another test file starts (see [Note: rank pools]). For a task that runs a sweep of
-    independent cases, each creating device meshes: called between them, so their process
-    groups (and threads) do not pile up within the task."""
-    _fresh_library_state()
 
 
 def _fresh_library_state() -> None:

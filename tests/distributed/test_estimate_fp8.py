@@ -29,7 +29,6 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, fully_shard, memory_report
 from megatron_fsdp_v2.estimator._fp8 import convert_to_float8
-from megatron_fsdp_v2.testing import fresh_library_state
 
 from _comm_counts import CollectiveCounts
 from _models import Block, TinyGPT, lm_loss, make_batches
@@ -109,7 +108,6 @@ def _one_case(rank: int, world: int, strategy: str, outer: str | None) -> dict[s
 def _worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy, outer in CASES[world]:
-        fresh_library_state()  # each case's meshes and groups go with it
         try:
             out[strategy] = _one_case(rank, world, strategy, outer)
         except Exception as e:  # noqa: BLE001 - reported per case by the test

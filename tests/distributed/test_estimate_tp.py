@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, memory_report
 from megatron_fsdp_v2._registry import state_of
-from megatron_fsdp_v2.testing import RankPools, fresh_library_state
+from megatron_fsdp_v2.testing import RankPools
 
 MICRO = 2
 PRECISIONS = ["fp32", "bf16"]
@@ -115,7 +115,6 @@ def _worker(rank: int, world: int) -> dict[tuple[str, ...], Any]:
     results: dict[tuple[str, ...], Any] = {}
     cases = [(s, p) for s in STRATEGIES for p in PRECISIONS] + HSDP_CASES
     for case in cases:
-        fresh_library_state()  # each case's meshes and groups go with it
         try:
             results[case] = _one_case(rank, *case)
         except Exception as e:  # noqa: BLE001 - reported per case by the test

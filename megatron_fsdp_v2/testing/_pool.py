@@ -17,16 +17,11 @@ later cases. A task from another module than the task before it starts from the 
 a fresh process (``_registry.reset()`` first: no units, cached process groups or patches of torch
 left by another test file; and every process group but the pool's own destroyed, with DTensor's
 sharding caches), so files that share ranks cannot see each other's wraps; the cases of one file
-share the library's cached process groups (a gloo group costs tens of milliseconds to create and
-as much to destroy), until they hold too many: the first task of a case (``RankPools.new_case``,
-called by the ``ranks`` fixture) starts from the same fresh state when any rank runs more than
-``THREAD_LIMIT`` threads, i.e. holds that many live groups (one small all-reduce decides it for
-every rank alike). Destroying the groups matters: c10d keeps a group until it is destroyed (and
-its threads live until the last reference to it goes), a gloo group's transport thread wakes
-every 10 ms, and the groups of a file's device meshes (once measured: over 100 per rank within
-one file; 364 over a session before groups were destroyed at all) drove the machine to 100,000
-context switches a second, half the CPU in the kernel, every later case slower. Results are
-collected before any rank is told to exit:
+share the library's cached process groups (creating a gloo group per case would cost seconds each),
+as they did when every file had its own pool. Destroying the groups matters as much: c10d keeps a
+group until it is destroyed, each gloo group holds three threads, and a session's worth of groups
+from device meshes and library units (once measured: 364 groups, 1,100 threads per rank) made
+every later case several times slower. Results are collected before any rank is told to exit:
 gloo sometimes aborts in process teardown, and a result already in hand must not be lost to that.
 
 [Note: ranks fork from a preloaded server]
@@ -124,8 +119,8 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
             task = tasks.get()  # unpickling imports the test module
             if task is None:
                 break
-            task_id, fn, args, kwargs, new_case = task
-            if fn.__module__ != last_module or (new_case and _too_many_groups()):
+            task_id, fn, args, kwargs = task
+            if fn.__module__ != last_module:
                 _fresh_library_state()
                 last_module = fn.__module__
             results.put((task_id, rank, "ok", fn(rank, world_size, *args, **kwargs)))
@@ -138,27 +133,6 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # skip interpreter teardown (seconds with torch loaded); nothing is pending
-
-
-# Threads a rank may run before the first task of a new case starts from a fresh state (see
-# [Note: rank pools]): about three per live gloo process group, on top of a dozen of torch's own.
-THREAD_LIMIT = 32
-
-
-def _too_many_groups() -> bool:
-    """Whether any rank runs more than ``THREAD_LIMIT`` threads (live process groups, counted
-    by their threads: a destroyed group that something still references keeps them): one small
-    all-reduce over the pool's group, so that every rank decides the same."""
-    import torch  # noqa: PLC0415 - imported by _serve already
-    import torch.distributed as dist  # noqa: PLC0415
-
-    try:
-        threads = len(os.listdir("/proc/self/task"))
-    except OSError:  # not Linux: count the registered groups instead
-        threads = 3 * len(dist.distributed_c10d._world.pg_map)
-    held = torch.tensor([threads])
-    dist.all_reduce(held, op=dist.ReduceOp.MAX)
-    return int(held.item()) > THREAD_LIMIT
 
 
 def _fresh_library_state() -> None:
@@ -181,9 +155,6 @@ def _fresh_library_state() -> None:
         if process_group is not world:
             dist.destroy_process_group(process_group)
     _clear_sharding_prop_cache()
-    # A group lives (its threads too) until its last reference goes: meshes and modules of
-    # earlier tasks in reference cycles are freed here, not at some later collection.
-    gc.collect()
 
 
 class RankPool:
@@ -214,18 +185,17 @@ class RankPool:
         self._last_task = 0
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 120.0,
-            grace_s: float = 10.0, new_case: bool = False, **kwargs: Any) -> list[Any]:
+            grace_s: float = 10.0, **kwargs: Any) -> list[Any]:
         """``fn(rank, world_size, *args, **kwargs)`` on every rank; the results in rank order.
 
-        ``fn`` must be importable (a module-level function). ``new_case``: the first task of
-        a test case (the ranks may start it from a fresh state, see [Note: rank pools]). Raises
+        ``fn`` must be importable (a module-level function). Raises
         :class:`DistributedTestError` with the failing ranks' tracebacks, or when the ranks are
         not done within ``timeout_s`` (which includes starting the pool); the pool is closed
         then.
         """
         assert not self.closed, "the pool was closed"
         try:
-            return self._run(fn, args, kwargs, timeout_s, grace_s, new_case)
+            return self._run(fn, args, kwargs, timeout_s, grace_s)
         except BaseException:
             # Our own failure report, or an interruption from outside (pytest-timeout, Ctrl-C)
             # while the ranks may still be busy: never hand these ranks another case.
@@ -233,11 +203,11 @@ class RankPool:
             raise
 
     def _run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-             timeout_s: float, grace_s: float, new_case: bool) -> list[Any]:
+             timeout_s: float, grace_s: float) -> list[Any]:
         self._last_task += 1
         task_id = self._last_task
         for q in self._tasks:
-            q.put((task_id, fn, args, kwargs, new_case))
+            q.put((task_id, fn, args, kwargs))
         outcomes: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout_s
         first_error_at: float | None = None
@@ -301,12 +271,6 @@ class RankPools:
 
     def __init__(self) -> None:
         self._pools: dict[int, RankPool] = {}
-        self._case_started: set[int] = set()  # world sizes whose pool ran a task of this case
-
-    def new_case(self) -> None:
-        """A new test case begins: each pool's next task is the first of the case (see
-        [Note: rank pools]; the ``ranks`` fixture calls this before every case)."""
-        self._case_started.clear()
 
     def run(self, fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
             **kwargs: Any) -> list[Any]:
@@ -314,9 +278,7 @@ class RankPools:
         pool = self._pools.get(world_size)
         if pool is None or pool.closed:
             pool = self._pools[world_size] = RankPool(world_size)
-        new_case = world_size not in self._case_started
-        self._case_started.add(world_size)
-        return pool.run(fn, *args, timeout_s=timeout_s, new_case=new_case, **kwargs)
+        return pool.run(fn, *args, timeout_s=timeout_s, **kwargs)
 
     def close(self) -> None:
         """Stop every pool."""

@@ -12,22 +12,14 @@ from megatron_fsdp_v2.testing import RankPools  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def _rank_pools() -> Iterator[RankPools]:
+def ranks() -> Iterator[RankPools]:
     """Spawned gloo ranks, one pool per world size, shared by every case of the session.
 
-    Starting a pool costs a process group (the ranks fork from a preloaded server); sharing them
-    across modules pays that once per world size. A failing case closes its pool, and the next
-    case of that size starts a fresh one (see [Note: rank pools] in
+    Spawning a pool costs seconds (each rank imports torch); sharing them across modules pays
+    that once per world size instead of once per module and size. A failing case closes its
+    pool, and the next case of that size starts a fresh one (see [Note: rank pools] in
     ``megatron_fsdp_v2/testing/_pool.py``).
     """
     pools = RankPools()
     yield pools
     pools.close()
-
-
-@pytest.fixture
-def ranks(_rank_pools: RankPools) -> RankPools:
-    """The session's rank pools, told that a new case begins (its first task on a pool may start
-    from a fresh library state when the ranks hold many process groups)."""
-    _rank_pools.new_case()
-    return _rank_pools

@@ -321,9 +321,9 @@ class _Checkpoints:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(_rank_pools: RankPools):
+def checkpoints(ranks: RankPools):
     with tempfile.TemporaryDirectory() as root:
-        yield _Checkpoints(root, _rank_pools)
+        yield _Checkpoints(root, ranks)
 
 
 @pytest.mark.timeout(3 * TIMEOUT_S)

@@ -64,3 +64,13 @@ class CollectiveCounts(TorchDispatchMode):
 
     def get_total_counts(self) -> int:
         return sum(self.comm_counts.values())
+
+
+# The dispatched c10d op names of each kind of collective, as ``get_comm_counts()`` keys end
+# (the estimator tests compare their sums with the estimate's per-kind counts).
+COLLECTIVE_KINDS = {
+    "all_gather": ("_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced"),
+    "reduce_scatter": ("_reduce_scatter_base", "reduce_scatter_tensor",
+                       "reduce_scatter_tensor_coalesced"),
+    "all_reduce": ("allreduce", "all_reduce"),
+}

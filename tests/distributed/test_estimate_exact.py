@@ -25,7 +25,7 @@ from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, fully_shard, memory
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import RankPools
 
-from _comm_counts import CollectiveCounts
+from _comm_counts import COLLECTIVE_KINDS, CollectiveCounts
 from _models import Block, TinyGPT, lm_loss, make_batches
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
@@ -42,12 +42,6 @@ CASES = [(s, n, p, None, False) for s in STRATEGIES for n in MICRO for p in PREC
 HSDP_CASES = [(s, n, p, outer, False) for outer, s in HSDP for n in MICRO for p in PRECISIONS]
 # Nested units: each block's MLP input layer is a unit of its own inside the block's unit.
 NESTED_CASES = [(s, 3, "bf16comm", None, True) for s in STRATEGIES]
-_KINDS = {
-    "all_gather": ("_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced"),
-    "reduce_scatter": ("_reduce_scatter_base", "reduce_scatter_tensor",
-                       "reduce_scatter_tensor_coalesced"),
-    "all_reduce": ("allreduce", "all_reduce"),
-}
 
 
 def _model() -> TinyGPT:
@@ -103,11 +97,11 @@ def _one_case(rank: int, world: int, strategy: str, micro: int, precision: str,
         report = _iteration(model, opt, batches[1], micro, rank)
     counts = {str(k).split(".")[-1].rstrip("_"): v for k, v in comm.get_comm_counts().items()}
     out["memory"] = dataclasses.asdict(report)
-    out["counts"] = {kind: sum(counts.get(n, 0) for n in names) for kind, names in _KINDS.items()}
+    out["counts"] = {kind: sum(counts.get(n, 0) for n in names) for kind, names in COLLECTIVE_KINDS.items()}
     out["other_counts"] = {
-        k: v for k, v in counts.items() if not any(k in names for names in _KINDS.values())
+        k: v for k, v in counts.items() if not any(k in names for names in COLLECTIVE_KINDS.values())
     }
-    out["bytes"] = {k: counter.stats.payload_bytes.get(k, 0) for k in _KINDS}
+    out["bytes"] = {k: counter.stats.payload_bytes.get(k, 0) for k in COLLECTIVE_KINDS}
     out["counter_calls"] = dict(counter.stats.calls)
     out["spans"] = _spans(model)
     return out

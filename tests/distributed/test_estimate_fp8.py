@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, fully_shard, memory_report
 from megatron_fsdp_v2.estimator._fp8 import convert_to_float8
 
-from _comm_counts import CollectiveCounts
+from _comm_counts import COLLECTIVE_KINDS, CollectiveCounts
 from _models import Block, TinyGPT, lm_loss, make_batches
 from _pool import RankPools
 
@@ -45,12 +45,6 @@ MESH = (2, 2)
 CASES = {2: [(s, None) for s in ("no_shard", "optim", "optim_grads", "optim_grads_params")],
          3: [("optim", None), ("optim_grads_params", None)],
          4: [("optim", "no_shard"), ("optim_grads_params", "optim")]}
-_KINDS = {
-    "all_gather": ("_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced"),
-    "reduce_scatter": ("_reduce_scatter_base", "reduce_scatter_tensor",
-                       "reduce_scatter_tensor_coalesced"),
-    "all_reduce": ("allreduce", "all_reduce"),
-}
 
 
 def _model() -> TinyGPT:
@@ -99,8 +93,8 @@ def _one_case(rank: int, world: int, strategy: str, outer: str | None) -> dict[s
     counts = {str(k).split(".")[-1].rstrip("_"): v for k, v in comm.get_comm_counts().items()}
     return {
         "memory": dataclasses.asdict(report),
-        "counts": {kind: sum(counts.get(n, 0) for n in names) for kind, names in _KINDS.items()},
-        "bytes": {k: counter.stats.payload_bytes.get(k, 0) for k in _KINDS},
+        "counts": {kind: sum(counts.get(n, 0) for n in names) for kind, names in COLLECTIVE_KINDS.items()},
+        "bytes": {k: counter.stats.payload_bytes.get(k, 0) for k in COLLECTIVE_KINDS},
         "calls": {k: v for k, v in counter.stats.calls.items() if v},
     }
 

@@ -97,9 +97,11 @@ def _one_case(rank: int, world: int, strategy: str, micro: int, precision: str,
         report = _iteration(model, opt, batches[1], micro, rank)
     counts = {str(k).split(".")[-1].rstrip("_"): v for k, v in comm.get_comm_counts().items()}
     out["memory"] = dataclasses.asdict(report)
-    out["counts"] = {kind: sum(counts.get(n, 0) for n in names) for kind, names in COLLECTIVE_KINDS.items()}
+    out["counts"] = {kind: sum(counts.get(n, 0) for n in names)
+                     for kind, names in COLLECTIVE_KINDS.items()}
     out["other_counts"] = {
-        k: v for k, v in counts.items() if not any(k in names for names in COLLECTIVE_KINDS.values())
+        k: v for k, v in counts.items()
+        if not any(k in names for names in COLLECTIVE_KINDS.values())
     }
     out["bytes"] = {k: counter.stats.payload_bytes.get(k, 0) for k in COLLECTIVE_KINDS}
     out["counter_calls"] = dict(counter.stats.calls)

@@ -93,7 +93,8 @@ def _one_case(rank: int, world: int, strategy: str, outer: str | None) -> dict[s
     counts = {str(k).split(".")[-1].rstrip("_"): v for k, v in comm.get_comm_counts().items()}
     return {
         "memory": dataclasses.asdict(report),
-        "counts": {kind: sum(counts.get(n, 0) for n in names) for kind, names in COLLECTIVE_KINDS.items()},
+        "counts": {kind: sum(counts.get(n, 0) for n in names)
+                   for kind, names in COLLECTIVE_KINDS.items()},
         "bytes": {k: counter.stats.payload_bytes.get(k, 0) for k in COLLECTIVE_KINDS},
         "calls": {k: v for k, v in counter.stats.calls.items() if v},
     }

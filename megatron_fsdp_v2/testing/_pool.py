@@ -15,13 +15,20 @@ others get ``grace_s`` to report. A failed pool is closed (its processes killed)
 given another task, so a failing case cannot leave a broken process group or stale state to
 later cases. A task from another module than the task before it starts from the library state of
 a fresh process (``_registry.reset()`` first: no units, cached process groups or patches of torch
-left by another test file; and every process group but the pool's own destroyed, with DTensor's
-sharding caches), so files that share ranks cannot see each other's wraps; the cases of one file
-share the library's cached process groups (creating a gloo group per case would cost seconds each),
-as they did when every file had its own pool. Destroying the groups matters as much: c10d keeps a
-group until it is destroyed, each gloo group holds three threads, and a session's worth of groups
-from device meshes and library units (once measured: 364 groups, 1,100 threads per rank) made
-every later case several times slower. Results are collected before any rank is told to exit:
+left by another test file; and every process group but the pool's own destroyed), so files that
+share ranks cannot see each other's wraps. The cases of one file share the library's cached
+process groups (creating a gloo group costs 30-55 ms) until the ranks hold more than
+``MAX_IDLE_PROCESS_GROUPS`` of them: then the next task, or a sweep's next case
+(:func:`release_process_groups`), starts from a fresh state too. Destroying groups matters: c10d
+keeps a group until it is destroyed, each gloo group holds three threads whose transport loop
+polls, and a session's worth of groups from device meshes and library units (once measured: 364
+groups, 1,100 threads per rank) made every later case several times slower. A destroyed group
+only goes away with the last object that holds it, and a live ``DeviceMesh`` does: DTensor caches
+meshes process-wide (its sharding-propagation caches, the redistribute planner cache, which is
+keyed by a weak reference to the mesh but holds the mesh in the planner, and the mesh topology
+cache), so those caches are emptied and reference cycles collected with the groups; before they
+were, destroyed groups kept their threads: a rank of the 4-rank pool ran 380 threads late in
+the suite. Results are collected before any rank is told to exit:
 gloo sometimes aborts in process teardown, and a result already in hand must not be lost to that.
 
 [Note: ranks fork from a preloaded server]
@@ -53,7 +60,10 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["DistributedTestError", "RankPool", "RankPools", "preload_in_server"]
+__all__ = [
+    "MAX_IDLE_PROCESS_GROUPS", "DistributedTestError", "RankPool", "RankPools", "preload_in_server",
+    "release_process_groups",
+]
 
 
 class DistributedTestError(AssertionError):
@@ -123,6 +133,8 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
             if fn.__module__ != last_module:
                 _fresh_library_state()
                 last_module = fn.__module__
+            else:
+                release_process_groups()
             results.put((task_id, rank, "ok", fn(rank, world_size, *args, **kwargs)))
         except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
             results.put((task_id, rank, "error", traceback.format_exc()))
@@ -135,11 +147,40 @@ def _serve(rank: int, world_size: int, init_file: str, backend: str | None, pg_t
     os._exit(0)  # skip interpreter teardown (seconds with torch loaded); nothing is pending
 
 
+# More process groups than this alive on a rank and the next task (or a sweep's next case, see
+# :func:`release_process_groups`) starts from a fresh library state. Measured on 4 gloo ranks
+# (2 cores): 100 idle groups cost each rank 17% of a core and made an all-reduce 3.4x slower;
+# 10 cost nothing measurable. Creating a gloo group again costs 30-55 ms, so not after every case.
+MAX_IDLE_PROCESS_GROUPS = 12
+
+
+def release_process_groups(more_than: int = MAX_IDLE_PROCESS_GROUPS) -> bool:
+    """Start from a fresh library state when any rank holds more than ``more_than`` process
+    groups besides the default one; whether it did.
+
+    For long sweeps that run many cases in one task on the pool's ranks (each case with its own
+    meshes): call it between cases on every rank. The ranks agree with one all-reduce of their
+    group counts (a group is only created on its members, so counts may differ), then every rank
+    forgets the library's units and cached groups and destroys every group but the default one
+    (see [Note: rank pools]): a unit wrapped before the call does not work after it.
+    """
+    import torch  # noqa: PLC0415 - imported by _serve already
+    import torch.distributed as dist  # noqa: PLC0415
+
+    if "gloo" not in str(dist.get_backend()):
+        return False  # the count travels as a CPU tensor; the pools of the tests are gloo
+    held = torch.tensor([len(dist.distributed_c10d._world.pg_map) - 1])
+    dist.all_reduce(held, op=dist.ReduceOp.MAX)
+    if int(held) <= more_than:
+        return False
+    _fresh_library_state()
+    return True
+
+
 def _fresh_library_state() -> None:
     """Forget what another test file's tasks left in the library and in torch.distributed (see
     [Note: rank pools])."""
     import torch.distributed as dist  # noqa: PLC0415 - imported by _serve already
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # noqa: PLC0415
 
     from .. import _registry  # noqa: PLC0415 - the package is imported by the task's module
 
@@ -154,7 +195,25 @@ def _fresh_library_state() -> None:
     for process_group in list(dist.distributed_c10d._world.pg_map):
         if process_group is not world:
             dist.destroy_process_group(process_group)
+    _clear_dtensor_caches()
+    # A destroyed group lives on (with its threads) while anything still holds it: the meshes of
+    # earlier cases, freed here when they are only in reference cycles.
+    gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """Empty DTensor's process-wide caches that hold device meshes (and through them, their
+    process groups' backends: a live mesh keeps a destroyed gloo group's threads running)."""
+    from torch.distributed.tensor import _collective_utils, _redistribute, _sharding_prop  # noqa: PLC0415
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache  # noqa: PLC0415
+
     _clear_sharding_prop_cache()
+    # Keyed by a weak reference to the mesh, but the cached planner holds the mesh itself.
+    _redistribute.clear_redistribute_planner_cache()
+    for cached in (_redistribute._gen_transform_infos,
+                   _collective_utils.MeshTopoInfo.build_from_mesh,
+                   _sharding_prop.ShardingPropagator._propagate_tensor_meta_cached):
+        cached.cache_clear()
 
 
 class RankPool:

@@ -24,7 +24,7 @@ import pytest
 import torch.distributed as dist
 from _silent_wrong import _BASE_TIMEOUT_S, _PASSED_HERE, STRATEGIES, WORLD, Variant
 
-from megatron_fsdp_v2.testing import run_distributed
+from megatron_fsdp_v2.testing import release_process_groups, run_distributed
 
 from _models import all_ranks_ok
 
@@ -61,6 +61,7 @@ def _run_cases(rank: int, world: int, strategy: str, cases: list[str]) -> dict[s
             # Own timeout -> own library process group: a variant that leaves a collective
             # unmatched fails after the timeout without breaking the next ones.
             index += 1
+            release_process_groups()  # each variant's own group: let them not pile up
             _silent_wrong._variant_timeout_s = _BASE_TIMEOUT_S + 0.25 * index
             if rank == 0:  # progress, shown if the spawn hangs or crashes
                 print(f"running {strategy} / {case} / {name}", file=sys.stderr, flush=True)

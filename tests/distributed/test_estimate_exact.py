@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, fully_shard, memory_report
 from megatron_fsdp_v2._registry import state_of
-from megatron_fsdp_v2.testing import RankPools
+from megatron_fsdp_v2.testing import RankPools, release_process_groups
 
 from _comm_counts import COLLECTIVE_KINDS, CollectiveCounts
 from _models import Block, TinyGPT, lm_loss, make_batches
@@ -126,6 +126,7 @@ def _worker(rank: int, world: int) -> dict[tuple[Any, ...], Any]:
     for case in CASES + (HSDP_CASES if world == MESH[0] * MESH[1] else []) + (
         NESTED_CASES if world == 2 else []
     ):
+        release_process_groups()  # the HSDP cases' meshes, one set per case
         try:
             results[case] = _one_case(rank, world, *case)
         except Exception as e:  # noqa: BLE001 - reported per case by the test

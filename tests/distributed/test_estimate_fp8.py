@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, fully_shard, memory_report
 from megatron_fsdp_v2.estimator._fp8 import convert_to_float8
+from megatron_fsdp_v2.testing import release_process_groups
 
 from _comm_counts import COLLECTIVE_KINDS, CollectiveCounts
 from _models import Block, TinyGPT, lm_loss, make_batches
@@ -103,6 +104,7 @@ def _one_case(rank: int, world: int, strategy: str, outer: str | None) -> dict[s
 def _worker(rank: int, world: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for strategy, outer in CASES[world]:
+        release_process_groups()  # each case's meshes
         try:
             out[strategy] = _one_case(rank, world, strategy, outer)
         except Exception as e:  # noqa: BLE001 - reported per case by the test

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, memory_report
 from megatron_fsdp_v2._registry import state_of
-from megatron_fsdp_v2.testing import RankPools
+from megatron_fsdp_v2.testing import RankPools, release_process_groups
 
 MICRO = 2
 PRECISIONS = ["fp32", "bf16"]
@@ -115,6 +115,7 @@ def _worker(rank: int, world: int) -> dict[tuple[str, ...], Any]:
     results: dict[tuple[str, ...], Any] = {}
     cases = [(s, p) for s in STRATEGIES for p in PRECISIONS] + HSDP_CASES
     for case in cases:
+        release_process_groups()  # each case's meshes
         try:
             results[case] = _one_case(rank, *case)
         except Exception as e:  # noqa: BLE001 - reported per case by the test

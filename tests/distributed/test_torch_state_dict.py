@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
-from megatron_fsdp_v2.testing import DistributedTestError
+from megatron_fsdp_v2.testing import DistributedTestError, release_process_groups
 
 from _models import OddMLP, TinyGPT, agree, lm_loss, mlp_loss, step_mean_loss
 from _pool import RankPools
@@ -232,6 +232,7 @@ def _save_all(rank: int, world: int, root: str) -> dict[str, str]:
     for name, case in CASES.items():
         if case["save"][0] != world:
             continue
+        release_process_groups()  # the HSDP cases' meshes, one set per case
         _, strategy, outer = case["save"]
         path = os.path.join(root, name)
         try:

@@ -15,9 +15,9 @@ from megatron_fsdp_v2.testing import RankPools  # noqa: E402
 def ranks() -> Iterator[RankPools]:
     """Spawned gloo ranks, one pool per world size, shared by every case of the session.
 
-    Spawning a pool costs seconds (each rank imports torch); sharing them across modules pays
-    that once per world size instead of once per module and size. A failing case closes its
-    pool, and the next case of that size starts a fresh one (see [Note: rank pools] in
+    Starting a pool costs a process group (the ranks fork from a preloaded server); sharing them
+    across modules pays that once per world size. A failing case closes its pool, and the next
+    case of that size starts a fresh one (see [Note: rank pools] in
     ``megatron_fsdp_v2/testing/_pool.py``).
     """
     pools = RankPools()

@@ -41,6 +41,7 @@ from .._buffers._layout import BufferLayout
 from .._buffers._plan import Extent, make_plan
 from .._comm import _collectives as comm
 from .._comm._collective_impl import GroupCollectives
+from .._dtensor._parameter import as_parameter
 from .._dtensor._tp_params import TPFace
 from ..api import ResolvedDtypes, ShardingStrategy
 from ._compute_weights import ComputeWeights
@@ -337,7 +338,7 @@ class FlatParamGroup(ComputeWeights):
         local = self.local_view(self.main_weight, index)
         if self.extension is not None:  # the subclass over its rows; its inner state not copied
             local = self.extension.wrap_local(index, local)
-        dist_param = nn.Parameter(self.to_dtensor(local, index), requires_grad=param.requires_grad)
+        dist_param = as_parameter(self.to_dtensor(local, index), param.requires_grad)
         # Optimizer grouping and user code read attributes set on the original parameters.
         for name, value in vars(param).items():
             if self.extension is None or not name.startswith("_"):

@@ -23,7 +23,8 @@ implementation] in ``_collective_impl.py``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -39,7 +40,7 @@ from ._collective_impl import (
     REDUCE_SCATTER,
     GroupCollectives,
 )
-from ._deadline import wait_for_event
+from ._deadline import WaitBound, wait_for_event
 
 __all__ = [
     "CommHandle", "CommStreams", "all_gather_into", "reduce_scatter_into", "all_reduce_inplace",
@@ -223,16 +224,16 @@ class _WorkHandle:
 
 
 class _EventHandle:
-    __slots__ = ("event", "device")
+    __slots__ = ("event", "streams")
 
-    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+    def __init__(self, event: torch.cuda.Event, streams: CommStreams) -> None:
         self.event = event
-        self.device = device
+        self.streams = streams  # whose wait bound applies (set during recovery only)
 
     def wait(self) -> None:
         # Recovery only: poll until done or its deadline (see [Note: recovery deadline]).
-        wait_for_event(self.event.query)
-        torch.cuda.current_stream(self.device).wait_event(self.event)
+        wait_for_event(self.event.query, self.streams.wait_bound)
+        torch.cuda.current_stream(self.streams.device).wait_event(self.event)
 
 
 Launch = Callable[[bool], "Work | None"]
@@ -247,6 +248,18 @@ class CommStreams:
         if self.is_cuda:
             self.all_gather_stream = torch.cuda.Stream(device, priority=-1)
             self.reduce_stream = torch.cuda.Stream(device, priority=-1)
+        # How long waits on this device's events may take; None outside recovery (see [Note:
+        # recovery deadline]).
+        self.wait_bound: WaitBound | None = None
+
+    @contextmanager
+    def bounded_waits(self, bound: WaitBound) -> Iterator[None]:
+        """Inside the block, waits on the events of these streams poll under ``bound``."""
+        previous, self.wait_bound = self.wait_bound, bound
+        try:
+            yield
+        finally:
+            self.wait_bound = previous
 
     def run(self, launch: Launch, *, async_op: bool, reduce: bool) -> CommHandle | None:
         """Run ``launch(async_op)``; in the background when ``async_op``. Returns the handle to
@@ -264,7 +277,7 @@ class CommStreams:
             launch(False)
             event = torch.cuda.Event()
             event.record(stream)
-        return _EventHandle(event, self.device)
+        return _EventHandle(event, self)
 
 
 @traced("mfsdp::sync_collective")

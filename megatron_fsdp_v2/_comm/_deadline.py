@@ -8,11 +8,14 @@ timeout. On CUDA the library never waits on the host: ``CommHandle.wait()`` make
 stream wait on the event recorded after the collective, and an event wait neither blocks nor
 fails. ``FSDPContext.recover`` after a failed step must know whether the collectives it finds
 in flight completed (then buffers may be freed and training goes on) or not (the ranks failed
-at different points: the group is unusable). So recovery runs its waits inside
-:func:`bounded_waits`: every event wait first polls ``event.query()`` (a non-blocking host
-check) until the event completes, asking the process groups for an error between polls
-(``Backend.get_error()``: the NCCL watchdog records a timeout or communicator error there), and
-raises :class:`CollectiveTimeoutError` when a group reports one or when the deadline passes.
+at different points: the group is unusable). So recovery hands a :class:`WaitBound` to the
+:class:`~._collectives.CommStreams` its groups' collectives ran on, for the duration of its waits
+(``CommStreams.bounded_waits``; no hidden context: the bound is an attribute of the object that
+made every event handle). While it is set, every event wait of those streams first polls
+``event.query()`` (a non-blocking host check) until the event completes, asking the process
+groups for an error between polls (``Backend.get_error()``: the NCCL watchdog records a timeout
+or communicator error there), and raises :class:`CollectiveTimeoutError` when a group reports
+one or when the deadline passes.
 The deadline is the largest timeout of the tree's groups (:func:`collective_timeout_s`) from the
 start of recovery, the time after which the watchdog itself declares a collective failed; a
 matched collective (every rank failed at the same point) completes long before. ``recover``
@@ -27,16 +30,14 @@ nothing polls: the step keeps its waits on the device (no host synchronization).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
-    "CollectiveTimeoutError", "bounded_waits", "collective_timeout_s", "group_error",
+    "CollectiveTimeoutError", "WaitBound", "collective_timeout_s", "group_error",
     "wait_for_event",
 ]
 
@@ -44,40 +45,33 @@ Clock = Callable[[], float]
 
 
 class CollectiveTimeoutError(RuntimeError):
-    """A collective waited on under :func:`bounded_waits` did not complete in time, or its
+    """A collective waited on under a :class:`WaitBound` did not complete in time, or its
     group reported an error."""
 
 
 @dataclass(frozen=True)
-class _Bound:
-    deadline: float  # on the clock below
+class WaitBound:
+    """How long event waits may take: until ``deadline`` on ``clock``, or until ``check()``
+    reports a failed group (its description; None while all are healthy)."""
+
+    deadline: float
     seconds: float
-    check: Callable[[], str | None]  # a failed group, described, or None
+    check: Callable[[], str | None]
     clock: Clock
 
-
-_bound: ContextVar[_Bound | None] = ContextVar("mfsdp_wait_deadline", default=None)
-
-
-@contextmanager
-def bounded_waits(seconds: float, check: Callable[[], str | None] = lambda: None,
-                  clock: Clock = time.monotonic) -> Iterator[None]:
-    """Event waits inside the block (:func:`wait_for_event`) poll until completion and raise
-    :class:`CollectiveTimeoutError` once ``seconds`` have passed or ``check()`` reports a
-    failed group."""
-    token = _bound.set(_Bound(clock() + seconds, seconds, check, clock))
-    try:
-        yield
-    finally:
-        _bound.reset(token)
+    @classmethod
+    def starting_now(cls, seconds: float, check: Callable[[], str | None] = lambda: None,
+                     clock: Clock = time.monotonic) -> WaitBound:
+        """A bound of ``seconds`` from now."""
+        return cls(clock() + seconds, seconds, check, clock)
 
 
-def wait_for_event(query: Callable[[], bool], what: str = "a collective",
+def wait_for_event(query: Callable[[], bool], bound: WaitBound | None,
+                   what: str = "a collective",
                    sleep: Callable[[float], object] = time.sleep) -> None:
-    """Inside :func:`bounded_waits`: return once ``query()`` (``torch.cuda.Event.query``) is
-    true, polling with growing pauses (0.1 ms to 50 ms); raise if the deadline passes or a
-    group fails first. Outside: return at once (the caller's stream waits on the device)."""
-    bound = _bound.get()
+    """Under a ``bound``: return once ``query()`` (``torch.cuda.Event.query``) is true, polling
+    with growing pauses (0.1 ms to 50 ms); raise if the deadline passes or a group fails first.
+    Without one: return at once (the caller's stream waits on the device)."""
     if bound is None:
         return
     pause = 1e-4

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Iterable
+from contextlib import ExitStack
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from .._buffers._allocator import ScratchAllocator
 from .._buffers._trace_pool import TracePoolAllocator
-from .._comm._deadline import bounded_waits, collective_timeout_s, group_error
+from .._comm._deadline import WaitBound, collective_timeout_s, group_error
 from .._profiling import traced
 from ._coalesce import ReductionCoalescer
 from ._flat_param_group import FlatParamGroup
@@ -237,7 +238,11 @@ class FSDPContext:
         error: BaseException | None = None
         groups = self._process_groups()
         seconds = max((collective_timeout_s(g, d) for g, d in groups), default=0.0)
-        with bounded_waits(seconds, lambda: group_error(groups)):
+        bound = WaitBound.starting_now(seconds, lambda: group_error(groups))
+        streams = {id(group.issuer.streams): group.issuer.streams for group in self.groups}
+        with ExitStack() as bounded:
+            for device_streams in streams.values():
+                bounded.enter_context(device_streams.bounded_waits(bound))
             if self.refresh_coalescer is not None:
                 try:  # refresh buckets in flight are matched across ranks: wait, then drop
                     self.refresh_coalescer.settle()

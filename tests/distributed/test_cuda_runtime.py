@@ -1,17 +1,23 @@
 """fully_shard on CUDA with NCCL: the side-stream overlap gives the same numbers as the
-synchronous schedule, and training matches a single-GPU reference. Skipped without a GPU."""
+synchronous schedule, training matches a single-GPU reference, and a step that fails while
+collectives are in flight on the side streams recovers (its event waits bounded by the
+collective timeout, [Note: recovery deadline]) and then trains bitwise as if it had not failed.
+Skipped without a GPU; the recovery case also runs on CPU (gloo), which checks the test itself."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.nn as nn
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, memory_report
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import TinyGPT, assert_close_to_reference, lm_loss, make_batches, reference_copy
 
-pytestmark = [
+needs_gpu = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
@@ -65,5 +71,76 @@ def _cuda_worker(rank: int, world: int) -> None:
         print(f"[cuda] {strategy}: ok; bf16 {memory_report(model)}")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_nccl_overlap_and_parity() -> None:
     run_distributed(_cuda_worker, 1, backend="nccl", timeout_s=300)
+
+
+class InjectedError(RuntimeError):
+    pass
+
+
+def _raise(*_: Any) -> None:
+    raise InjectedError("injected")
+
+
+def _arm(where: str, model: nn.Module) -> Any:
+    """The next forward raises in block 1 (block 0 done, block 2's gather prefetched), or the
+    next backward raises in block 0's (after blocks 2 and 1 launched their reductions)."""
+    if where == "forward":
+        return model.blocks[1].fc1.register_forward_pre_hook(_raise)
+
+    def arm(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        output.register_hook(_raise)
+    return model.blocks[0].fc1.register_forward_hook(arm)
+
+
+def _train_through_failures(device: torch.device, strategy: str, fail: bool) -> list[torch.Tensor]:
+    """Three steps of two micro-batches, overlap on; with ``fail``, step 1 first runs a forward
+    and then a forward and backward that raise, each retried as a user would."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=64, dim=64, layers=3, heads=4).to(device)
+    for block in model.blocks:
+        fully_shard(block, sharding_strategy=strategy, overlap=True)
+    fully_shard(model, sharding_strategy=strategy, overlap=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = make_batches("lm", 3, 2, 1, per_rank=4, vocab=64)
+    for step in range(3):
+        if fail and step == 1:
+            for where in ("forward", "backward"):
+                handle = _arm(where, model)
+                try:
+                    model.set_is_last_backward(True)
+                    with pytest.raises(InjectedError):
+                        lm_loss(model, batches[0][0][0].to(device)).backward()
+                finally:
+                    handle.remove()
+        for i in range(2):
+            model.set_is_last_backward(i == 1)
+            (lm_loss(model, batches[step][i][0].to(device)) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return [p.to_local().detach().cpu() for p in model.parameters()]
+
+
+def _recovery_worker(rank: int, world: int, device_type: str) -> None:
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    for strategy in ("optim", "optim_grads_params"):
+        clean = _train_through_failures(device, strategy, fail=False)
+        recovered = _train_through_failures(device, strategy, fail=True)
+        for a, b in zip(clean, recovered, strict=True):
+            assert torch.equal(a, b), f"{strategy}: the recovered run differs from the clean one"
+
+
+@pytest.mark.parametrize("device_type", [
+    pytest.param("cuda", marks=needs_gpu),
+    "cpu",  # the same test on gloo: checks the test itself where no GPU is lent
+])
+def test_failed_steps_recover_and_train_bitwise(device_type: str) -> None:
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    run_distributed(_recovery_worker, 1, device_type, backend=backend, timeout_s=300)

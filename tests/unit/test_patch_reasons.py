@@ -40,17 +40,26 @@ def _may_go(patch: str, what: str) -> str:
             "('Patches of torch')")
 
 
+@pytest.fixture(autouse=True)
+def torch_own() -> Iterator[None]:
+    """torch's own objects, whatever ran before in this process; the patches installed then are
+    put back after."""
+    installed = [patch for patch in _torch_patches.PATCHES if patch.is_installed()]
+    _torch_patches.uninstall_all()
+    try:
+        yield
+    finally:
+        for patch in installed:
+            patch.install()
+
+
 @pytest.fixture
 def mesh() -> Iterator[DeviceMesh]:
-    installed = [patch for patch in _torch_patches.PATCHES if patch.is_installed()]
-    _torch_patches.uninstall_all()  # torch's own objects, whatever ran before in this process
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
     try:
         yield init_device_mesh("cpu", (2,))
     finally:
         dist.destroy_process_group()
-        for patch in installed:
-            patch.install()
 
 
 def _our_rows(mesh: DeviceMesh, local: torch.Tensor, placement: Shard | None = None) -> DTensor:

@@ -239,10 +239,9 @@ class FSDPContext:
         groups = self._process_groups()
         seconds = max((collective_timeout_s(g, d) for g, d in groups), default=0.0)
         bound = WaitBound.starting_now(seconds, lambda: group_error(groups))
-        streams = {id(group.issuer.streams): group.issuer.streams for group in self.groups}
         with ExitStack() as bounded:
-            for device_streams in streams.values():
-                bounded.enter_context(device_streams.bounded_waits(bound))
+            for streams in {group.issuer.streams for group in self.groups}:  # one per device
+                bounded.enter_context(streams.bounded_waits(bound))
             if self.refresh_coalescer is not None:
                 try:  # refresh buckets in flight are matched across ranks: wait, then drop
                     self.refresh_coalescer.settle()

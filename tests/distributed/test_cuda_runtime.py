@@ -6,21 +6,17 @@ Skipped without a GPU; the recovery case also runs on CPU (gloo), which checks t
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
-import torch.nn as nn
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, memory_report
 from megatron_fsdp_v2.testing import run_distributed
 
+from _failure_injection import InjectedError, inject_failure
 from _models import TinyGPT, assert_close_to_reference, lm_loss, make_batches, reference_copy
 
-needs_gpu = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
+has_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_gpu = [pytest.mark.gpu, has_cuda]  # for a parameter; a whole test takes the two marks
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
@@ -72,33 +68,15 @@ def _cuda_worker(rank: int, world: int) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@has_cuda
 def test_cuda_nccl_overlap_and_parity() -> None:
     run_distributed(_cuda_worker, 1, backend="nccl", timeout_s=300)
 
 
-class InjectedError(RuntimeError):
-    pass
-
-
-def _raise(*_: Any) -> None:
-    raise InjectedError("injected")
-
-
-def _arm(where: str, model: nn.Module) -> Any:
-    """The next forward raises in block 1 (block 0 done, block 2's gather prefetched), or the
-    next backward raises in block 0's (after blocks 2 and 1 launched their reductions)."""
-    if where == "forward":
-        return model.blocks[1].fc1.register_forward_pre_hook(_raise)
-
-    def arm(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        output.register_hook(_raise)
-    return model.blocks[0].fc1.register_forward_hook(arm)
-
-
 def _train_through_failures(device: torch.device, strategy: str, fail: bool) -> list[torch.Tensor]:
-    """Three steps of two micro-batches, overlap on; with ``fail``, step 1 first runs a forward
-    and then a forward and backward that raise, each retried as a user would."""
+    """Three steps of two micro-batches, overlap on; with ``fail``, step 1 is first tried twice
+    on another batch: a forward that raises in block 1, then a backward that raises in block 0
+    (reductions in flight); then the step runs as in the clean run."""
     torch.manual_seed(0)
     model = TinyGPT(vocab=64, dim=64, layers=3, heads=4).to(device)
     for block in model.blocks:
@@ -108,8 +86,8 @@ def _train_through_failures(device: torch.device, strategy: str, fail: bool) -> 
     batches = make_batches("lm", 3, 2, 1, per_rank=4, vocab=64)
     for step in range(3):
         if fail and step == 1:
-            for where in ("forward", "backward"):
-                handle = _arm(where, model)
+            for where in ("forward", "backward_late"):
+                handle = inject_failure(model, where)
                 try:
                     model.set_is_last_backward(True)
                     with pytest.raises(InjectedError):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -14,12 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
-from torch.utils.hooks import RemovableHandle
 
 from megatron_fsdp_v2._comm import _comm_groups
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import DistributedTestError, run_distributed
 
+from _failure_injection import InjectedError, inject_failure, raising
 from _models import (
     TinyGPT,
     all_ranks_ok,
@@ -38,31 +37,6 @@ TIMEOUT_S = 1.0
 SLACK_S = 20.0  # the bound: a peer fails within TIMEOUT_S + SLACK_S
 
 
-class InjectedError(RuntimeError):
-    pass
-
-
-def _raise(exc: type[BaseException]) -> Callable[..., None]:
-    def hook(*_: Any) -> None:
-        raise exc("injected")
-    return hook
-
-
-def _inject(model: nn.Module, where: str,
-            exc: type[BaseException] = InjectedError) -> RemovableHandle:
-    """Make the next forward (``where="forward"``) or backward raise inside a wrapped child.
-    ``backward_early``: in block 1's backward, before any unit reduced; ``backward_late``: in
-    block 0's backward, after block 1 launched its reduction."""
-    if where == "forward":
-        return model.blocks[1].fc1.register_forward_pre_hook(_raise(exc))
-    block = model.blocks[1] if where == "backward_early" else model.blocks[0]
-
-    def arm(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        if output.requires_grad:
-            output.register_hook(_raise(exc))
-    return block.fc1.register_forward_hook(arm)
-
-
 # ---------------------------------------------------------------------- a failing rank
 
 def _one_rank_fails(rank: int, world: int, strategy: str, where: str) -> tuple[float, str]:
@@ -77,11 +51,11 @@ def _one_rank_fails(rank: int, world: int, strategy: str, where: str) -> tuple[f
     opt.step()
     opt.zero_grad()
     if failing and where == "forward":
-        _inject(model, "forward")
+        inject_failure(model, "forward")
     if failing and where == "backward":
-        _inject(model, "backward_late")
+        inject_failure(model, "backward_late")
     if failing and where == "step":
-        opt.register_step_pre_hook(_raise(InjectedError))
+        opt.register_step_pre_hook(raising(InjectedError))
     dist.barrier()
     start = time.monotonic()
     try:
@@ -122,7 +96,7 @@ def _propagates(rank: int, world: int, signal_path: str) -> None:
     model = wrap_blocks(TinyGPT(), "optim_grads_params", timeout=TIMEOUT_S)
     batch = make_batches("lm", 1, 1, world, per_rank=2)[0][0][rank]
     if rank == 1:
-        _inject(model, "backward_early")
+        inject_failure(model, "backward_early")
     dist.barrier()
     try:
         lm_loss(model, batch).backward()
@@ -144,7 +118,7 @@ def _ranks_fail_differently(rank: int, world: int) -> None:
     model = wrap_blocks(TinyGPT(), "optim_grads_params", timeout=TIMEOUT_S)
     batches = make_batches("lm", 2, 1, world, per_rank=2)
     lm_loss(model, batches[0][0][rank]).backward()
-    _inject(model, "backward_early" if rank == 0 else "backward_late")
+    inject_failure(model, "backward_early" if rank == 0 else "backward_late")
     dist.barrier()
     with pytest.raises(InjectedError):
         lm_loss(model, batches[1][0][rank]).backward()
@@ -216,7 +190,7 @@ def _run(model: nn.Module, micro_batches: list[torch.Tensor], *, first: int = 0,
         if hasattr(model, "set_is_last_backward"):
             model.set_is_last_backward(i == total - 1)
         last = i == first + len(micro_batches) - 1
-        handle = _inject(model, *inject) if inject is not None and last else None
+        handle = inject_failure(model, *inject) if inject is not None and last else None
         try:
             loss = lm_loss(model, batch) / total
             loss.backward()

@@ -3,34 +3,20 @@ local rows, same placements, ``requires_grad`` as asked), on rank 1 of a fake wo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_fsdp_v2._dtensor._parameter import as_parameter
 
 
-@pytest.fixture
-def mesh() -> Iterator[object]:
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("requires_grad", [True, False])
-def test_same_as_nn_parameter(mesh: object, requires_grad: bool) -> None:
+def test_same_as_nn_parameter(fake_mesh: object, requires_grad: bool) -> None:
     rows = torch.arange(12.0).view(3, 4)
 
     def fresh() -> DTensor:
-        return DTensor.from_local(rows, mesh, (Shard(0),), run_check=False)
+        return DTensor.from_local(rows, fake_mesh, (Shard(0),), run_check=False)
 
     expected = nn.Parameter(fresh(), requires_grad=requires_grad)
     got = as_parameter(fresh(), requires_grad)
@@ -45,7 +31,7 @@ def test_same_as_nn_parameter(mesh: object, requires_grad: bool) -> None:
     assert module.weight is got and dict(module.named_parameters())["weight"] is got
 
 
-def test_refuses_a_tensor_with_autograd_history(mesh: object) -> None:
+def test_refuses_a_tensor_with_autograd_history(fake_mesh: object) -> None:
     rows = torch.ones(3, 4, requires_grad=True)
     with pytest.raises(ValueError, match="without autograd history"):
-        as_parameter(DTensor.from_local(rows * 2, mesh, (Shard(0),), run_check=False), True)
+        as_parameter(DTensor.from_local(rows * 2, fake_mesh, (Shard(0),), run_check=False), True)

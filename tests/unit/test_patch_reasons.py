@@ -20,11 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from megatron_fsdp_v2 import _torch_patches
 
@@ -53,15 +51,6 @@ def torch_own() -> Iterator[None]:
             patch.install()
 
 
-@pytest.fixture
-def mesh() -> Iterator[DeviceMesh]:
-    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
-    try:
-        yield init_device_mesh("cpu", (2,))
-    finally:
-        dist.destroy_process_group()
-
-
 def _our_rows(mesh: DeviceMesh, local: torch.Tensor, placement: Shard | None = None) -> DTensor:
     """A DTensor over rows [4, 6) of the (6, 4) global tensor, as the library builds them."""
     return DTensor.from_local(local, mesh, (placement or Shard(0),), run_check=False,
@@ -79,13 +68,14 @@ class _RowShard(Shard):
 # --- _redistribute (and why a placement cannot replace it or the op-table patches) ----------
 
 @pytest.mark.parametrize("derive", ["detach", "clone", "mul", "zeros_like", "nn.Parameter"])
-def test_a_shard_subclass_is_lost_by_sharding_propagation(mesh: DeviceMesh, derive: str) -> None:
+def test_a_shard_subclass_is_lost_by_sharding_propagation(fake_mesh: DeviceMesh,
+                                                          derive: str) -> None:
     """Sharding propagation rebuilds every ``Shard`` subclass as plain ``Shard(d)``
     (``_ops/single_dim_strategy.py``, ``_fill_single_dim_strategy_placeholders``; only torch's
     own ``_StridedShard`` is kept), so a placement carrying our rows is gone from ``p.detach()``,
     ``p * 2``, ``zeros_like(p)`` (Adam's ``exp_avg``) and ``nn.Parameter(p)``: every later
     ``full_tensor()`` of those would pad and unpad by ``torch.chunk`` sizes again."""
-    p = _our_rows(mesh, torch.ones(2, 4), _RowShard(0, (0, *OUR_ROWS)))
+    p = _our_rows(fake_mesh, torch.ones(2, 4), _RowShard(0, (0, *OUR_ROWS)))
     assert type(p.placements[0]) is _RowShard
     derived = {
         "detach": lambda t: t.detach(),
@@ -98,36 +88,36 @@ def test_a_shard_subclass_is_lost_by_sharding_propagation(mesh: DeviceMesh, deri
         "redistribute", f"keeps a Shard subclass through {derive}")
 
 
-def test_same_dim_shard_to_shard_between_row_layouts_moves_nothing(mesh: DeviceMesh) -> None:
+def test_same_dim_shard_to_shard_between_row_layouts_moves_nothing(fake_mesh: DeviceMesh) -> None:
     """Redistributing between two row layouts of the same tensor dimension is a no-op in
     ``redistribute_local_tensor``: the local rows come back as they are, whatever the target
     placement says."""
-    p = _our_rows(mesh, torch.ones(2, 4), _RowShard(0, (0, *OUR_ROWS)))
-    moved = p.redistribute(mesh, (_RowShard(0, (0, 3, 6)),))
+    p = _our_rows(fake_mesh, torch.ones(2, 4), _RowShard(0, (0, *OUR_ROWS)))
+    moved = p.redistribute(fake_mesh, (_RowShard(0, (0, 3, 6)),))
     assert moved.to_local().data_ptr() == p.to_local().data_ptr(), _may_go(
         "redistribute", "moves rows between two Shard layouts of one dimension")
 
 
-def test_distribute_tensor_cuts_a_shard_subclass_at_chunk_rows(mesh: DeviceMesh) -> None:
+def test_distribute_tensor_cuts_a_shard_subclass_at_chunk_rows(fake_mesh: DeviceMesh) -> None:
     """``distribute_tensor`` (torch's full-state-dict loads cut with it) splits with
     ``Shard._make_shard_tensor``, a static method, and rebuilds ``Shard(d)``: a placement
     carrying our rows is neither asked nor kept (the fake world moves no data, so only the
     shapes are compared)."""
     from torch.distributed.tensor import distribute_tensor
 
-    cut = distribute_tensor(torch.zeros(GLOBAL), mesh, (_RowShard(0, (0, *OUR_ROWS)),))
+    cut = distribute_tensor(torch.zeros(GLOBAL), fake_mesh, (_RowShard(0, (0, *OUR_ROWS)),))
     assert type(cut.placements[0]) is Shard and cut.to_local().shape == (3, 4), _may_go(
         "full_state_dict", "distributes by a Shard subclass's own rows")
 
 
-def test_full_tensor_assumes_torch_chunk_rows(mesh: DeviceMesh) -> None:
+def test_full_tensor_assumes_torch_chunk_rows(fake_mesh: DeviceMesh) -> None:
     """The local shape and offset DTensor computes for a ``Shard(0)`` rank come from the
     placement and the global shape only (``torch.chunk``): rank 1 of 6 rows is (3, 4) at row 3,
     though this DTensor holds rows [4, 6). Redistribution pads and unpads by these sizes."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    p = _our_rows(mesh, torch.ones(2, 4))
-    shape, offset = compute_local_shape_and_global_offset(p.shape, mesh, p.placements)
+    p = _our_rows(fake_mesh, torch.ones(2, 4))
+    shape, offset = compute_local_shape_and_global_offset(p.shape, fake_mesh, p.placements)
     assert (tuple(shape), tuple(offset)) == ((3, 4), (3, 0)), _may_go(
         "redistribute", f"computes the local shape {tuple(shape)} at {tuple(offset)}")
     assert p.to_local().shape[0] != shape[0]
@@ -135,11 +125,11 @@ def test_full_tensor_assumes_torch_chunk_rows(mesh: DeviceMesh) -> None:
 
 # --- _copy_handler -----------------------------------------------------------------------
 
-def test_copy_between_equal_placements_is_local(mesh: DeviceMesh) -> None:
+def test_copy_between_equal_placements_is_local(fake_mesh: DeviceMesh) -> None:
     """``dst.copy_(src)`` with equal placements copies the local tensors, whatever rows each
     holds: one source row is broadcast over three destination rows, silently."""
-    dst = _our_rows(mesh, torch.zeros(3, 4))
-    src = _our_rows(mesh, torch.arange(4.0).view(1, 4))
+    dst = _our_rows(fake_mesh, torch.zeros(3, 4))
+    src = _our_rows(fake_mesh, torch.arange(4.0).view(1, 4))
     dst.copy_(src)
     assert torch.equal(dst.to_local(), torch.arange(4.0).expand(3, 4)), _may_go(
         "copy_handler", "compares the row layouts of copy_'s operands")
@@ -147,11 +137,11 @@ def test_copy_between_equal_placements_is_local(mesh: DeviceMesh) -> None:
 
 # --- _foreach_norm -----------------------------------------------------------------------
 
-def test_infinity_norm_of_an_empty_local_shard_raises(mesh: DeviceMesh) -> None:
+def test_infinity_norm_of_an_empty_local_shard_raises(fake_mesh: DeviceMesh) -> None:
     """DTensor has no ``_foreach_norm`` handler of its own, so the local op runs on each
     rank's rows, and the infinity norm of zero rows raises on that rank only."""
     assert torch.ops.aten._foreach_norm.Scalar not in DTensor._op_dispatcher._custom_op_handlers
-    empty = _our_rows(mesh, torch.empty(0, 4))
+    empty = _our_rows(fake_mesh, torch.empty(0, 4))
     with pytest.raises(RuntimeError, match="infinity norm on an empty tensor"):
         torch._foreach_norm([empty], math.inf)
 
@@ -159,19 +149,19 @@ def test_infinity_norm_of_an_empty_local_shard_raises(mesh: DeviceMesh) -> None:
 # --- _random_ops ---------------------------------------------------------------------------
 
 @pytest.mark.filterwarnings("ignore:DTensor random operators may not have complete support")
-def test_random_init_of_uneven_rows_is_not_the_single_process_draw(mesh: DeviceMesh) -> None:
-    """On a CPU mesh DTensor has no offset RNG (``is_rng_supported_mesh`` is false), so
+def test_random_init_of_uneven_rows_is_not_the_single_process_draw(fake_mesh: DeviceMesh) -> None:
+    """On a CPU fake_mesh DTensor has no offset RNG (``is_rng_supported_mesh`` is false), so
     ``nn.init.normal_`` draws each rank's rows from the start of its own generator; where it has
     one (CUDA) it places draws at ``torch.chunk`` offsets. Neither gives rows [4, 6) of the
     single-process draw."""
     from torch.distributed.tensor._random import is_rng_supported_mesh
 
-    assert not is_rng_supported_mesh(mesh), _may_go("random_ops", "has an RNG for CPU meshes")
+    assert not is_rng_supported_mesh(fake_mesh), _may_go("random_ops", "has an RNG for CPU meshes")
     torch.manual_seed(0)
     single_process = torch.empty(GLOBAL).normal_()
     torch.manual_seed(0)
     first_draws = torch.empty(2, 4).normal_()
-    p = _our_rows(mesh, torch.empty(2, 4))
+    p = _our_rows(fake_mesh, torch.empty(2, 4))
     torch.manual_seed(0)
     nn.init.normal_(p)
     assert torch.equal(p.to_local(), first_draws)
@@ -180,7 +170,7 @@ def test_random_init_of_uneven_rows_is_not_the_single_process_draw(mesh: DeviceM
 
 # --- _optim_state_dict and _zero_grad: the optimizer's hooks --------------------------------
 
-def test_optimizer_hooks_cannot_see_state_dict_options(mesh: DeviceMesh) -> None:
+def test_optimizer_hooks_cannot_see_state_dict_options(fake_mesh: DeviceMesh) -> None:
     """The optimizer's state-dict hooks receive the optimizer only, so inside
     ``get_optimizer_state_dict`` nothing tells them ``full_state_dict=True`` (where the
     cross-rank check must run before torch's first gather)."""
@@ -209,7 +199,7 @@ def test_optimizer_has_no_zero_grad_hook() -> None:
 
 # --- _full_state_dict ---------------------------------------------------------------------
 
-def test_full_state_dict_load_cuts_at_chunk_rows_before_any_hook(mesh: DeviceMesh) -> None:
+def test_full_state_dict_load_cuts_at_chunk_rows_before_any_hook(fake_mesh: DeviceMesh) -> None:
     """``set_model_state_dict(..., full_state_dict=True)`` cuts each full tensor at
     ``torch.chunk`` rows (``distribute_tensor``) before the module's load hooks run: the entry
     the pre-hook sees holds the three rows [3, 6), not the parameter's two, [4, 6) (the fake
@@ -217,7 +207,7 @@ def test_full_state_dict_load_cuts_at_chunk_rows_before_any_hook(mesh: DeviceMes
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     model = nn.Linear(4, 6, bias=False)
-    model.weight = nn.Parameter(_our_rows(mesh, torch.zeros(2, 4)))
+    model.weight = nn.Parameter(_our_rows(fake_mesh, torch.zeros(2, 4)))
     seen: list[torch.Tensor] = []
 
     def pre_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
@@ -260,12 +250,12 @@ def test_clip_grad_norm_offers_no_dispatch_point() -> None:
         "clip_grad_norm", "dispatches clip_grad_norm_/get_total_norm to tensor subclasses")
 
 
-def test_autograd_grad_is_not_offered_to_dtensor(mesh: DeviceMesh) -> None:
+def test_autograd_grad_is_not_offered_to_dtensor(fake_mesh: DeviceMesh) -> None:
     """``torch.autograd.grad`` hands its call to ``__torch_function__`` only when an input
     has one; DTensor disables it, so no override of a parameter type sees the call (only a
     process-wide TorchFunctionMode would, on every torch call)."""
     from torch.overrides import has_torch_function
 
-    p = nn.Parameter(_our_rows(mesh, torch.ones(2, 4)))
+    p = nn.Parameter(_our_rows(fake_mesh, torch.ones(2, 4)))
     assert not has_torch_function((p,)), _may_go(
         "autograd_grad", "offers torch.autograd.grad to DTensor's __torch_function__")

@@ -19,7 +19,13 @@ from .._runtime._memory import MemoryReport, memory_report
 from ..api import MixedPrecisionPolicy, ShardingStrategy
 from ._fsdp_module import FSDPModule, UnshardHandle
 from ._grouped_modules import resolve_modules_argument
-from ._wiring import broadcast_buffers, build_groups, install_unit, make_process_groups
+from ._wiring import (
+    add_whole_mesh_group,
+    broadcast_buffers,
+    build_groups,
+    install_unit,
+    make_process_groups,
+)
 from ._wrap_options import check_same_unit_everywhere, inspect_unit, parse_options
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MemoryReport", "memory_report"]
@@ -213,6 +219,7 @@ def fully_shard(
     unit = inspect_unit(module, options, ignored_params, shard_placement_fn)
     process_groups = make_process_groups(options, unit)
     check_same_unit_everywhere(module, options, unit, process_groups.checked_axes(options))
+    process_groups = add_whole_mesh_group(options, process_groups)  # after: see its docstring
     flat_groups, allocator = build_groups(module, options, unit, process_groups)
     if options.sync_module_states:
         broadcast_buffers(module, process_groups)

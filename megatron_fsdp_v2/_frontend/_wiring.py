@@ -6,6 +6,7 @@ module untouched."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +31,8 @@ from ._fsdp_module import fsdp_class
 from ._wrap_checks import warn_if_padded
 from ._wrap_options import Axes, LocalUnit, WrapOptions
 
-__all__ = ["UnitProcessGroups", "broadcast_buffers", "build_groups", "install_unit",
-           "make_process_groups"]
+__all__ = ["UnitProcessGroups", "add_whole_mesh_group", "broadcast_buffers", "build_groups",
+           "install_unit", "make_process_groups"]
 
 
 @dataclass(frozen=True)
@@ -55,19 +56,29 @@ class UnitProcessGroups:
 
 
 def make_process_groups(options: WrapOptions, unit: LocalUnit) -> UnitProcessGroups:
-    """Create (once per mesh and timeout) the unit's groups, inner axis first. When that fails
-    and this rank's own check had failed (e.g. a mesh of another device type, never
-    initialized), the check's error is the one raised."""
+    """Create (once per mesh and timeout) the unit's axis groups, inner axis first: those the
+    cross-rank check runs on. When that fails and this rank's own check had failed (e.g. a mesh
+    of another device type, never initialized), the check's error is the one raised. The
+    whole-mesh group comes after the check (:func:`add_whole_mesh_group`)."""
     axes = options.axes
     try:
         inner = comm_group(axes.inner, options.timeout)
         outer = comm_group(axes.outer, options.timeout, "outer") if axes.outer is not None else None
-        mesh = mesh_comm_group(options.mesh, options.timeout) if options.outer_optim else None
     except Exception:
         if unit.error is not None:
             raise unit.error from None
         raise
-    return UnitProcessGroups(inner, outer, mesh)
+    return UnitProcessGroups(inner, outer, None)
+
+
+def add_whole_mesh_group(options: WrapOptions, groups: UnitProcessGroups) -> UnitProcessGroups:
+    """``groups`` with the whole-mesh group of HSDP with outer ``optim``. Only after the
+    cross-rank check: only ranks asking for outer ``optim`` create it, collectively over the
+    mesh, so a rank that asked for ``no_shard`` would leave them waiting in its creation for
+    the timeout instead of the check naming the argument they disagree on."""
+    if not options.outer_optim:
+        return groups
+    return dataclasses.replace(groups, mesh=mesh_comm_group(options.mesh, options.timeout))
 
 
 def build_groups(

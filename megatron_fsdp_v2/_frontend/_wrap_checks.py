@@ -276,7 +276,18 @@ def unit_signature(
     timeout: timedelta | None = None, max_padding_ratio: float | None = None, **extra: Any,
 ) -> list[str]:
     """What every rank must agree on, one line per item, for :func:`check_ranks_agree`.
-    ``extra``: further ``fully_shard`` arguments that change which collectives run, or when."""
+    ``extra``: further ``fully_shard`` arguments that change which collectives run, or when.
+
+    Every argument that changes the collectives or the numbers is here, directly or through
+    what it resolves to: the mesh (its shape on a 2-D mesh; ``dp_mesh_dims`` resolves to it),
+    both strategies, ``reshard_after_forward``, the dtypes, the scaling, the padding (the
+    layouts), ``timeout``, ``overlap``, ``sync_module_states``, ``collective_impl``, the bucket
+    sizes, meta initialization, and the managed parameters (``ignored_params``,
+    ``shard_placement_fn``). Not here: ``enable_trace_pool`` (where scratch buffers live, not
+    which collectives run), ``offload_policy`` (only no offload is accepted) and
+    ``check_ranks`` itself (a rank that skips the check cannot report that it skipped it).
+    Groups that only some values create (HSDP outer ``optim``'s whole-mesh group) are created
+    after this check, so a disagreement on them is reported, not waited out."""
     lines = [
         f"module class: {type(module).__name__}",
         f"sharding_strategy: {strategy.value}",

@@ -35,8 +35,7 @@ pytestmark = pytest.mark.skipif(not mops.HAS_EXTENSION, reason="megatron_fsdp_v2
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_many_segments_split_launches():
-    """More inputs than one launch's table holds (512), misaligned slots, and one amax slot
-    shared by inputs of different tables (all slots are zeroed before any table runs)."""
+    """More inputs than one launch's table holds (512) and misaligned slots."""
     g = torch.Generator().manual_seed(0)
     sizes = torch.randint(0, 3000, (1300,), generator=g).tolist()
     inputs = [_spread((n,), torch.bfloat16, "cuda", seed=i) for i, n in enumerate(sizes)]
@@ -44,14 +43,30 @@ def test_cuda_many_segments_split_launches():
     scales = [torch.tensor(0.3 + i % 5, device="cuda") for i in range(len(sizes))]
     flat = _garbage_fp8(offsets[-1] + sizes[-1], torch.float8_e4m3fn, "cuda")
     _run_and_check(_ops(), inputs, scales, offsets, flat, torch.float8_e4m3fn)
-    # One slot for the first and last input, 1000 positions apart (different tables).
-    shared = torch.full((), -1.0, device="cuda")
-    ends = [inputs[0], inputs[-1]]
-    padding = [torch.empty(0, device="cuda")] * 1000
-    slots = [shared, *[torch.empty((), device="cuda") for _ in padding], shared]
-    _ops().fp8_quantize_([ends[0], *padding, ends[1]], [scales[0]] * 1002,
-                         [0, *[0] * 1000, flat.numel() - sizes[-1]], flat, slots)
-    assert_amax_equal(shared, torch.maximum(torch_amax(ends[0]), torch_amax(ends[1])))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_amax_slot_shared_by_inputs_1000_apart(device):
+    """One amax slot for the first and the last of 1002 inputs, 1000 empty inputs between them:
+    on CUDA they are in different launch tables (512 inputs each), and every slot is zeroed
+    before any table runs, so the slot gets the max over both. The empty inputs share the
+    others' dtype: one call takes one input dtype (``fp8_quantize_``'s contract; a float32
+    tensor among bf16 ones is refused with a dtype mismatch on every device)."""
+    first = _spread((2999,), torch.bfloat16, device, seed=1)
+    last = _spread((1501,), torch.bfloat16, device, seed=2)
+    padding = [torch.empty(0, dtype=first.dtype, device=device)] * 1000
+    scale = torch.tensor(0.3, device=device)
+    shared = torch.full((), -1.0, device=device)
+    slots = [shared, *[torch.full((), -1.0, device=device) for _ in padding], shared]
+    flat = _garbage_fp8(1 + first.numel() + last.numel(), torch.float8_e4m3fn, device)
+    expected = flat.clone()
+    expected[1:1 + first.numel()] = torch_quantize(first, scale, torch.float8_e4m3fn)
+    expected[-last.numel():] = torch_quantize(last, scale, torch.float8_e4m3fn)
+    _ops().fp8_quantize_([first, *padding, last], [scale] * 1002,
+                         [1, *[0] * 1000, flat.numel() - last.numel()], flat, slots)
+    assert_bytes_equal(flat, expected)
+    assert_amax_equal(shared, torch.maximum(torch_amax(first), torch_amax(last)))
+    assert all(slot.item() == 0.0 for slot in slots[1:-1])  # an empty input's amax is 0
 
 
 @pytest.mark.gpu

@@ -1,7 +1,21 @@
 """A flat group's compute weights made ready and freed: bound as views of the unsharded
 buffer, gathered (ZeRO-3) or refreshed from updated main weights through ``_gather.py`` (see
 [Note: replicated-buffer refresh] there), waited on and freed. A part of
-:class:`~._flat_param_group.FlatParamGroup`, whose buffers and state it works on."""
+:class:`~._flat_param_group.FlatParamGroup`, whose buffers and state it works on.
+
+[Note: gathered weights never older than the main weights]
+Gathered (ZeRO-3) weights can outlive the hook that would free them: kept past a backward
+(``set_reshard_after_backward(False)``, ``reshard_after_forward=False``; [Note: keeping
+gathered weights] in ``_unit_state.py``) or gathered by the user's ``unshard()``. An optimizer
+step or an edit of the main weights in between makes them stale, and the next forward, which
+finds them gathered, would compute with the weights from before the step (FSDP2 does, after
+``unshard()``). Each group counts the changes of its main weights (``main_generation``: every
+``mark_main_weights_updated``, which the optimizer step hooks and the root's pre-forward check
+of the parameters' version counters call) and records the count its weights were gathered at;
+a unit's pre-forward frees gathered weights whose count is behind
+(:meth:`ComputeWeights.drop_stale_gathered`) and gathers them again. One integer comparison per
+group and forward; nothing is read from the device.
+"""
 
 from __future__ import annotations
 
@@ -59,6 +73,8 @@ class ComputeWeights:
     _weights_stale: bool
     _pending_weights: Pending | None
     _main_version: int
+    main_generation: int
+    _gathered_generation: int
 
     if TYPE_CHECKING:  # defined by FlatParamGroup
         def temporary_key(self, role: str) -> tuple[tuple[int, int], str]: ...
@@ -126,9 +142,18 @@ class ComputeWeights:
 
     def mark_main_weights_updated(self) -> None:
         """The main weights changed: rebuild compute weights before their next use (a no-op
-        where compute weights are the main weights)."""
+        where compute weights are the main weights), and gather again weights gathered before
+        (see [Note: gathered weights never older than the main weights])."""
+        self.main_generation += 1
         if self.plan.refresh is not Refresh.NONE:
             self._weights_stale = True
+
+    def drop_stale_gathered(self) -> bool:
+        """Before a forward: free gathered weights gathered before the main weights last
+        changed, so the forward gathers them again; returns whether it freed them."""
+        if self._gathered and self._gathered_generation != self.main_generation:
+            return self.free_gathered_weights()
+        return False
 
     def dist_param_version(self) -> int:
         """The sum of the optimizer-facing parameters' version counters: changes with every
@@ -160,6 +185,7 @@ class ComputeWeights:
     def _gather(self, async_op: bool) -> bool:
         if self._gathered:
             return False
+        self._gathered_generation = self.main_generation
         if self.extension is not None:
             outer = None  # HSDP outer optim: the inner shard's FP8 bytes are rebuilt first
             if self._weights_stale and \

@@ -165,6 +165,9 @@ class FlatParamGroup(ComputeWeights):
         self.refresh_bucket: RefreshBucket | None = None
         self._gathered = False
         self._main_version = self.dist_param_version()
+        # [Note: gathered weights never older than the main weights] (in _compute_weights.py).
+        self.main_generation = 0
+        self._gathered_generation = 0
 
     # ------------------------------------------------------------------ records
 
@@ -351,14 +354,15 @@ class FlatParamGroup(ComputeWeights):
         """Follow ``requires_grad_`` calls on the optimizer-facing parameters after wrapping:
         the compute parameters autograd sees must agree with them."""
         changed = False
-        for record in self.records:
+        for index, record in enumerate(self.records):
             wanted = record.dist_param.requires_grad
             if record.compute_param.requires_grad != wanted:
                 record.compute_param.requires_grad_(wanted)
                 changed = True
+                if not wanted:  # what it accumulated so far stays its gradient
+                    self.grads.note_frozen(index)
         if changed:
             self.requires_grad = any(r.dist_param.requires_grad for r in self.records)
-            self.grads.forget_views()  # views exist only for parameters that train
 
     def temporary_key(self, role: str) -> tuple[tuple[int, int], str]:
         """The allocator key of this group's scratch buffer ``role`` (see the plan's

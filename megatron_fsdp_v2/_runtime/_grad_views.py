@@ -20,6 +20,11 @@ micro-batch of a window. Per parameter, as in single-process torch:
   hand-written one, issues the same collectives everywhere (see [Note: clipping collectives]
   in ``utils.py``). A parameter this rank did not use and holds no rows of stays ``None``:
   another rank's use cannot show in values this rank does not hold.
+* A parameter frozen (``requires_grad_(False)``) in the middle of a window keeps what it
+  accumulated before, as torch's ``.grad`` does: its view is installed like a trained one's
+  (``_frozen_in_window``; the group still reduces at the window's end even when none of its
+  parameters trains any more). A gradient installed before it was frozen stays installed until
+  the user clears it.
 * Between the step and the next backward, :meth:`GroupGrads.sweep` takes in what the user
   did: all set to ``None`` (``optimizer.zero_grad()``): free the storage. Some set to ``None``
   (an optimizer over part of a unit): zero those, so they start afresh while the others keep
@@ -58,10 +63,11 @@ class OptimizerGrads:
     state: GradState
     _main_grad: torch.Tensor | None
     pending_install: bool
-    _views: list[DTensor | None] | None
+    _views: list[DTensor] | None
     _installed: list[DTensor | None]
     _any_installed: bool
     _received: list[bool]
+    _frozen_in_window: list[bool]
     _zero_marks: ZeroMarks
     _window_issued: bool
     _path_read: bool
@@ -73,22 +79,23 @@ class OptimizerGrads:
         def release_storage(self) -> None: ...
         def restart_accumulation_from_zeros(self) -> None: ...
 
-    def forget_views(self) -> None:
-        self._views = None
-
-    def view(self, index: int) -> DTensor | None:
-        """Parameter ``index``'s gradient view (zero rows for an empty local shard; None: not
-        trained)."""
+    def view(self, index: int) -> DTensor:
+        """Parameter ``index``'s gradient view (zero rows for an empty local shard). Built for
+        every parameter, trained or not: one frozen after it received a gradient keeps it."""
         if self._views is None:
             group = self.group
             local = self.main_grad_local()
-            self._views = []
-            for i, record in enumerate(group.records):
-                rows = group.local_view(local, i)
-                self._views.append(
-                    group.to_dtensor(rows, i) if record.dist_param.requires_grad else None
-                )
+            self._views = [
+                group.to_dtensor(group.local_view(local, i), i) for i in range(len(group.records))
+            ]
         return self._views[index]
+
+    def note_frozen(self, index: int) -> None:
+        """Parameter ``index`` stopped requiring gradients: what it accumulated in this window
+        stays its gradient (torch's ``.grad`` is not cleared by ``requires_grad_(False)``).
+        Marked whatever this rank holds: another rank may have accumulated for it, which only
+        the reduced values show (the install reads them, as for a parameter unused here)."""
+        self._frozen_in_window[index] = True
 
     @traced("mfsdp::install")
     def install(self) -> None:
@@ -97,15 +104,19 @@ class OptimizerGrads:
             return
         self.ensure_main_grad()
         records = self.group.records
-        views = [self.view(index) for index in range(len(records))]
+        views: list[DTensor | None] = [self.view(index) for index in range(len(records))]
         # No gradient here, none installed: None unless another rank's use shows in the
         # reduced values (the one host read left; see [Note: gradients known without a host
-        # read] in _zeroed_grads.py), read for all such parameters at once.
+        # read] in _zeroed_grads.py), read for all such parameters at once. A parameter that
+        # does not train gets None, unless it was frozen inside this window.
         unknown = []
         for index, view in enumerate(views):
-            if view is None or self._received[index] or self._installed[index] is not None:
+            assert view is not None
+            if self._received[index] or self._installed[index] is not None:
                 continue
-            if view._local_tensor.numel() == 0:  # no rows here: nothing to read
+            if not records[index].dist_param.requires_grad and not self._frozen_in_window[index]:
+                views[index] = None
+            elif view._local_tensor.numel() == 0:  # no rows here: nothing to read
                 views[index] = None
             else:
                 unknown.append((index, view))
@@ -119,6 +130,7 @@ class OptimizerGrads:
             self._installed[index] = view
             any_installed |= view is not None
         self._received = [False] * len(self._received)
+        self._frozen_in_window = [False] * len(self._frozen_in_window)
         self.pending_install = False
         self._window_issued = False
         self._path_read = False
@@ -173,9 +185,7 @@ class OptimizerGrads:
         known_zero = not replaced and self._zero_marks.all_zero(live, main_grad._version)
         self._zero_marks.clear()
         for index in cleared:
-            view = self.view(index)
-            assert view is not None
-            view._local_tensor.zero_()
+            self.view(index)._local_tensor.zero_()
         if (
             self.group.plan.grad_path is not GradPath.ACCUMULATE_THEN_REDUCE
             or self.state is not GradState.REDUCED

@@ -67,11 +67,15 @@ class GroupGrads(GradStaging, OptimizerGrads):
         self.coalescer: ReductionCoalescer | None = None
         self._coalesced: Pending | None = None
         n = len(group.records)
-        self._views: list[DTensor | None] | None = None
+        self._views: list[DTensor] | None = None
         self._installed: list[DTensor | None] = [None] * n
         self._any_installed = False
         # Parameters that received a gradient on this rank since the last install.
         self._received = [False] * n
+        # Parameters frozen (``requires_grad_(False)``) since the last install: what they
+        # accumulated in the window before stays theirs, as in torch (see [Note: gradients the
+        # optimizer sees]).
+        self._frozen_in_window = [False] * n
         # Installed views an optimizer zeroed in place (see [Note: gradients known without a
         # host read] in _zeroed_grads.py).
         self._zero_marks = ZeroMarks(n)
@@ -146,7 +150,9 @@ class GroupGrads(GradStaging, OptimizerGrads):
         place) and run the plan's gradient path (see the table in design.md §4). Returns
         whether anything was staged or reduced."""
         group = self.group
-        if not group.requires_grad:
+        if not group.requires_grad and not self.pending_install:
+            # Nothing trains and nothing is held: no reduction. A group frozen in the middle
+            # of a window still reduces what its earlier micro-batches accumulated.
             return False
         armed, self._armed = self._armed, None
         if armed is None:
@@ -333,6 +339,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
                 record.dist_param.grad = None
             record.compute_param.grad = None
         self._received = [False] * len(self._received)
+        self._frozen_in_window = [False] * len(self._frozen_in_window)
         self.pending_install = False
         self._window_issued = False
         self._path_read = False

@@ -176,7 +176,11 @@ class UnitState:
 
     def drop_stale_kept_weights(self) -> None:
         """Before a forward: free kept weights if the main weights changed since they were
-        kept (after a backward; or after a forward that no backward followed)."""
+        kept (after a backward; or after a forward that no backward followed), and weights
+        gathered (kept, or by ``unshard()``) before the main weights last changed (see [Note:
+        gathered weights never older than the main weights] in ``_compute_weights.py``)."""
+        for group in self.groups:
+            group.drop_stale_gathered()
         if self._kept_version is None:
             return
         if self._kept_version != self._main_version() or any(

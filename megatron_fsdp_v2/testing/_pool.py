@@ -44,6 +44,18 @@ parent has when the pool starts (the server's is the one of its own start). A te
 its own heavy imports with :func:`preload_in_server` (``tests/conftest.py``: the Hugging Face
 model classes, torchao), and a rank freezes what it inherits out of the garbage collector's
 sight (``gc.freeze()``), so a full collection walks only what the tasks allocate.
+
+The server must never ask the CUDA driver anything: ``torch.cuda.is_available()`` (and
+``device_count()`` when NVML cannot answer) calls ``cudaGetDeviceCount``, which registers torch's
+fork handler, and every process forked after that is a "bad fork" whose first CUDA call raises
+"Cannot re-initialize CUDA in forked subprocess": a server that did it starts ranks that cannot
+use the GPU. torch, torch._dynamo and this library ask nothing at import; torchao's float8 and
+transformers call ``torch.cuda.is_available()`` at import. So the suite's modules are preloaded
+only where this process sees no CUDA device (the CPU suite, where they save seconds per rank);
+where CUDA is usable the ranks import them themselves. (``PYTORCH_NVML_BASED_CUDA_CHECK=1`` is
+no fix: torch falls back to ``cudaGetDeviceCount`` whenever NVML fails, and a module may ask
+more than ``is_available()``.) ``tests/test_fork_server_cuda.py`` checks a rank of a server
+started as on a GPU machine is not a bad fork.
 """
 
 from __future__ import annotations
@@ -72,7 +84,10 @@ class DistributedTestError(AssertionError):
 
 # Imported once by the fork server, not by every rank (see [Note: ranks fork from a preloaded
 # server]); a module missing here is only slower to start (multiprocessing skips ImportError).
+# None of them asks the CUDA driver anything at import.
 _SERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megatron_fsdp_v2"]
+# Added by preload_in_server: other projects' modules, which may ask torch about CUDA at import.
+_SUITE_PRELOAD: list[str] = []
 
 
 def preload_in_server(*modules: str) -> None:
@@ -81,15 +96,30 @@ def preload_in_server(*modules: str) -> None:
     For heavy modules many ranks import (a test suite's ``conftest.py``: Hugging Face models
     take seconds per process). Takes effect when the server starts, i.e. called before the first
     pool of the process; a module that cannot be imported is skipped (the ranks import it
-    themselves, or fail as they would have).
+    themselves, or fail as they would have). Where this process sees a CUDA device they are not
+    preloaded: a module that asks torch about CUDA at import (torchao's float8 does) would leave
+    every rank unable to use CUDA (see [Note: ranks fork from a preloaded server]).
     """
-    _SERVER_PRELOAD.extend(m for m in modules if m not in _SERVER_PRELOAD)
+    _SUITE_PRELOAD.extend(m for m in modules if m not in _SUITE_PRELOAD + _SERVER_PRELOAD)
+
+
+def _cuda_usable() -> bool:
+    """Whether ranks may use CUDA. Asked here, in the pool's owner: the fork server is a new
+    interpreter (multiprocessing execs it), so this process's CUDA state is not inherited."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _server_preload(cuda_usable: bool) -> list[str]:
+    """What the fork server imports: the suite's modules only where no rank can use CUDA."""
+    return _SERVER_PRELOAD + ([] if cuda_usable else _SUITE_PRELOAD)
 
 
 def _context() -> Any:
     """The multiprocessing context ranks start from: forked from the preloaded server."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_SERVER_PRELOAD)
+    ctx.set_forkserver_preload(_server_preload(_cuda_usable()))
     return ctx
 
 

@@ -37,6 +37,7 @@ from .. import _registry
 from .._profiling import traced
 from ._flat_param_group import FlatParamGroup
 from ._grads import finalize_unsynchronized
+from ._optimizer_checks import sharded_step_refusal
 from ._optimizer_local import restore, swap_in_local_tensors
 from ._state_dict_hooks import (
     optimizer_load_state_dict_post_hook,
@@ -78,6 +79,9 @@ class _OptimizerGroups:
     generation: int
     groups: list[FlatParamGroup] = field(default_factory=list)
     stale_params: list[str] = field(default_factory=list)
+    # Why this optimizer may not step on these groups (see [Note: optimizers that read across
+    # parameters]); None: it may.
+    refusal: str | None = None
     # Per group, the indices of the parameters this optimizer holds.
     members: list[tuple[FlatParamGroup, list[int]]] = field(default_factory=list)
 
@@ -108,6 +112,7 @@ def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
                 info.groups.append(record.group)
                 info.members.append((record.group, indices[id(record.group)]))
             indices[id(record.group)].append(record.index)
+    info.refusal = sharded_step_refusal(optimizer, info.groups)
     _registry.optimizer_cache[optimizer] = info
     if info.groups:
         install_state_dict_hooks(optimizer)
@@ -125,7 +130,9 @@ def install_state_dict_hooks(optimizer: torch.optim.Optimizer) -> None:
 
 
 @traced("mfsdp::optimizer_pre_step")
-def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _optimizer_pre_step(
+    optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+) -> tuple[Any, Any] | None:
     info = _optimizer_groups(optimizer)
     if info.stale_params:
         raise RuntimeError(
@@ -135,12 +142,34 @@ def _optimizer_pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
             "Build the optimizer after fully_shard (after wrapping the root), from "
             "model.parameters()"
         )
+    if info.refusal is not None:
+        raise NotImplementedError(info.refusal)
     finalize_unsynchronized(info.groups, "optimizer.step()")
     # Marked before the step too: a step that raises half-way has still changed main weights.
     for group in info.groups:
         group.mark_main_weights_updated()
     if info.groups:
         swap_in_local_tensors(optimizer)
+    # torch passes the step's arguments with the optimizer first: (optimizer, closure?).
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    if closure is None or optimizer not in _registry.local_step_swaps:
+        return None
+    # The closure (zero_grad, forward, backward) runs inside the step, after the swap: on the
+    # local tensors it would clear their gradients while backward fills the DTensors', and
+    # the step would see none. It runs on the DTensor parameters, the swap redone after it.
+    if len(args) > 1:
+        return (args[0], _on_dtensors(optimizer, closure), *args[2:]), kwargs
+    return args, {**kwargs, "closure": _on_dtensors(optimizer, closure)}
+
+
+def _on_dtensors(optimizer: torch.optim.Optimizer, closure: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        restore(optimizer)
+        try:
+            return closure()
+        finally:
+            swap_in_local_tensors(optimizer)
+    return run
 
 
 def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -45,10 +45,14 @@ __all__ = [
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+    # Rprop's masked assignments (``sign[sign.gt(0)] = etaplus``) are in-place index_put_ on a
+    # sharded mask, which DTensor refuses; on the local rows they are what one process does.
+    torch.optim.Rprop,
 )
 # Their state tensors shaped like the parameter (DTensors under the DTensor step); ``step`` is
 # a plain scalar tensor either way.
-_PER_PARAM_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"})
+_PER_PARAM_STATE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
+                              "prev", "step_size"})
 
 
 @dataclass

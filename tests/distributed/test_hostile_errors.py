@@ -10,11 +10,24 @@ transport's timeout.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from _bad_input import expect_rejected
+from _silent_wrong import (
+    STEPS,
+    STRATEGIES,
+    WORLD,
+    _assert_params,
+    _assert_unchanged,
+    _batches,
+    _expect_raises,
+    _setup,
+    _snapshot,
+)
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import fully_shard
@@ -56,3 +69,87 @@ def _outer_strategy_disagrees(rank: int, world: int) -> None:
 def test_outer_strategy_disagreement_is_caught(ranks: RankPools) -> None:
     """Item 8: ``outer_dp_sharding_strategy`` is in the wrap-time rank check."""
     ranks.run(_outer_strategy_disagrees, 4, timeout_s=90)
+
+
+# ---------------------------------------------------------------------- 12. optimizers
+
+
+class _NormalizedSGD(torch.optim.Optimizer):
+    """An optimizer unknown to the library that reads across each parameter: every update is
+    the gradient divided by its mean absolute value (a reduction over all of its elements)."""
+
+    def __init__(self, params: Any, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # noqa: ARG002 - torch's signature
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.abs().mean() + 1e-3), alpha=-group["lr"])
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "SGD":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.9)
+    if name == "Rprop":
+        return torch.optim.Rprop(params, lr=1e-2)
+    if name == "Adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2)
+    if name == "LBFGS":
+        return torch.optim.LBFGS(params, lr=0.5, max_iter=3, history_size=4)
+    return _NormalizedSGD(params)
+
+
+# What each strategy must do with each optimizer: train exactly (None), or refuse at the first
+# step naming the strategy that works.
+_CROSS_PARAMETER = ("Adafactor", "LBFGS")
+
+
+def _optimizer_case(rank: int, strategy: str, name: str) -> None:
+    model, ref = _setup(strategy)
+    opt, ref_opt = _optimizer(name, model.parameters()), _optimizer(name, ref.parameters())
+    refused = strategy != "no_shard" and name in _CROSS_PARAMETER
+    for step, micro in enumerate(_batches(STEPS)):
+        parts = micro[0]
+        x, y = parts[rank]
+        whole_x, whole_y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        def ref_closure() -> torch.Tensor:
+            ref_opt.zero_grad()
+            loss = F.mse_loss(ref(whole_x), whole_y)
+            loss.backward()
+            return loss
+
+        if refused:
+            closure()
+            before = _snapshot(model)
+            with _expect_raises(NotImplementedError, type(opt).__name__, "sharding_strategy=",
+                                "'no_shard'", what=f"{name} under {strategy}"):
+                opt.step(closure)
+            _assert_unchanged(model, before, f"{name} under {strategy}: the refused step")
+            return
+        opt.step(closure)
+        ref_opt.step(ref_closure)
+        _assert_params(model, ref, f"{name} under {strategy}, step {step}")
+
+
+def _optimizers(rank: int, world: int) -> None:
+    for strategy in STRATEGIES:
+        for name in ("SGD", "Rprop", "Adafactor", "LBFGS", "normalized"):
+            _optimizer_case(rank, strategy, name)
+
+
+def test_optimizers_not_elementwise(ranks: RankPools) -> None:
+    """Item 12: SGD and Rprop (elementwise; they step with a closure here, as LBFGS needs
+    one) and an unknown optimizer that reduces over each parameter train exactly like one
+    process under every strategy; Adafactor and LBFGS (which read across a parameter, or
+    across parameters) train exactly under ``no_shard`` and are refused at their first step
+    under the sharded strategies, naming ``no_shard``, with nothing changed."""
+    ranks.run(_optimizers, WORLD, timeout_s=240)

@@ -350,7 +350,11 @@ class FSDPState(UnitState):
         self.register_dist_params()
         ctx = self.ctx
         assert ctx is not None
-        if self.reshard_after_backward or self.is_last_backward:
+        # A backward with create_graph=True (grad mode on inside it: a gradient penalty's
+        # autograd.grad) built a graph that saved the gathered weights; a later backward through
+        # it reads them, so they stay gathered until the next backward without it, or the next
+        # forward (which gathers again if a step changed the main weights).
+        if (self.reshard_after_backward or self.is_last_backward) and not torch.is_grad_enabled():
             if self.reshard():
                 ctx.log("reshard", self)
         else:

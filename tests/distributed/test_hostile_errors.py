@@ -21,12 +21,17 @@ from _silent_wrong import (
     STEPS,
     STRATEGIES,
     WORLD,
+    _adamw,
+    _assert_grads,
+    _assert_outputs,
     _assert_params,
     _assert_unchanged,
     _batches,
     _expect_raises,
+    _rank_rows,
     _setup,
     _snapshot,
+    _step_both,
 )
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -153,3 +158,43 @@ def test_optimizers_not_elementwise(ranks: RankPools) -> None:
     across parameters) train exactly under ``no_shard`` and are refused at their first step
     under the sharded strategies, naming ``no_shard``, with nothing changed."""
     ranks.run(_optimizers, WORLD, timeout_s=240)
+
+
+# ---------------------------------------------------------------------- 13. gradient penalty
+
+
+def _penalty_case(rank: int, strategy: str) -> None:
+    """A gradient penalty on the inputs (WGAN-GP style): ``autograd.grad(loss, x,
+    create_graph=True)``, then ``(loss + |dloss/dx|^2).backward()``, whose second backward runs
+    through the graph of the first, which saved the gathered weights."""
+    model, ref = _setup(strategy)
+    opt, ref_opt = _adamw(model.parameters()), _adamw(ref.parameters())
+    for step, micro in enumerate(_batches(STEPS)):
+        parts = micro[0]
+        where = f"{strategy} step {step}"
+        x = parts[rank][0].clone().requires_grad_()
+        whole_x = torch.cat([p[0] for p in parts]).requires_grad_()
+        out, ref_out = model(x), ref(whole_x)
+        _assert_outputs(out, ref_out[_rank_rows(rank)], model, ref, where)
+        loss = F.mse_loss(out, parts[rank][1])
+        ref_loss = F.mse_loss(ref_out, torch.cat([p[1] for p in parts]))
+        (grad_x,) = torch.autograd.grad(loss, x, create_graph=True)
+        (ref_grad_x,) = torch.autograd.grad(ref_loss, whole_x, create_graph=True)
+        # Rank r's loss is the mean over its rows: its input gradient is WORLD times the
+        # reference's rows (the reference averages over every rank's rows).
+        (loss + grad_x.pow(2).sum() / WORLD).backward()
+        (ref_loss + (ref_grad_x * WORLD).pow(2).sum() / WORLD**2).backward()
+        _assert_grads(model, ref, where)
+        _step_both(opt, ref_opt)
+    _assert_params(model, ref, f"{strategy}: after the penalty steps")
+
+
+def _penalties(rank: int, world: int) -> None:
+    for strategy in STRATEGIES:
+        _penalty_case(rank, strategy)
+
+
+def test_gradient_penalty(ranks: RankPools) -> None:
+    """Item 13: a gradient penalty (``create_graph=True``) trains exactly like one process under
+    every strategy, ZeRO-3 included (whose gathered weights the penalty's backward reads)."""
+    ranks.run(_penalties, WORLD, timeout_s=240)

@@ -98,12 +98,16 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 MiB = 1 << 20
 LAYOUTS = ("a", "a_staged", "b", "c", "c_staged")
+# Not in the default set: (c) with its per-parameter collectives issued one by one
+# (async_op=True, waited together) instead of coalesced: what the coalescing manager buys.
+EXTRA_LAYOUTS = ("c_uncoalesced",)
 LABELS = {
     "a": "(a) rows, in place",
     "a_staged": "(a) rows, grads staged",
     "b": "(b) FSDP2 copy-in/out",
     "c": "(c) chunk rows, param-major",
     "c_staged": "(c) chunk rows, grads staged",
+    "c_uncoalesced": "(c) not coalesced",
 }
 QUICK = dict(model_size="small", rounds=3, repeats=1)
 
@@ -440,9 +444,10 @@ class ChunkRows(LayoutState):
     """(c)."""
 
     def __init__(self, group: Group, params: list[torch.Tensor], grads: list[torch.Tensor],
-                 world: int, rank: int, staged: bool) -> None:
-        self.kind = "c_staged" if staged else "c"
+                 world: int, rank: int, staged: bool, coalesce: bool = True) -> None:
+        self.kind = "c_staged" if staged else ("c" if coalesce else "c_uncoalesced")
         self.world, self.rank, self.staged, self.grads = world, rank, staged, grads
+        self.coalesce = coalesce
         self.plan = plan = chunk_plan(group.shapes, world)
         device = params[0].device
         self.shard = torch.zeros(plan.shard_numel, device=device)
@@ -462,7 +467,8 @@ class ChunkRows(LayoutState):
             self.grad_views[-1].copy_(g)  # autograd's in-place accumulation into the aliases
             lo, hi = chunk_range(p.shape[0], world, rank)
             self.segments[-1][:(hi - lo) * plan.rows[i]].copy_(p[lo:hi].reshape(-1))
-        self.launches, self.collectives = 2, 2 * len(group.shapes)
+        self.collectives = 2 * len(group.shapes)
+        self.launches = 2 if coalesce else self.collectives
         self.sent_bytes = 2 * _ring(plan.unsharded_numel, world)
         self.copy_bytes = 4 * group.numel if staged else 0
         self.padding, self.content = plan.padding_numel("c"), group.numel
@@ -470,6 +476,13 @@ class ChunkRows(LayoutState):
                                + (group.numel if staged else 0))
 
     def gather(self) -> None:
+        if not self.coalesce:
+            works = [_all_gather(out, inp, async_op=True)
+                     for out, inp in zip(self.regions, self.segments)]
+            for work in works:
+                assert work is not None
+                work.wait()
+            return
         with dist._coalescing_manager(async_ops=True) as cm:
             for out, inp in zip(self.regions, self.segments):
                 _all_gather(out, inp)
@@ -478,6 +491,13 @@ class ChunkRows(LayoutState):
     def reduce(self) -> None:
         if self.staged:
             torch._foreach_copy_(self.grad_views, self.grads)
+        if not self.coalesce:
+            works = [_reduce_scatter(out, inp, async_op=True)
+                     for out, inp in zip(self.grad_segments, self.grad_regions)]
+            for work in works:
+                assert work is not None
+                work.wait()
+            return
         with dist._coalescing_manager(async_ops=True) as cm:
             for out, inp in zip(self.grad_segments, self.grad_regions):
                 _reduce_scatter(out, inp)
@@ -506,9 +526,11 @@ def make_layout(kind: str, group: Group, params: list[torch.Tensor],
         return Rows(group, params, grads, world, rank, staged=kind == "a_staged", plan=rows)
     if kind == "b":
         return Fsdp2(group, params, grads, world, rank)
-    if kind in ("c", "c_staged"):
-        return ChunkRows(group, params, grads, world, rank, staged=kind == "c_staged")
-    raise ValueError(f"unknown layout {kind!r}; expected one of {', '.join(LAYOUTS)}")
+    if kind in ("c", "c_staged", "c_uncoalesced"):
+        return ChunkRows(group, params, grads, world, rank, staged=kind == "c_staged",
+                         coalesce=kind != "c_uncoalesced")
+    raise ValueError(f"unknown layout {kind!r}; expected one of "
+                     f"{', '.join(LAYOUTS + EXTRA_LAYOUTS)}")
 
 
 def check(state: LayoutState, params: list[torch.Tensor],
@@ -766,7 +788,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--world", type=int, default=None,
                    help="ranks (default: 4 on CPU, the GPU count on CUDA)")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="subset of " + ", ".join(LAYOUTS))
+    p.add_argument("--layouts", default=",".join(LAYOUTS),
+                   help="comma-separated, of " + ", ".join(LAYOUTS + EXTRA_LAYOUTS))
     p.add_argument("--rounds", type=int, default=15, help="timed rounds per layout and run")
     p.add_argument("--repeats", type=int, default=3,
                    help="independent runs (fresh process groups); median and range of their "
@@ -786,9 +809,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if getattr(args, key) == p.get_default(key):
                 setattr(args, key, value)
     args.layouts = [k.strip() for k in args.layouts.split(",") if k.strip()]
-    unknown = [k for k in args.layouts if k not in LAYOUTS]
+    unknown = [k for k in args.layouts if k not in LAYOUTS + EXTRA_LAYOUTS]
     if unknown or not args.layouts:
-        p.error(f"--layouts takes a subset of {', '.join(LAYOUTS)}, got {unknown or 'none'}")
+        p.error(f"--layouts takes some of {', '.join(LAYOUTS + EXTRA_LAYOUTS)}, "
+                f"got {unknown or 'none'}")
     if args.device == "cuda":
         if not torch.cuda.is_available():
             p.error("--device cuda needs a GPU")

@@ -58,7 +58,7 @@ def test_rows_plan_padding_is_the_librarys() -> None:
     assert bench.rows_padding(parts, shapes) == build_layout(shapes, 4).padding_numel
 
 
-@pytest.mark.parametrize("kind", bench.LAYOUTS)
+@pytest.mark.parametrize("kind", bench.LAYOUTS + bench.EXTRA_LAYOUTS)
 def test_every_layout_is_right_at_one_rank(one_rank: None, kind: str) -> None:
     for index, group in enumerate([ODD, bench.gpt_groups("tiny")[0]]):
         params, grads = bench.group_data(group, index, 1, torch.device("cpu"))
@@ -90,8 +90,8 @@ def test_three_gloo_ranks_on_uneven_shapes() -> None:
     warm-up and its timed round; a mismatch would fail the launch."""
     world = 3
     groups = [ODD, bench.gpt_groups("tiny")[0]]
-    a = dict(world=world, layouts=list(bench.LAYOUTS), rounds=1, threads=1, timeout=120,
-             device="cpu", groups=groups,
+    a = dict(world=world, layouts=list(bench.LAYOUTS + bench.EXTRA_LAYOUTS), rounds=1,
+             threads=1, timeout=120, device="cpu", groups=groups,
              rows_plans=[bench.rows_plan(g.shapes, world) for g in groups])
     out = bench.launch(a)
     assert out["params"] == sum(g.numel for g in groups)
@@ -101,4 +101,5 @@ def test_three_gloo_ranks_on_uneven_shapes() -> None:
     assert out["b"]["padding"] == 3 + 0 + 2 + 8 + 16 + gpt_pad
     assert out["c"]["collectives"] == 2 * (len(ODD.shapes) + len(groups[1].shapes))
     assert out["b"]["copy"] > 0 and out["a"]["copy"] == out["c"]["copy"] == 0
-    assert all(len(out[k]["times"]) == 1 for k in bench.LAYOUTS)
+    assert out["c_uncoalesced"]["launches"] == out["c"]["collectives"]
+    assert all(len(out[k]["times"]) == 1 for k in bench.LAYOUTS + bench.EXTRA_LAYOUTS)

@@ -429,3 +429,30 @@ def test_python_is_preferred_when_on_path(tmp_path: Path, lent_machine: dict[str
     proc, _ = _fake_run(tmp_path, lent_machine, "--plan", names=("python", "python3"))
     assert proc.returncode == 0, proc.stdout
     assert f"### interpreter: python ({tmp_path / 'bin' / 'python'})" in proc.stdout, proc.stdout
+
+
+def test_env_probe_on_a_bare_interpreter(tmp_path: Path) -> None:
+    """The real probe on an interpreter with nothing installed (a venv without pip or site
+    packages): no pip so ``setup.py``, pytest only from the carried folder, torch's import
+    error as the answer; the script then fails on the environment, naming it, runs nothing."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    deps = tmp_path / "gpu_deps"
+    deps.mkdir()
+    (deps / "pytest.py").write_text("")  # what an unpacked pytest wheel offers to `import`
+    bare = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHON")}
+    probe = subprocess.run([bare, os.path.join(CHECKS, "env_probe.py"), "--deps", str(deps)],
+                           env=env, capture_output=True, text=True, timeout=120)
+    answers = dict(line.split("=", 1) for line in probe.stdout.splitlines())
+    assert probe.returncode == 0, probe
+    assert answers["build"] == "setup.py" and answers["pytest"] == "deps", answers
+    assert answers["pytest_timeout"] == "no", answers
+    assert answers["torch_error"] == "ModuleNotFoundError: No module named 'torch'", answers
+    assert "torch" not in answers and "arch" not in answers, answers
+    proc = subprocess.run(["bash", SCRIPT], cwd=ROOT, env=dict(env, PYTHON=bare,
+                          MFSDP_GPU_DEPS=str(deps)), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    [(result, note)] = _rows(proc.stdout, proc.stderr).values()
+    assert result == "FAIL" and note.endswith("No module named 'torch'"), note

@@ -8,9 +8,11 @@ at import still leaves the earlier answers:
 
     build=pip|setup.py       how to build the extension here, and ``build_reason=`` why:
                              ``pip install --no-build-isolation --no-deps --no-index -e .``
-                             needs pip and a setuptools that builds PEP 660 editable installs
+                             needs pip, a setuptools that builds PEP 660 editable installs
                              without fetching anything (64+, and the ``wheel`` package below
-                             70.1); otherwise ``setup.py build_ext --inplace``.
+                             70.1), a writable site-packages and a Python that is not
+                             "externally managed" (PEP 668: a distribution's python3);
+                             otherwise ``setup.py build_ext --inplace``.
     pytest=site|deps|missing where ``import pytest`` works: as installed, only with DIR (the
                              folder scripts/gpu_deps.sh fills) on the path, or nowhere;
                              ``pytest_timeout=yes|no`` the same for pytest-timeout.
@@ -30,6 +32,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 
 
 def say(key: str, value: object) -> None:
@@ -46,6 +49,15 @@ def build_method() -> tuple[str, str]:
         return "setup.py", f"setuptools does not import: {type(e).__name__}: {e}"
     if importlib.util.find_spec("pip") is None:
         return "setup.py", "no pip module"
+    # A distribution's own Python (PEP 668, e.g. Ubuntu's python3): pip refuses to install into
+    # it; and pip cannot write an editable install where site-packages is read-only.
+    in_venv = sys.prefix != sys.base_prefix
+    marker = os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED")
+    if not in_venv and os.path.isfile(marker) and not os.environ.get("PIP_BREAK_SYSTEM_PACKAGES"):
+        return "setup.py", f"pip refuses to install into an externally managed Python ({marker})"
+    purelib = sysconfig.get_path("purelib")
+    if not os.access(purelib, os.W_OK):
+        return "setup.py", f"{purelib} is not writable"
     version = tuple(int(part) for part in re.findall(r"\d+", setuptools.__version__)[:2])
     if version < (64, 0):
         return "setup.py", f"setuptools {setuptools.__version__} builds no PEP 660 editable install"

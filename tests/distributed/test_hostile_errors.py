@@ -10,8 +10,10 @@ transport's timeout.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -35,7 +37,10 @@ from _silent_wrong import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
+from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2._comm._arrival import arrival_wait, await_every_rank
+from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import RankPools
 
 # A wrap that leaves a collective unmatched waits this long before the transport raises; every
@@ -198,3 +203,49 @@ def test_gradient_penalty(ranks: RankPools) -> None:
     """Item 13: a gradient penalty (``create_graph=True``) trains exactly like one process under
     every strategy, ZeRO-3 included (whose gathered weights the penalty's backward reads)."""
     ranks.run(_penalties, WORLD, timeout_s=240)
+
+
+# ---------------------------------------------------------------------- 10. calls some rank skips
+
+
+def _arrivals(rank: int, world: int) -> dict[str, float]:
+    """The arrival check before collectives issued outside the step (see [Note: arrival
+    check]): a rank that calls alone is told which rank did not come, and which call, after the
+    group's timeout and before any collective; a rank that comes after the others gave up is
+    told who left; ranks that all come pass, at the cost measured here."""
+    model = fully_shard(nn.Linear(4, 4), timeout=3.0)
+    process_group = state_of(model).groups[0].process_group
+    assert arrival_wait(process_group).total_seconds() == 3.0, "the group's own timeout"
+    call = "checkpoint.get_full_state_dict (test)"
+    start = time.monotonic()
+    if rank == 0:
+        with pytest.raises(RuntimeError, match=(
+                r"checkpoint.get_full_state_dict \(test\): rank 1 of its group \(ranks \[0, 1\]\)"
+                r" did not call it within 3s \(this rank's call #1 of it on this group\); every "
+                r"rank of the group must call .*No collective was issued")):
+            await_every_rank(call, process_group)
+        assert time.monotonic() - start < 3.0 + 2.0, "waited past the group's timeout"
+    dist.barrier()  # rank 1 comes only after rank 0 gave up
+    if rank == 1:
+        with pytest.raises(RuntimeError, match=r"rank 0 of its group .* did not call it within "
+                                               r"0.5s"):
+            await_every_rank(call, process_group, timedelta(seconds=0.5))
+    dist.barrier()
+    # Every rank calls: no wait beyond the slowest rank's arrival; the group still works.
+    costs = []
+    for _ in range(20):
+        dist.barrier()
+        start = time.perf_counter()
+        await_every_rank(call, process_group)
+        costs.append(time.perf_counter() - start)
+    full = mckpt.get_full_state_dict(model)
+    if rank == 0:
+        assert set(full) == {"weight", "bias"} and full["weight"].shape == (4, 4)
+    return {"median_ms": 1e3 * sorted(costs)[len(costs) // 2]}
+
+
+def test_arrival_check_names_the_rank_that_did_not_call(ranks: RankPools) -> None:
+    """Item 10 (the mechanism): a call some rank skips fails naming that rank and the call."""
+    results = ranks.run(_arrivals, WORLD, timeout_s=120)
+    print(f"arrival check, median per call on 2 gloo ranks (FileStore): "
+          f"{results[0]['median_ms']:.2f} ms")

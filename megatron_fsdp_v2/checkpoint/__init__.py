@@ -49,6 +49,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
+from torch.distributed.checkpoint.api import CheckpointException
 
 from .._runtime._optimizer_hooks import install_state_dict_hooks
 from .._runtime._state_dict_checks import expected_entries, first_mismatch
@@ -61,8 +62,9 @@ from ._checks import (
     check_against_metadata,
     check_optim_state_dict,
 )
-from ._checksums import verify_checksums
+from ._checksums import find_unreadable_item, verify_checksums
 from ._files import atomic_save, interrupted_commit_hint, local_dir
+from ._staging import apply_staged, staging_copy
 
 __all__ = [
     "get_state_dict",
@@ -292,10 +294,23 @@ def load(
         if error is None and checksums and root is not None:
             error = verify_checksums(root, metadata, group)
     _group.raise_if_any_rank(error, group)
-    with _group.no_checkpoint_exception(f"checkpoint.load of {checkpoint_id!r}"):
-        dcp.load(state, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
+    # DCP reads into a staging copy; the model and optimizers change only once every rank read
+    # everything (see [Note: loads that change nothing until they succeeded] in _staging.py).
+    staged = staging_copy(state, complete=strict)
+    try:
+        dcp.load(staged, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
                  process_group=group,
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    except CheckpointException as exc:  # raised on every rank alike: the diagnosis is agreed
+        assert metadata is not None
+        damage = find_unreadable_item(root, metadata, group) if root is not None else None
+        damage = next((d for d in _group.all_gather(damage, group) if d is not None), None)
+        raise RuntimeError(
+            f"checkpoint.load of {checkpoint_id!r} failed, nothing was loaded (the model and "
+            f"optimizers are unchanged): {damage + '; ' if damage else ''}"
+            f"{_group.describe(exc, -1)}") from exc
+    apply_staged(state, staged)
+    del staged
     set_state_dict(
         model, optimizers, model_state_dict=state[MODEL_KEY],
         optim_state_dict=state.get(OPTIM_KEY),

@@ -6,6 +6,7 @@ the files each rank wrote, stored in ``checksums.json`` next to ``.metadata``, v
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -15,13 +16,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from ._group import rank_and_size
 
-__all__ = ["CHECKSUM_FILE", "checksum_items", "verify_checksums", "write_checksum_file",
-           "writer_rank"]
+__all__ = ["CHECKSUM_FILE", "checksum_items", "find_unreadable_item", "verify_checksums",
+           "write_checksum_file", "writer_rank"]
 
 CHECKSUM_FILE = "checksums.json"
 _CHECKSUM_FORMAT = "megatron_fsdp_v2.checksums"
@@ -164,4 +166,43 @@ def verify_checksums(
                 return (f"checkpoint '{root}' is corrupted: key '{e['fqn']}' in file '{name}' "
                         f"(bytes {e['start']}..{e['start'] + e['length']}) has crc32 "
                         f"{crc:#010x}, expected {e['crc32']:#010x}")
+    return None
+
+
+def find_unreadable_item(
+    root: Path, metadata: Metadata, process_group: dist.ProcessGroup | None
+) -> str | None:
+    """After a failed ``dcp.load``: the first item of this rank's share of the files (split
+    as for checksums) that cannot be read back, as an error naming its key and file, or
+    ``None``. Reads every item's bytes (a file that ends early is named) and deserializes each
+    tensor item DCP stored with ``torch.save`` (a damaged header is named), one item at a
+    time. No collective: the caller agrees on the result."""
+    by_file: dict[str, list[tuple[str, Any]]] = {}
+    for index, info in metadata.storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((index.fqn, info))
+    rank, size = rank_and_size(process_group)
+    sizes = {name: sum(info.length for _, info in items) for name, items in by_file.items()}
+    for name in sorted(_split_files(sizes, size)[rank]):
+        path = root / name
+        try:
+            with open(path, "rb") as f:
+                for fqn, info in sorted(by_file[name], key=lambda item: item[1].offset):
+                    f.seek(info.offset)
+                    data = f.read(info.length)
+                    if len(data) != info.length:
+                        return (f"file '{name}' of checkpoint '{root}' is truncated: it ends "
+                                f"{info.length - len(data)} bytes before the end of key "
+                                f"'{fqn}'")
+                    plain = not getattr(info, "transform_descriptors", None)
+                    tensor = isinstance(metadata.state_dict_metadata.get(fqn),
+                                        TensorStorageMetadata)
+                    if plain and tensor:
+                        try:
+                            torch.load(io.BytesIO(data), weights_only=True)
+                        except Exception as exc:  # noqa: BLE001 - reported, not raised
+                            return (f"file '{name}' of checkpoint '{root}' is corrupted: key "
+                                    f"'{fqn}' (bytes {info.offset}..{info.offset + info.length})"
+                                    f" cannot be read: {type(exc).__name__}: {exc}")
+        except OSError as exc:
+            return f"file '{name}' of checkpoint '{root}' cannot be read: {exc}"
     return None

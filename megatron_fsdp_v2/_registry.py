@@ -50,6 +50,10 @@ fsdp_classes: dict[type, type] = {}
 optimizer_hook_handles: list[Any] = []
 optimizer_cache: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 wrap_generation = [0]
+# [Note: module tree changes after wrapping] (_runtime/_module_tree.py): the handle of the global
+# module-registration hook, once installed, and how many submodules were registered since.
+module_tree_hook_handles: list[Any] = []
+module_tree_generation = [0]
 # [Note: local optimizer step] (_optimizer_local.py): the optimizers whose step runs on local
 # tensors right now (or whose step raised half-way), those given the state-dict hook that swaps
 # back, and where each optimizer holds managed parameters (cached: the hook runs every step).
@@ -129,6 +133,10 @@ def reset() -> None:
     optimizer_hook_handles.clear()
     optimizer_cache.clear()
     wrap_generation[0] = 0
+    for handle in module_tree_hook_handles:
+        handle.remove()
+    module_tree_hook_handles.clear()
+    module_tree_generation[0] = 0
     local_step_swaps.clear()
     local_step_restore_hooked.clear()
     optimizer_state_dict_hooked.clear()

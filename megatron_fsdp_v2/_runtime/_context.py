@@ -45,6 +45,9 @@ class FSDPContext:
         )
         self.final_callback_queued = False
         self.callback_failed = False  # the final callback raised: see recover()
+        # The submodule-registration count at the last walk of the module trees (-1: none
+        # yet; see [Note: module tree changes after wrapping] in _module_tree.py).
+        self.checked_tree_generation = -1
         self.unrecoverable: str | None = None  # why recover() failed; raised again on use
         self.overlap = root.overlap
         # [Note: prefetch order] Units in the order their forward ran in the first forward

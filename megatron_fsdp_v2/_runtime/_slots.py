@@ -4,19 +4,38 @@ parameters otherwise, and checks that nobody else put another one there.
 
 The parameter objects a unit was wrapped with are what its flat buffers hold: a parameter
 replaced, tied, added or removed after ``fully_shard`` would be silently put back at the next
-registration (or stay unsharded and unsynchronized), so :meth:`ParamSlots.check` raises first.
+registration (or stay unsharded and unsynchronized), so :meth:`ParamSlots.check` raises first;
+a submodule assigned after wrapping is found by :meth:`ParamSlots.check_tree` (see [Note: module
+tree changes after wrapping] in ``_module_tree.py``), and ``p.data = x`` on a managed parameter
+by a watch on its storage ([Note: data assignments]).
+
+[Note: data assignments]
+``p.data = x`` on an optimizer-facing DTensor parameter swaps the storage and metadata of the
+DTensor object, but neither its local shard (which DTensor ops and ``full_tensor()`` read) nor
+the flat buffers the unit computes with: torch would train with ``x``, the unit silently keeps
+the old values (so does FSDP2). No counter moves (``p._version`` stays), and comparing every
+parameter's storage at every forward would be a loop over the parameters on the hot path.
+Instead the swap is observed when it happens: at wrap time each parameter's storage gets a
+weak reference whose callback runs when that storage is released. torch keeps a storage's Python
+object alive as long as the storage, and the parameter is its only holder unless the user keeps
+an alias (``p.detach()``, a state dict), so the ``.data`` assignment releases it and the callback
+records the parameter; the next forward's ``check`` raises (one list test per unit). A storage
+released because the parameter itself died records nothing. With an alias of the old storage
+alive (a state dict of the parameters kept around) the assignment goes unnoticed, as before.
 A submodule called directly while the DTensor parameters are registered gets a clear error from
 a forward pre-hook that exists only then (forward itself pays nothing for it).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
 from .. import _registry
 from ._compile import eager_hook
+from ._module_tree import install_module_tree_hook
 
 if TYPE_CHECKING:
     from ._param_record import ParamRecord
@@ -75,6 +94,16 @@ class ParamSlots:
               for name, p in submodule._parameters.items()})
             for prefix, submodule in owned
         ]
+        # The parameter mappings of the modules owned at wrap time, by identity: a module found
+        # later with another one was assigned after wrapping (check_tree).
+        self._known_mappings = {id(parameters) for _, parameters, _ in self._expected}
+        install_module_tree_hook()
+        # [Note: data assignments] Names of parameters whose storage was swapped (``p.data =``),
+        # and the weak references that notice it.
+        self.data_replaced: list[str] = []
+        self._storage_watches = [
+            _watch_storage(weakref.ref(self), record) for g in state.groups for record in g.records
+        ]
         self._idle_hooks: list[tuple[dict[int, Any], int]] = []
         self._outside_unit_hook = eager_hook(self._called_outside_unit)
         for _, submodule in owned:
@@ -107,7 +136,17 @@ class ParamSlots:
 
     def check(self) -> None:
         """Raise if a parameter of this unit was replaced, added, removed or (un)tied after
-        wrapping (see the module docstring)."""
+        wrapping, or its ``.data`` assigned (see the module docstring)."""
+        if self.data_replaced:
+            raise RuntimeError(
+                f"parameter '{self.data_replaced[0]}' of the fully_shard unit "
+                f"'{self._state.fqn}' had its .data assigned (p.data = ...) after fully_shard "
+                f"({len(self.data_replaced)} parameter(s) of this unit): the assignment reaches "
+                "neither the parameter's local shard nor the flat buffers the unit computes "
+                "with, so it would be silently ignored. Change values in place instead "
+                "(torch.no_grad() and p.copy_(...), nn.init.*) or with load_state_dict, and "
+                "rebuild and wrap the model again: this parameter object is no longer usable"
+            )
         for prefix, parameters, expected in self._expected:
             if len(parameters) == len(expected) and all(
                 parameters.get(name) is value or self._is_compute_param(name, parameters)
@@ -134,6 +173,27 @@ class ParamSlots:
                     "(p.copy_(x), nn.init.*) or use load_state_dict"
                 )
 
+    def check_tree(self) -> None:
+        """Raise if a module this unit owns now, and did not own at wrap time, holds a
+        parameter no unit manages: a submodule assigned after wrapping (see [Note: module tree
+        changes after wrapping] in ``_module_tree.py``). A walk of the unit's modules: run only
+        when a submodule was registered somewhere since the last one."""
+        for prefix, submodule in _registry.owned_modules(self._state.module):
+            if id(submodule._parameters) in self._known_mappings:
+                continue
+            for name, param in submodule._parameters.items():
+                if param is None or _registry.record_of(param) is not None:
+                    continue
+                fqn = f"{prefix}.{name}" if prefix else name
+                raise RuntimeError(
+                    f"submodule '{prefix}' ({type(submodule).__name__}) of the fully_shard unit "
+                    f"'{self._state.fqn}' was added or replaced after fully_shard: its parameter "
+                    f"'{fqn}' is not managed by any unit, so it would be neither sharded nor "
+                    "averaged across ranks (each rank would train its own copy). Build the model "
+                    "completely (replace or add submodules) before calling fully_shard; to "
+                    "change values, write in place (p.copy_(x), nn.init.*) or use load_state_dict"
+                )
+
     def _is_compute_param(self, name: str, parameters: dict[str, Any]) -> bool:
         """Whether ``parameters[name]`` is the compute parameter this unit registered there
         (between forward and backward, or after a forward that raised)."""
@@ -151,3 +211,17 @@ class ParamSlots:
                 "the unit itself, or wrap this submodule with fully_shard (before its parent) so "
                 "it is a unit of its own"
             )
+
+
+def _watch_storage(slots: weakref.ref[ParamSlots], record: ParamRecord) -> weakref.ref[Any]:
+    """A weak reference to the storage of ``record``'s optimizer-facing parameter that records
+    the parameter in ``slots.data_replaced`` when the storage is released while the parameter
+    is alive and still the record's (see [Note: data assignments])."""
+    param_ref = weakref.ref(record.dist_param)
+
+    def released(_: Any) -> None:
+        param, watcher = param_ref(), slots()
+        if param is not None and watcher is not None and record.dist_param is param:
+            watcher.data_replaced.append(record.fqn)
+
+    return weakref.ref(record.dist_param.untyped_storage(), released)

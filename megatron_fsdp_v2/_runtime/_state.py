@@ -44,6 +44,7 @@ from ._compile import eager_hook
 from ._context import TrainingState
 from ._flat_param_group import FlatParamGroup
 from ._lazy_init import lazy_init
+from ._module_tree import module_tree_generation
 from ._unit_state import UnitState, in_backward
 
 __all__ = ["FSDPState"]
@@ -151,11 +152,19 @@ class FSDPState(UnitState):
         assert self.ctx is not None
         ctx = self.ctx
         if self.is_root:
-            for state in ctx.states:  # before anything changes
+            # Before anything changes. The module trees are walked only when a submodule was
+            # registered since the last walk (see [Note: module tree changes after wrapping]).
+            tree_generation = module_tree_generation()
+            for state in ctx.states:
                 state.slots.check()
+                if tree_generation != ctx.checked_tree_generation:
+                    state.slots.check_tree()
+            ctx.checked_tree_generation = tree_generation
             self._root_pre_forward()
         elif ctx.root.training_state is not TrainingState.FORWARD:
             self.slots.check()  # called directly, not from the root's forward
+            if module_tree_generation() != ctx.checked_tree_generation:
+                self.slots.check_tree()
         for group in self.groups:
             group.sync_requires_grad()
         if self._graph_backwarded:

@@ -248,3 +248,150 @@ def test_unsharded_weights_never_older_than_main_weights(
     for the next forward."""
     results = ranks.run(_run, 2, "_unshard_then_step", strategy, (OURS,), timeout_s=TIMEOUT_S)
     _check(results, (OURS,))
+
+
+# --------------------------------------------- 2. a submodule replaced or added after wrapping
+
+def _raises(call: Callable[[], Any], exc_type: type[BaseException], *needles: str) -> list[str]:
+    """What is wrong with how ``call`` failed: nothing raised, another error, or a message that
+    lacks a needle."""
+    try:
+        call()
+    except exc_type as e:
+        missing = [n for n in needles if n not in str(e)]
+        return [f"{type(e).__name__} lacks {missing}: {e}"] if missing else []
+    except Exception as e:  # noqa: BLE001 - reported as the wrong error
+        return [f"expected {exc_type.__name__}, got {type(e).__name__}: {e}"]
+    return [f"nothing raised (expected {exc_type.__name__} naming {list(needles)})"]
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+            for name, p in model.named_parameters() if record_of(p) is not None}
+
+
+def _changed(model: nn.Module, before: dict[str, torch.Tensor]) -> list[str]:
+    now = _snapshot(model)
+    return [f"{name} changed by the rejected forward" for name in before
+            if not torch.equal(now[name], before[name])]
+
+
+_D = Net.DIM
+_SUBMODULE_CHANGES: dict[str, tuple[str, Callable[[nn.Module], None]]] = {
+    # (the submodule the error must name, the change)
+    "replace_in_nested_unit": ("fc1", lambda m: setattr(m.blocks[1], "fc1",
+                                                        nn.Linear(_D, 2 * _D + 1))),
+    "replace_nested_unit": ("blocks.1", lambda m: m.blocks.__setitem__(1, nn.Linear(_D, _D))),
+    "replace_in_root": ("head", lambda m: setattr(m, "head", nn.Linear(_D, Net.DOUT))),
+    "add_used": ("extra", lambda m: (setattr(m.blocks[0], "extra", nn.Linear(_D, _D)),
+                                     setattr(m.blocks[0], "use_extra", True))),
+}
+
+
+def _submodule_changed(model: nn.Module, ref: nn.Module, rank: int, how: str,
+                       first_step: bool) -> list[str]:
+    """torch trains whatever modules the model holds; ``fully_shard``'s units manage only the
+    parameters they were wrapped with, so a submodule assigned after wrapping (its parameters
+    would be trained per rank, never averaged) raises at the next forward, naming it and
+    "after fully_shard", before anything changes (FSDP2, torch 2.14, trains the new module's
+    plain parameters per rank: no control)."""
+    errors: list[str] = []
+    x, y = _batches(1)[0][0][rank]
+    if first_step:  # after a step, or between fully_shard and the first forward
+        opt = _adamw(model.parameters())
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    name, change = _SUBMODULE_CHANGES[how]
+    change(model)
+    before = _snapshot(model)
+    errors += _raises(lambda: model(x), RuntimeError, f"'{name}'", "after fully_shard")
+    errors += _changed(model, before)
+    return errors
+
+
+@pytest.mark.parametrize("first_step", [True, False], ids=["after_a_step", "before_forward"])
+@pytest.mark.parametrize("how", sorted(_SUBMODULE_CHANGES))
+@pytest.mark.parametrize("strategy", ["no_shard", "optim_grads_params"])
+def test_submodule_replaced_after_wrap_raises(
+    ranks: RankPools, strategy: str, how: str, first_step: bool
+) -> None:
+    """Item 2: a replaced or added submodule is refused at the next forward."""
+    results = ranks.run(_run, 2, "_submodule_changed", strategy, (OURS,), how, first_step,
+                        timeout_s=TIMEOUT_S)
+    _check(results, (OURS,))
+
+
+# --------------------------------------------------------- 6. p.data = x on a wrapped parameter
+
+_DATA_TARGETS = {"nested": "blocks.0.fc1.weight", "root": "head.bias"}
+
+
+def _data_assigned(model: nn.Module, ref: nn.Module, rank: int, where: str,
+                   first_step: bool) -> list[str]:
+    """torch: after ``p.data = x`` the model computes with ``x``. The unit computes with its flat
+    buffers, which the assignment does not reach (FSDP2, torch 2.14, ignores it too: no
+    control): the next forward raises, naming the parameter and "after fully_shard", before
+    anything changes."""
+    errors: list[str] = []
+    x, y = _batches(1)[0][0][rank]
+    if first_step:
+        opt = _adamw(model.parameters())
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    name = _DATA_TARGETS[where]
+    param = model.get_parameter(name)
+    before = _snapshot(model)
+    param.data = torch.randn(param.shape)
+    short = name.split(".", 2)[-1] if where == "nested" else name  # as the unit names it
+    errors += _raises(lambda: model(x), RuntimeError, f"'{short}'", ".data", "after fully_shard")
+    errors += _changed(model, before)
+    return errors
+
+
+@pytest.mark.parametrize("first_step", [True, False], ids=["after_a_step", "before_forward"])
+@pytest.mark.parametrize("where", sorted(_DATA_TARGETS))
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_data_assignment_after_wrap_raises(
+    ranks: RankPools, strategy: str, where: str, first_step: bool
+) -> None:
+    """Item 6: ``p.data = x`` on a wrapped parameter is refused at the next forward."""
+    results = ranks.run(_run, 2, "_data_assigned", strategy, (OURS,), where, first_step,
+                        timeout_s=TIMEOUT_S)
+    _check(results, (OURS,))
+
+
+def _data_untouched_trains(model: nn.Module, ref: nn.Module, rank: int) -> list[str]:
+    """The watch of item 6 raises only for an assignment: aliases of the parameters taken and
+    dropped (``detach()``, a state dict), ``load_state_dict`` and in-place writes train as in
+    torch."""
+    errors: list[str] = []
+    opt, ref_opt = _adamw(model.parameters()), _adamw(ref.parameters())
+    for step, micro in enumerate(_batches(2)):
+        loss, ref_loss, found = _losses(model, ref, micro[0], rank)
+        errors += [f"step {step}: {e}" for e in found]
+        loss.backward()
+        ref_loss.backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        aliases = [p.detach() for p in model.parameters()]
+        model.load_state_dict(model.state_dict())
+        del aliases
+        with torch.no_grad():
+            nn.init.constant_(model.get_parameter("head.bias"), 0.1)
+            nn.init.constant_(ref.get_parameter("head.bias"), 0.1)
+    errors += _param_errors(model, ref)
+    return errors
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_aliases_and_state_dicts_are_not_data_assignments(
+    ranks: RankPools, strategy: str
+) -> None:
+    """The control of item 6's detection: no false alarm."""
+    results = ranks.run(_run, 2, "_data_untouched_trains", strategy, (OURS,),
+                        timeout_s=TIMEOUT_S)
+    _check(results, (OURS,))

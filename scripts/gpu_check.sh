@@ -25,12 +25,12 @@
 # Every program runs as `$PYTHON ...` (pytest and torchrun as `$PYTHON -m ...`) with this
 # checkout first on PYTHONPATH: the package is imported in place, installed or not.
 #
-# Dry run: only where no GPU is in sight (nvidia-smi lists none and torch sees no CUDA device),
-# or with MFSDP_GPU_CHECK_DRY_RUN=1: the steps that need CUDA print SKIP and the check programs
-# run with --device cpu (gloo): the same code, the GPU-only assertions reported as not
-# applicable. tests/test_gpu_check.py runs it so. A machine with a GPU never falls back to a dry
-# run: a torch that fails to import, fails to reach the GPU, or sees none while nvidia-smi
-# lists one is a FAIL.
+# Dry run: only where no GPU is in sight (nvidia-smi lists none, no /dev/nvidia0, and torch
+# sees no CUDA device), or with MFSDP_GPU_CHECK_DRY_RUN=1: the steps that need CUDA print SKIP
+# and the check programs run with --device cpu (gloo): the same code, the GPU-only assertions
+# reported as not applicable. tests/test_gpu_check.py runs it so. A machine with a GPU never
+# falls back to a dry run: a torch that fails to import, fails to reach the GPU, or sees none
+# while a GPU is in sight is a FAIL.
 #
 # pytest is not part of torch: where the interpreter has none, `bash scripts/gpu_deps.sh` (on a
 # machine that reaches a package index) fills .gpu_deps/ with pytest, its dependencies,
@@ -157,7 +157,11 @@ environment_fail() {
 # This checkout first: every step imports the package built in place.
 export PYTHONPATH="${ROOT}${PYTHONPATH:+:${PYTHONPATH}}"
 GPU_LIST=$(nvidia-smi -L 2>/dev/null | grep '^GPU ' || true)
-echo "${GPU_LIST:-(nvidia-smi lists no GPU)}"
+if [[ -z ${GPU_LIST} ]] && compgen -G '/dev/nvidia[0-9]*' >/dev/null; then
+  # No nvidia-smi (a slim container), but the driver's device nodes are here: a GPU all the same.
+  GPU_LIST="device nodes $(compgen -G '/dev/nvidia[0-9]*' | tr '\n' ' ')(nvidia-smi lists none)"
+fi
+echo "${GPU_LIST:-(no GPU in sight: nvidia-smi lists none, no /dev/nvidia0)}"
 declare -A PROBE=()
 PROBE_RC=0
 PROBE_OUT=$(timeout 120 "${PYTHON}" "${CHECKS}/env_probe.py" --deps "${DEPS}") || PROBE_RC=$?
@@ -182,7 +186,7 @@ if (( ! DRY_RUN )); then
   [[ -n ${PROBE[cuda_error]:-} ]] && environment_fail "torch cannot reach the GPU: ${PROBE[cuda_error]}"
   if [[ -z ${ARCH} ]]; then
     if [[ -n ${GPU_LIST} ]]; then
-      environment_fail "nvidia-smi lists a GPU but torch ${PROBE[torch]} (CUDA ${PROBE[torch_cuda]:-none}) sees none: a CPU-only torch, or CUDA_VISIBLE_DEVICES hides it"
+      environment_fail "a GPU is in sight (${GPU_LIST%%$'\n'*}) but torch ${PROBE[torch]} (CUDA ${PROBE[torch_cuda]:-none}) sees none: a CPU-only torch, or CUDA_VISIBLE_DEVICES hides it"
     fi
     environment_fail "torch sees no CUDA device and MFSDP_GPU_CHECK_DRY_RUN=0: nothing to check"
   fi

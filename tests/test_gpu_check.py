@@ -402,7 +402,8 @@ def test_gpu_run_with_carried_pytest_and_ninja(tmp_path: Path,
       "torch_error": "ImportError: libcudart.so.13: cannot open shared object file"},
      "python3 cannot run torch (exit status 0): ImportError: libcudart.so.13"),
     ({"arch": None, "gpu_name": None, "gpus": "0", "torch": "2.11.0+cpu", "torch_cuda": "None"},
-     "nvidia-smi lists a GPU but torch 2.11.0+cpu (CUDA None) sees none"),
+     "a GPU is in sight (GPU 0: NVIDIA H200 (UUID: GPU-fake)) but torch 2.11.0+cpu (CUDA None) "
+     "sees none"),
     ({"arch": None, "gpu_name": None, "gpus": None,
       "cuda_error": "RuntimeError: The NVIDIA driver on your system is too old"},
      "torch cannot reach the GPU: RuntimeError: The NVIDIA driver on your system is too old"),
@@ -418,6 +419,7 @@ def test_a_machine_with_a_gpu_never_turns_into_a_dry_run(
     assert result == "FAIL" and note.startswith(message), note
 
 
+@pytest.mark.skipif(os.path.exists("/dev/nvidia0"), reason="a GPU is in sight here")
 def test_no_gpu_in_sight_is_a_dry_run(tmp_path: Path, lent_machine: dict[str, str]) -> None:
     proc, calls = _fake_run(tmp_path, lent_machine, "--plan", gpu=False, arch=None,
                             gpu_name=None, gpus="0")

@@ -286,6 +286,9 @@ _FAKE_PYTHON = """#!/usr/bin/env bash
 case "${1:-}" in
   */env_probe.py) printf '%b' "${FAKE_PROBE}"; exit 0 ;;
 esac
+status=0
+# shellcheck disable=SC2254
+case "$*" in ${FAKE_FAIL:-"-"}) status=1 ;; esac
 {
   printf '%s' "$(basename "$0")"
   for arg in "$@"; do printf '\\037%s' "${arg}"; done
@@ -295,6 +298,7 @@ esac
   printf '\\036TORCH_CUDA_ARCH_LIST=%s' "${TORCH_CUDA_ARCH_LIST:-}"
   printf '\\036TORCH_CUDA_SANITIZER=%s\\n' "${TORCH_CUDA_SANITIZER:-}"
 } >> "${FAKE_LOG}"
+exit "${status}"
 """
 _FAKE_NVIDIA_SMI = """#!/bin/sh
 if [ -n "${FAKE_GPU:-}" ]; then echo "GPU 0: NVIDIA H200 (UUID: GPU-fake)"; exit 0; fi
@@ -317,10 +321,11 @@ class Call:
 
 
 def _fake_run(tmp_path: Path, lent_machine: dict[str, str], *args: str, gpu: bool = True,
-              names: tuple[str, ...] = ("python3",), **probe: str | None
+              names: tuple[str, ...] = ("python3",), fail: str = "-", **probe: str | None
               ) -> tuple[subprocess.CompletedProcess[str], list[Call]]:
     """gpu_check.sh on the fake machine: ``probe`` changes the lent machine's probe answers
-    (None: no such line); the calls the script made, in order."""
+    (None: no such line); calls whose arguments match the glob ``fail`` exit 1; the calls the
+    script made, in order."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name in names:
@@ -330,7 +335,7 @@ def _fake_run(tmp_path: Path, lent_machine: dict[str, str], *args: str, gpu: boo
     log = tmp_path / "calls.log"
     log.touch()
     env = dict(lent_machine, FAKE_PROBE="".join(f"{k}={v}\\n" for k, v in answers.items()),
-               FAKE_LOG=str(log), MFSDP_GPU_DEPS=str(tmp_path / "gpu_deps"))
+               FAKE_LOG=str(log), FAKE_FAIL=fail, MFSDP_GPU_DEPS=str(tmp_path / "gpu_deps"))
     env["PATH"] = os.pathsep.join([str(bin_dir), *lent_machine["PATH"].split(os.pathsep)[1:]])
     if gpu:
         env["FAKE_GPU"] = "1"
@@ -395,6 +400,23 @@ def test_gpu_run_with_carried_pytest_and_ninja(tmp_path: Path,
     assert all(call.env["PYTHONPATH"].split(os.pathsep)[:2] == [ROOT, str(deps)]
                for call in calls)
     assert all(call.env["PATH1"] == str(deps / "bin") for call in calls)
+
+
+def test_a_failed_build_fails_the_check_and_the_rest_runs_on_the_reference_ops(
+        tmp_path: Path, lent_machine: dict[str, str]) -> None:
+    """No nvcc (say): the build FAILs, the kernels' steps are skipped, every other step still
+    runs on the GPU (the library then runs its pure-PyTorch reference ops)."""
+    proc, calls = _fake_run(tmp_path, lent_machine, fail="*build_ext*", build="setup.py")
+    rows = _rows(proc.stdout, proc.stderr)
+    assert proc.returncode == 1, proc.stdout[-4000:]
+    assert [_row_name(rows, start) for start in STEPS] == list(rows), list(rows)
+    assert _row(rows, "build (TORCH_CUDA_ARCH_LIST")[0] == "FAIL"
+    for start in ("build_info", "op tests", "bench_kernels"):
+        assert _row(rows, start) == ("SKIP", "needs the kernels: the build failed"), start
+    passed = [name for name, (result, _) in rows.items() if result == "PASS"]
+    assert len(passed) == len(STEPS) - 5, rows  # all but the build, the 3 above and HSDP
+    assert "### the build FAILED" in proc.stdout
+    assert calls[-1].env["TORCH_CUDA_SANITIZER"] == "1"
 
 
 @pytest.mark.parametrize("probe, message", [

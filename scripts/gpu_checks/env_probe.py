@@ -33,6 +33,7 @@ import re
 import subprocess
 import sys
 import sysconfig
+import warnings
 
 
 def say(key: str, value: object) -> None:
@@ -44,7 +45,9 @@ def build_method() -> tuple[str, str]:
     # setuptools first: looking pip up makes setuptools' distutils shim hand `distutils` to the
     # standard library (as pip wants), after which setuptools no longer imports on 3.11.
     try:
-        import setuptools
+        with warnings.catch_warnings():  # "Setuptools is replacing distutils": noise here
+            warnings.simplefilter("ignore")
+            import setuptools
     except Exception as e:  # noqa: BLE001 - reported; setup.py will then fail and say more
         return "setup.py", f"setuptools does not import: {type(e).__name__}: {e}"
     if importlib.util.find_spec("pip") is None:

@@ -3,14 +3,16 @@ created with the collective timeout (cached in ``_registry``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .. import _registry
-from ._backends import backend_impl, collective_device_type, group_timeout
+from ._backends import backend_impl, collective_device, collective_device_type, group_timeout
 
 __all__ = [
     "DEFAULT_TIMEOUT", "LAUNCH_HINT", "clear_comm_groups", "comm_group", "default_mesh",
@@ -92,7 +94,53 @@ def default_mesh() -> DeviceMesh:
 # different counters, and a later group created over ranks of both (a ``new_group`` of the
 # job, a new mesh) then gets different names on different ranks and hangs. Create every mesh
 # before the first ``fully_shard``, give every sub-mesh the same number of distinct timeouts,
-# or pass ``timeout=None`` (the mesh's groups, nothing created).
+# or pass ``timeout=None`` (the mesh's groups, nothing created). On torch 2.11 to 2.13 the
+# library's own groups need more care, see [Note: group names before torch 2.14].
+
+# [Note: group names before torch 2.14]
+# A group created by its members alone (``new_group(..., use_local_synchronization=True)``,
+# ``split_group``) is named by a hash of its ranks and, before torch 2.14, of how many groups
+# this process belongs to (``len(_world.pg_names)``; 2.14 hashes a creation counter instead).
+# The name is the store prefix under which the members meet, so members that belong to
+# different numbers of groups (ranks of two pipeline stages that created different groups, a
+# rank that was left out of an earlier ``new_group``) compute different names: gloo then fails
+# with "Connection refused" on one rank and the others hang. The count also falls when groups
+# are destroyed, so a later group over the same ranks can get the name of a destroyed one, and
+# its members then read the stale addresses the old group left in the store (the same
+# "Connection refused"). So on those releases the members first agree on the count to be named
+# with: at least one more than any library group of this process was named with, and at least
+# every member's (a MAX all-reduce of one integer over groups that connect them, once per
+# library group created, at wrap time); a member below it creates one-rank gloo groups (no
+# peer, no communicator) until it is level. The name torch then computes is the same on every
+# member and new in the job. This is the only version branch of the module
+# (``_NAMES_COUNT_MEMBERSHIPS``); it reads torch's group table and changes nothing in it.
+_NAMES_COUNT_MEMBERSHIPS = tuple(
+    int(part) for part in str(torch.__version__).split("+")[0].split(".")[:2]) < (2, 14)
+# The count the last library group was named with in this process. Not in ``_registry``: it
+# mirrors torch's group table, which ``_registry.reset`` does not undo.
+_last_named_at = [-1]
+
+
+def _level_group_names(connecting: Sequence[dist.ProcessGroup]) -> None:
+    """Before a members-only group is created, make this process belong to as many groups as
+    the other members, and to more than when it named the last one (torch < 2.14, see
+    [Note: group names before torch 2.14]). The groups in
+    ``connecting`` must chain every member of the new group (its parent, or the dimensions of
+    a mesh): a MAX all-reduce over each in turn gives every member the maximum."""
+    if not _NAMES_COUNT_MEMBERSHIPS:
+        return
+    memberships = len(distributed_c10d._world.pg_names)
+    count = torch.tensor([max(memberships, _last_named_at[0] + 1)], dtype=torch.int64)
+    for group in connecting:
+        if dist.get_world_size(group) > 1:
+            on_device = count.to(collective_device(group))
+            dist.all_reduce(on_device, op=dist.ReduceOp.MAX, group=group)
+            count = on_device.cpu()
+    for _ in range(int(count.item()) - memberships):
+        dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True,
+                       group_desc="megatron_fsdp_v2 group-name level (torch < 2.14)")
+    _last_named_at[0] = int(count.item())
+
 
 def comm_group(
     mesh: DeviceMesh, timeout: timedelta | None, axis: str = "shard"
@@ -128,8 +176,8 @@ def whole_mesh_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.Proces
     if _splits_communicators(mesh.get_group(0)):
         return timeout_group(mesh._flatten().get_group(), timeout, "mesh")
     config = str(dist.get_backend_config(mesh.get_group(0)))
-    return _cached(_key(ranks, timeout, config, "mesh"),
-                   lambda: _members_group(ranks, config, timeout, "mesh"))
+    return _cached(_key(ranks, timeout, config, "mesh"), lambda: _members_group(
+        ranks, config, timeout, "mesh", [mesh.get_group(dim) for dim in range(mesh.ndim)]))
 
 
 def timeout_group(
@@ -146,13 +194,14 @@ def timeout_group(
         if timeout is None or group_timeout(parent) == timeout:
             return parent
         if _splits_communicators(parent):
+            _level_group_names([parent])
             process_group = dist.split_group(
                 parent, split_ranks=[list(range(len(ranks)))], timeout=timeout,
                 group_desc=_describe(axis, timeout),
             )
             assert isinstance(process_group, dist.ProcessGroup)  # every rank of parent is a member
             return process_group
-        return _members_group(ranks, config, timeout, axis)
+        return _members_group(ranks, config, timeout, axis, [parent])
 
     return _cached(_key(ranks, timeout, config, axis), create)
 
@@ -171,11 +220,15 @@ def _splits_communicators(parent: dist.ProcessGroup) -> bool:
 
 
 def _members_group(
-    ranks: tuple[int, ...], config: str, timeout: timedelta | None, axis: str
+    ranks: tuple[int, ...], config: str, timeout: timedelta | None, axis: str,
+    connecting: Sequence[dist.ProcessGroup],
 ) -> dist.ProcessGroup:
     """``new_group`` over ``ranks`` with ``timeout``; only the members take part when it is not
-    the whole job (``use_local_synchronization``)."""
+    the whole job (``use_local_synchronization``: then ``connecting``, groups that chain every
+    member, level torch's names first; see [Note: group names before torch 2.14])."""
     covers_world = len(ranks) == dist.get_world_size()
+    if not covers_world:
+        _level_group_names(connecting)
     process_group = dist.new_group(
         list(ranks),
         timeout=timeout,

@@ -12,8 +12,11 @@ import torch
 
 __all__ = ["ALLOW_UNTESTED_ENV", "TESTED_TORCH", "check_torch_version"]
 
-# Major.minor releases whose private torch code the patches were read against (2.14.x).
-TESTED_TORCH: tuple[str, ...] = ("2.14",)
+# Major.minor releases whose private torch code the patches were read against, each tested: the
+# full suite on the install default (2.14), the compatibility subset on the oldest and newest in
+# CI (scripts/compat_torch.sh), 2.12 and 2.13 by hand when the range was set. pyproject.toml's
+# torch requirement says the same range.
+TESTED_TORCH: tuple[str, ...] = ("2.11", "2.12", "2.13", "2.14", "2.15")
 ALLOW_UNTESTED_ENV = "MEGATRON_FSDP_ALLOW_UNTESTED_TORCH"
 
 _warned: list[str] = []
@@ -24,13 +27,19 @@ def _release(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
 
 
+def _next_release(release: str) -> str:
+    """The ``major.minor`` after ``release`` (``"2.15"`` -> ``"2.16"``)."""
+    major, minor = release.split(".")
+    return f"{major}.{int(minor) + 1}"
+
+
 def check_torch_version() -> None:
     """Nothing on a tested torch; else ``RuntimeError`` naming the fix, unless the user opted in
     with ``MEGATRON_FSDP_ALLOW_UNTESTED_TORCH=1`` (then one warning per process)."""
     running = str(torch.__version__)
     if _release(running) in TESTED_TORCH:
         return
-    tested = ", ".join(f"{r}.x" for r in TESTED_TORCH)
+    tested = f"{TESTED_TORCH[0]}.x to {TESTED_TORCH[-1]}.x"
     if os.environ.get(ALLOW_UNTESTED_ENV) == "1":
         if running not in _warned:
             _warned.append(running)
@@ -45,7 +54,7 @@ def check_torch_version() -> None:
         f"megatron_fsdp_v2.fully_shard patches private torch internals (DTensor "
         f"redistribution, op handlers, state-dict helpers; see design.md, 'Patches of torch') "
         f"that were written and tested against torch {tested}, but this is torch {running}; "
-        f"nothing was patched. Install a tested torch (e.g. pip install 'torch=="
-        f"{TESTED_TORCH[-1]}.*'), or set {ALLOW_UNTESTED_ENV}=1 to patch this version anyway, "
+        f"nothing was patched. Install a tested torch (e.g. pip install 'torch>="
+        f"{TESTED_TORCH[0]},<{_next_release(TESTED_TORCH[-1])}'), or set {ALLOW_UNTESTED_ENV}=1 to patch this version anyway, "
         "at your own risk"
     )

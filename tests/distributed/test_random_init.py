@@ -25,6 +25,13 @@ from _models import TinyGPT, agree, reference_copy
 from _pool import RankPools
 
 TIMEOUT_S = 240
+# Before torch 2.14, ``bool(dtensor.any())`` of a sharded DTensor is this rank's local answer
+# (``any`` returns ``Partial(sum)`` and the scalar is read from the local tensor), so
+# ``trunc_normal_``'s rejection loop runs a different number of times on different ranks on any
+# sharded DTensor, ours and FSDP2's alike; with bounds it cannot reject at (torchtitan's: the
+# default +-2 at std 0.02) the loop never runs. The README's "Random init" says so.
+TIGHT_TRUNC_BOUNDS = tuple(
+    int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 
 
 def init_all(model: nn.Module, generator: torch.Generator | None, simple: bool) -> None:
@@ -38,7 +45,8 @@ def init_all(model: nn.Module, generator: torch.Generator | None, simple: bool) 
             if kind == 0:
                 nn.init.normal_(param, std=0.02, generator=generator)
             elif kind == 1:
-                nn.init.trunc_normal_(param, std=0.02, a=-0.04, b=0.04, generator=generator)
+                bound = 0.04 if TIGHT_TRUNC_BOUNDS else 2.0  # see TIGHT_TRUNC_BOUNDS
+                nn.init.trunc_normal_(param, std=0.02, a=-bound, b=bound, generator=generator)
             elif kind == 2 and param.dim() >= 2:
                 nn.init.kaiming_uniform_(param, a=math.sqrt(5), generator=generator)
             else:

@@ -115,16 +115,17 @@ def test_version_gate(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.delenv(_torch_patches.ALLOW_UNTESTED_ENV, raising=False)
     original = _torch_objects()
-    monkeypatch.setattr(torch, "__version__", "2.15.0+cu130")
+    monkeypatch.setattr(torch, "__version__", "2.16.0+cu130")
     with pytest.raises(RuntimeError) as error:
         _torch_patches.install_all()
     message = str(error.value)
-    for part in ("2.15.0+cu130", "2.14.x", "MEGATRON_FSDP_ALLOW_UNTESTED_TORCH=1", "torch=="):
+    for part in ("2.16.0+cu130", "2.11.x to 2.15.x", "MEGATRON_FSDP_ALLOW_UNTESTED_TORCH=1",
+                 "torch>=2.11,<2.16"):
         assert part in message, (part, message)
-    with pytest.raises(RuntimeError, match="2.15.0"):
+    with pytest.raises(RuntimeError, match="2.16.0"):
         _torch_patches.PATCHES[0].install()
     model = nn.Linear(2, 2)
-    with pytest.raises(RuntimeError, match="2.15.0"):  # before any process group is needed
+    with pytest.raises(RuntimeError, match="2.16.0"):  # before any process group is needed
         fully_shard(model)
     assert type(model) is nn.Linear
     assert not _same(original, _torch_objects())
@@ -141,8 +142,13 @@ def test_version_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not _same(original, _torch_objects())
 
     monkeypatch.delenv(_torch_patches.ALLOW_UNTESTED_ENV)
-    monkeypatch.setattr(torch, "__version__", "2.14.0a0+git1234")
-    _torch_patches.check_torch_version()  # any 2.14 build passes
+    for admitted in ("2.11.0", "2.12.1", "2.13.0+cpu", "2.14.0a0+git1234", "2.15.0+cu130"):
+        monkeypatch.setattr(torch, "__version__", admitted)
+        _torch_patches.check_torch_version()  # any build of a release in the range passes
+    for refused in ("2.10.0", "2.16.0a0+git1234", "3.0.0"):
+        monkeypatch.setattr(torch, "__version__", refused)
+        with pytest.raises(RuntimeError, match=refused.replace("+", r"\+")):
+            _torch_patches.check_torch_version()
 
 
 # --- no patch of torch outside _torch_patches ------------------------------------------------

@@ -30,21 +30,34 @@ broadcast), where ``distribute_tensor`` would take rank 0's. A wrong shape still
 units' load pre-hook, which rejects it on every rank before any parameter is written. A hook
 could not do this: nothing of ours runs before torch's cut, and after it the optimizer cannot
 tell a ``distribute_tensor`` state from one ``torch.load`` gave back without our marker.
+
+torch's combined ``set_state_dict(model, optims, ..., broadcast_from_rank0=True)`` decides on
+each rank whether to load the model from whether that rank's model dict is empty
+(``optim_only=not model_state_dict``), and with broadcast only rank 0's is not: rank 0 then
+broadcasts the model's tensors to ranks that skipped the model, and waits until the group's
+timeout (FSDP2 alike; the separate ``set_model_state_dict`` / ``set_optimizer_state_dict`` calls
+are fine). :func:`load_model_state_dict` wraps torch's ``_load_model_state_dict``, which every
+rank reaches in that call: for a model with units of ours, it broadcasts rank 0's decision (one
+object, from global rank 0 over the default group, as torch's broadcast of the tensors) and
+every rank follows it, so the model is loaded on all ranks or on none. Only that call has
+``broadcast_from_rank0`` and optimizers in ``info`` here; every other call passes through.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _registry
 from . import _chunk_metadata as _sd
 from ._uneven_meshes import mesh_is_registered, tp_dims_of
 
-__all__ = ["distribute_state_dict", "distribute_tensors"]
+__all__ = ["distribute_state_dict", "distribute_tensors", "load_model_state_dict"]
 
 
 def _our_rows(target: Any) -> tuple[int, int] | None:
@@ -122,3 +135,20 @@ def distribute_tensors(torch_fn: Callable[..., None], local_state_dict: dict[str
         local_state_dict[key] = _own_rows(entry[0], entry[1], rows, device)
     if rest:
         torch_fn(local_state_dict, rest, device, process_group)
+
+
+def load_model_state_dict(torch_fn: Callable[..., Any], model: Any, state_dict: dict[str, Any],
+                          info: Any) -> Any:
+    """torch's ``_load_model_state_dict`` (``torch_fn``); in the combined ``set_state_dict``
+    with ``broadcast_from_rank0`` every rank loads the model exactly when rank 0 does (see the
+    note at the top)."""
+    combined_broadcast = getattr(info, "broadcast_from_rank0", False) and getattr(
+        info, "handle_optim", False)
+    if not combined_broadcast or not dist.is_initialized() or not any(
+            _registry.state_of(m) is not None for m in model.modules()):
+        return torch_fn(model, state_dict, info)
+    decision = [bool(info.handle_model)]
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] != info.handle_model:
+        info = dataclasses.replace(info, handle_model=decision[0])
+    return torch_fn(model, state_dict, info)

@@ -1,7 +1,8 @@
 """Patch: ``torch.distributed._state_dict_utils._distribute_state_dict`` and
 ``_distribute_tensors`` (and their names in ``checkpoint.state_dict``), with
-``_dtensor/_torch_full_state_dict.py``'s cut at our rows (see [Note: torch's full-state-dict
-loads] there)."""
+``_dtensor/_torch_full_state_dict.py``'s cut at our rows, and ``checkpoint.state_dict.
+_load_model_state_dict``, with its rank-agreed model load in the combined ``set_state_dict``
+with ``broadcast_from_rank0`` (see [Note: torch's full-state-dict loads] there)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._patch import Patch, Plan
+from ._patch import Patch, Plan, Slot
 from ._slots import modules_holding
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]
@@ -21,6 +22,15 @@ def _wrap(torch_fn: Callable[..., None], logic: Callable[..., None]) -> Callable
     @functools.wraps(torch_fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:
         logic(torch_fn, *args, **kwargs)
+
+    return wrapper
+
+
+def _wrap_returning(torch_fn: Callable[..., Any], logic: Callable[..., Any]
+                    ) -> Callable[..., Any]:
+    @functools.wraps(torch_fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return logic(torch_fn, *args, **kwargs)
 
     return wrapper
 
@@ -38,13 +48,20 @@ def _plan() -> Plan:
             continue
         wrapper = _wrap(torch_fn, replacement)
         plan.extend((slot, wrapper) for slot in modules_holding(_HOLDERS, name, torch_fn))
+    from torch.distributed.checkpoint import state_dict as dsd
+
+    load_model = vars(dsd).get("_load_model_state_dict")
+    if load_model is not None:
+        plan.append((Slot(dsd, "_load_model_state_dict"),
+                     _wrap_returning(load_model, logic.load_model_state_dict)))
     return plan
 
 
 PATCH = Patch(
     "full_state_dict",
     "torch cuts full tensors at torch.chunk rows (distribute_tensor) before any hook of ours "
-    "runs, in set_model/optimizer_state_dict(full_state_dict=True)",
+    "runs, in set_model/optimizer_state_dict(full_state_dict=True); its combined set_state_dict "
+    "with broadcast_from_rank0 loads the model on rank 0 only (a hang)",
     _plan,
 )
 install, uninstall, is_installed = PATCH.install, PATCH.uninstall, PATCH.is_installed

@@ -9,11 +9,13 @@ gives with one process's (one job's) exact state; none may load a mix.
   truncated: ``checkpoint.load`` raises naming the file, and the model and optimizer are
   unchanged bitwise (DCP reads into a staging copy first).
 * torch's combined ``set_state_dict(..., full_state_dict=True, broadcast_from_rank0=True)`` with
-  ``{}`` on the other ranks loads like the separate model and optimizer calls (it used to hang).
+  ``{}`` on the other ranks loads like the separate model and optimizer calls (it used to hang;
+  FSDP2 still does, so its control uses the separate calls).
 """
 
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import tempfile
@@ -26,12 +28,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.distributed.checkpoint.filesystem as dcp_fs
 from _checkpoint_safety import assert_same, expect, make, snapshot, train
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
 
-from _models import OddMLP
+from _models import OddMLP, assert_close_to_reference, mlp_loss
 from _models import agree as check
 from _pool import RankPools
 
@@ -218,3 +228,92 @@ def test_damaged_plain_checkpoint_changes_nothing(ranks: RankPools, how: str) ->
     were before the call."""
     with tempfile.TemporaryDirectory() as root:
         ranks.run(_no_partial_load_worker, 2, root, how, timeout_s=TIMEOUT_S)
+
+
+# ------------------------------------------- item 9: torch's combined set_state_dict, broadcast
+
+def _mlp_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> torch.Tensor:
+    """One step on the same global batch on every rank (so every rank's step is the
+    single-process step)."""
+    g = torch.Generator().manual_seed(seed)
+    loss = mlp_loss(model, (torch.randn(4, 15, generator=g), torch.randn(4, 3, generator=g)))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
+def _combined_worker(rank: int, world: int) -> None:
+    # The single-process reference: two steps, then its full model and optimizer state dicts
+    # (what a seed or consolidated checkpoint holds), given on rank 0 only.
+    torch.manual_seed(0)
+    ref = OddMLP()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for seed in (1, 2):
+        _mlp_step(ref, ref_opt, seed)
+    full_msd = {k: v.detach().clone() for k, v in ref.state_dict().items()}
+    full_osd = get_optimizer_state_dict(ref, ref_opt,
+                                        options=StateDictOptions(full_state_dict=True))
+    opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+
+    def on_rank0(sd: dict[str, Any]) -> dict[str, Any]:
+        # torch rewrites the dicts it is given: a copy each time.
+        return copy.deepcopy(sd) if rank == 0 else {}
+
+    def fresh(shard: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(7)  # other weights: a load that did nothing shows
+        model = OddMLP()
+        shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _mlp_step(model, opt, 99)  # optimizer state to replace
+        return model, opt
+
+    # Ours: the combined call (it hung: torch decides per rank whether to load the model,
+    # from whether that rank's model dict is empty, so rank 0 broadcast alone).
+    model, opt = fresh(lambda m: fully_shard(m, sharding_strategy="optim_grads_params",
+                                             timeout=30))
+    set_state_dict(model, opt, model_state_dict=on_rank0(full_msd),
+                   optim_state_dict=on_rank0(full_osd), options=opts)
+    # FSDP2 (control): it hangs in the combined call too, so the separate calls.
+    ctrl, ctrl_opt = fresh(fsdp2_fully_shard)
+    set_model_state_dict(ctrl, on_rank0(full_msd), options=opts)
+    set_optimizer_state_dict(ctrl, ctrl_opt, on_rank0(full_osd), options=opts)
+
+    for seed in (3, 4):
+        ref_loss = _mlp_step(ref, ref_opt, seed)
+        loss, ctrl_loss = _mlp_step(model, opt, seed), _mlp_step(ctrl, ctrl_opt, seed)
+        check(f"step {seed}: loss as one process", lambda: torch.testing.assert_close(
+            loss, ref_loss, rtol=1e-6, atol=1e-7))
+        check(f"step {seed}: FSDP2's loss as one process", lambda: torch.testing.assert_close(
+            ctrl_loss, ref_loss, rtol=1e-6, atol=1e-7))
+    check("parameters as one process",
+          lambda: assert_close_to_reference(model, ref, rtol=1e-5, atol=1e-6))
+
+    # An empty model dict on rank 0 too: the combined call loads the optimizer only (every
+    # rank agrees with rank 0 on that), and the model keeps its weights.
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    new_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _mlp_step(model, new_opt, 98)
+    for k, v in model.state_dict().items():  # undo that step's weight change
+        v.detach().copy_(before[k])
+    full_osd = get_optimizer_state_dict(ref, ref_opt,
+                                        options=StateDictOptions(full_state_dict=True))
+    set_state_dict(model, new_opt, model_state_dict={}, optim_state_dict=on_rank0(full_osd),
+                   options=opts)
+    check("an optimizer-only combined call leaves the model", lambda: [
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+        for k, v in model.state_dict().items()])
+    ref_loss, loss = _mlp_step(ref, ref_opt, 5), _mlp_step(model, new_opt, 5)
+    check("after the optimizer-only load: loss as one process",
+          lambda: torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-7))
+    check("after the optimizer-only load: parameters as one process",
+          lambda: assert_close_to_reference(model, ref, rtol=1e-5, atol=1e-6))
+
+
+def test_torch_combined_set_state_dict_broadcast(ranks: RankPools) -> None:
+    """Item 9: torch's ``set_state_dict(model, optim, full_state_dict=True,
+    broadcast_from_rank0=True)`` with the state dicts on rank 0 and ``{}`` elsewhere loads the
+    model and optimizer like one process (the next two steps match it); FSDP2 through the
+    separate calls is the control. With ``{}`` as the model dict on every rank it loads the
+    optimizer only."""
+    ranks.run(_combined_worker, 2, timeout_s=60)

@@ -591,7 +591,9 @@ def run_rank(rank: int, world: int, device: torch.device, a: dict[str, Any]) -> 
         for state, (params, grads) in zip(states[k], data):
             check(state, params, grads)
     # The slowest rank's time per round.
-    flat = torch.tensor([t for k in kinds for t in times[k]], dtype=torch.float64)
+    # On the collective's device: NCCL reduces CUDA tensors only.
+    flat = torch.tensor([t for k in kinds for t in times[k]], dtype=torch.float64,
+                        device=device)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)
     slowest = flat.view(len(kinds), -1).tolist()
     out: dict[str, Any] = {"groups": len(groups), "params": sum(g.numel for g in groups)}

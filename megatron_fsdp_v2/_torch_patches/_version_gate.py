@@ -55,6 +55,6 @@ def check_torch_version() -> None:
         f"redistribution, op handlers, state-dict helpers; see design.md, 'Patches of torch') "
         f"that were written and tested against torch {tested}, but this is torch {running}; "
         f"nothing was patched. Install a tested torch (e.g. pip install 'torch>="
-        f"{TESTED_TORCH[0]},<{_next_release(TESTED_TORCH[-1])}'), or set {ALLOW_UNTESTED_ENV}=1 to patch this version anyway, "
-        "at your own risk"
+        f"{TESTED_TORCH[0]},<{_next_release(TESTED_TORCH[-1])}'), or set "
+        f"{ALLOW_UNTESTED_ENV}=1 to patch this version anyway, at your own risk"
     )

@@ -36,9 +36,11 @@ if ! "${PYTHON}" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0]
   python -m venv "${VENV}"
   PIP_CONSTRAINT=/dev/null "${PYTHON}" -m pip install --disable-pip-version-check -q \
     "torch==${VERSION}" pytest pytest-timeout numpy ninja setuptools wheel hypothesis
-  PIP_CONSTRAINT=/dev/null "${PYTHON}" -m pip install --disable-pip-version-check -q --no-deps \
-    "torchao==${TORCHAO_VERSION}" "spmd_types==${SPMD_TYPES_VERSION}"
 fi
+"${PYTHON}" -c "import importlib.metadata as md, sys; sys.exit(md.version('torchao') != \
+'${TORCHAO_VERSION}' or md.version('spmd_types') != '${SPMD_TYPES_VERSION}')" 2>/dev/null \
+  || PIP_CONSTRAINT=/dev/null "${PYTHON}" -m pip install --disable-pip-version-check -q --no-deps \
+       "torchao==${TORCHAO_VERSION}" "spmd_types==${SPMD_TYPES_VERSION}"
 
 # A fresh copy of the tree each run (the build output of the last run is kept: an unchanged
 # source is not recompiled).

@@ -72,10 +72,11 @@ def test_a_shard_subclass_is_lost_by_sharding_propagation(fake_mesh: DeviceMesh)
     ``_ops/single_dim_strategy.py``, ``_fill_single_dim_strategy_placeholders``; only torch's own
     ``_StridedShard`` is kept), so a placement carrying our rows is gone from tensors derived
     from a parameter: every later ``full_tensor()`` of those would pad and unpad by
-    ``torch.chunk`` sizes again. Which derivations lose it differs by release (2.11 to 2.13
-    keep it through ``detach``, ``clone`` and ``nn.Parameter``, whose strategies pass the input
-    placement through); ``p * 2``, the pointwise path every optimizer update takes, loses it on
-    every release in the range. The reason holds while any of them loses it."""
+    ``torch.chunk`` sizes again. Which derivations lose it differs by release: 2.11 keeps it
+    through ``detach``, ``clone``, ``zeros_like`` and ``nn.Parameter``, 2.13 through all but
+    ``clone``, 2.14 and 2.15 through none; ``p * 2``, the pointwise path every optimizer update
+    takes, loses it on every release in the range. The reason holds while any of them loses
+    it."""
     p = _our_rows(fake_mesh, torch.ones(2, 4), _RowShard(0, (0, *OUR_ROWS)))
     assert type(p.placements[0]) is _RowShard
     derivations = {

@@ -50,19 +50,24 @@ class Pending:
     """An issued collective: :meth:`wait` blocks until its output is written; :meth:`finish`
     also runs what consumes it (a copy-out, freeing a scratch buffer), exactly once."""
 
-    __slots__ = ("_handle", "_finish")
+    __slots__ = ("_handle", "_finish", "_what")
 
     def __init__(
-        self, handle: comm.CommHandle | None, finish: Callable[[], None] | None = None
+        self, handle: comm.CommHandle | None, finish: Callable[[], None] | None = None,
+        what: str = "collective",
     ) -> None:
         self._handle = handle
         self._finish = finish
+        self._what = what  # names it if the transport times out waiting for it
 
     @traced("mfsdp::wait")
     def wait(self) -> None:
         handle, self._handle = self._handle, None
         if handle is not None:
-            handle.wait()
+            try:
+                handle.wait()
+            except RuntimeError as e:
+                raise _explained(e, self._what) from e
 
     @property
     def holds_temporary(self) -> bool:
@@ -154,5 +159,32 @@ class GroupIssuer:
                 return comm.all_gather_into(full, part, group, a, collectives=collectives)
             return comm.reduce_scatter_into(part, full, group, a, collectives=collectives)
 
-        handle = self.streams.run(run, async_op=async_op, reduce=collective.is_reduction)
-        return Pending(handle, collective.complete)
+        what = f"{collective.what} of {self.name}"
+        try:
+            handle = self.streams.run(run, async_op=async_op, reduce=collective.is_reduction)
+        except RuntimeError as e:
+            raise _explained(e, what) from e
+        return Pending(handle, collective.complete, what)
+
+
+def _explained(error: RuntimeError, what: str) -> RuntimeError:
+    """``error`` with what a transport timeout means here: some rank did not issue the
+    matching collective (its text kept, so callers matching the transport's words still
+    do). Any other error is returned as it is."""
+    text = str(error)
+    if "timed out" not in text.lower() and "timeout" not in text.lower():
+        return error
+    message = (
+        f"{text}\nfully_shard: the {what} did not complete within the group's timeout: some "
+        "rank of the group did not issue the matching collective. Every rank must run the same "
+        "forwards (evaluation forwards included: a sharded unit gathers its weights in every "
+        "forward), backwards and optimizer steps of a wrapped model, in the same order. Do not "
+        "run a forward on some ranks only (e.g. evaluation under `if rank == 0:`): to evaluate "
+        "on one rank, call checkpoint.get_full_state_dict(model) on every rank and load it into "
+        "an unwrapped copy on that rank. MFSDP_DEBUG_COLLECTIVES=1 names the collective each "
+        "rank was about to issue"
+    )
+    try:
+        return type(error)(message)
+    except TypeError:  # an exception class with another constructor
+        return RuntimeError(message)

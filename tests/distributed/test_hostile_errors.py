@@ -23,6 +23,7 @@ from _silent_wrong import (
     STEPS,
     STRATEGIES,
     WORLD,
+    Net,
     _adamw,
     _assert_grads,
     _assert_outputs,
@@ -34,11 +35,13 @@ from _silent_wrong import (
     _setup,
     _snapshot,
     _step_both,
+    _wrap,
 )
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2._comm import _comm_groups
 from megatron_fsdp_v2._comm._arrival import arrival_wait, await_every_rank
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import RankPools
@@ -249,3 +252,35 @@ def test_arrival_check_names_the_rank_that_did_not_call(ranks: RankPools) -> Non
     results = ranks.run(_arrivals, WORLD, timeout_s=120)
     print(f"arrival check, median per call on 2 gloo ranks (FileStore): "
           f"{results[0]['median_ms']:.2f} ms")
+
+
+def _forward_on_one_rank(rank: int, world: int) -> None:
+    """An evaluation forward on rank 0 only (ZeRO-3 gathers weights in it) while rank 1 goes on
+    training: the unmatched collectives time out on both ranks, and both errors say what that
+    means and name the misuse, not only the transport's "Timed out"."""
+    torch.manual_seed(0)
+    model = _wrap(Net(), "optim_grads_params", timeout=3.0)
+    batch = torch.ones(2, Net.DIN)
+    model(batch).sum().backward()
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError) as info:
+            if rank == 0:
+                with torch.no_grad():
+                    model(batch)  # evaluation on one rank: the misuse
+            model(batch).sum().backward()
+        message = str(info.value)
+        assert "did not complete within the group's timeout: some rank of the group did not " \
+               "issue the matching collective" in message, message
+        assert "evaluation under `if rank == 0:`" in message, message
+        assert "get_full_state_dict" in message, message
+        assert time.monotonic() - start < 3.0 + 10.0, "not bounded by the group's timeout"
+    finally:
+        _comm_groups.clear_comm_groups()  # the timed-out group is out of step: not reused
+        dist.barrier()
+
+
+def test_forward_on_some_ranks_names_the_misuse(ranks: RankPools) -> None:
+    """Item 10 (a forward run on some ranks only): both ranks fail within the group's timeout
+    with an error naming the misuse and the fix."""
+    ranks.run(_forward_on_one_rank, WORLD, timeout_s=120)

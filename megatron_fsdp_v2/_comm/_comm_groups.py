@@ -116,9 +116,6 @@ def default_mesh() -> DeviceMesh:
 # (``_NAMES_COUNT_MEMBERSHIPS``); it reads torch's group table and changes nothing in it.
 _NAMES_COUNT_MEMBERSHIPS = tuple(
     int(part) for part in str(torch.__version__).split("+")[0].split(".")[:2]) < (2, 14)
-# The count the last library group was named with in this process. Not in ``_registry``: it
-# mirrors torch's group table, which ``_registry.reset`` does not undo.
-_last_named_at = [-1]
 
 
 def _level_group_names(connecting: Sequence[dist.ProcessGroup]) -> None:
@@ -130,7 +127,7 @@ def _level_group_names(connecting: Sequence[dist.ProcessGroup]) -> None:
     if not _NAMES_COUNT_MEMBERSHIPS:
         return
     memberships = len(distributed_c10d._world.pg_names)
-    count = torch.tensor([max(memberships, _last_named_at[0] + 1)], dtype=torch.int64)
+    count = torch.tensor([max(memberships, _registry.group_names_level[0] + 1)], dtype=torch.int64)
     for group in connecting:
         if dist.get_world_size(group) > 1:
             on_device = count.to(collective_device(group))
@@ -139,7 +136,7 @@ def _level_group_names(connecting: Sequence[dist.ProcessGroup]) -> None:
     for _ in range(int(count.item()) - memberships):
         dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True,
                        group_desc="megatron_fsdp_v2 group-name level (torch < 2.14)")
-    _last_named_at[0] = int(count.item())
+    _registry.group_names_level[0] = int(count.item())
 
 
 def comm_group(

@@ -2,9 +2,10 @@
 items 8, 10, 12, 13): ``fully_shard`` arguments that differ between ranks are caught by the
 wrap-time rank check; optimizers that are not elementwise, and gradient penalties
 (``create_graph=True``), train exactly like single-process PyTorch or are refused at their
-first step naming what works; a collective issued outside the step (a full state dict) that
-some rank does not join fails within seconds naming that rank and the call, not after the
-transport's timeout.
+first step naming what works; a call outside the step that some rank does not make fails
+after the group's timeout naming that rank and the call, before any collective (the arrival
+check), and a forward run on some ranks only fails with an error naming that misuse, not only
+the transport's "Timed out".
 """
 
 from __future__ import annotations

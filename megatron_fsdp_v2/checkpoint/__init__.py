@@ -63,7 +63,7 @@ from ._checks import (
     check_optim_state_dict,
 )
 from ._checksums import find_unreadable_item, verify_checksums
-from ._files import atomic_save, interrupted_commit_hint, local_dir
+from ._files import atomic_save, interrupted_commit_hint, local_dir, pinned_directory
 from ._staging import apply_staged, staging_copy
 
 __all__ = [
@@ -268,9 +268,15 @@ def load(
     (the default) and a local checkpoint that has a ``checksums.json`` (see :func:`save`),
     every stored item is verified too, the files split across ranks: a corrupted item raises a
     ``ValueError`` naming its key and file, before anything is read into the model. Then
-    ``dcp.load`` and :func:`set_state_dict`; the next forward uses the loaded weights. Returns
-    ``extra`` updated. A failure inside ``dcp.load`` raises a ``RuntimeError`` (chained to
-    DCP's ``CheckpointException``). Every rank of ``process_group`` (default: all) calls it;
+    ``dcp.load`` into a host-memory staging copy of this rank's share, and only after every
+    rank read everything are the values copied into the model and optimizers and
+    :func:`set_state_dict` runs; the next forward uses the loaded weights. Returns ``extra``
+    updated. A failure inside ``dcp.load`` (a damaged or truncated file, with or without
+    ``checksums.json``) raises a ``RuntimeError`` naming the file where it can be found
+    (chained to DCP's ``CheckpointException``) and changes nothing. A local checkpoint is read
+    through the directory as opened at the start, so a save committing to the same path
+    meanwhile cannot make the load mix two checkpoints (see ``[Note: atomic saves and
+    checksums]``). Every rank of ``process_group`` (default: all) calls it;
     the checks, DCP and the agreement use the same group as :func:`save`.
     """
     group = _group.dcp_group(model, process_group)  # as in save
@@ -282,41 +288,75 @@ def load(
         storage_reader = dcp.FileSystemReader(checkpoint_id)
     extra = dict(extra or {})
     state = _build_state(model, optimizers, extra)
-    error: str | None
-    try:
-        metadata = storage_reader.read_metadata()
-    except Exception as exc:  # noqa: BLE001 - reported on every rank below
-        metadata, error = None, f"cannot read checkpoint metadata of {checkpoint_id!r}: {exc}"
-        if root is not None:
-            error += interrupted_commit_hint(root)
-    if metadata is not None:
-        error = check_against_metadata(state, metadata, strict=strict, extra=extra)
-        if error is None and checksums and root is not None:
-            error = verify_checksums(root, metadata, group)
-    _group.raise_if_any_rank(error, group)
-    # DCP reads into a staging copy; the model and optimizers change only once every rank read
-    # everything (see [Note: loads that change nothing until they succeeded] in _staging.py).
-    staged = staging_copy(state, complete=strict)
-    try:
-        dcp.load(staged, checkpoint_id=checkpoint_id, storage_reader=storage_reader,
-                 process_group=group,
-                 planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
-    except CheckpointException as exc:  # raised on every rank alike: the diagnosis is agreed
-        assert metadata is not None
-        damage = find_unreadable_item(root, metadata, group) if root is not None else None
-        damage = next((d for d in _group.all_gather(damage, group) if d is not None), None)
-        raise RuntimeError(
-            f"checkpoint.load of {checkpoint_id!r} failed, nothing was loaded (the model and "
-            f"optimizers are unchanged): {damage + '; ' if damage else ''}"
-            f"{_group.describe(exc, -1)}") from exc
-    apply_staged(state, staged)
-    del staged
+    if root is None:
+        _load_into(state, storage_reader, checkpoint_id, None, None, group, strict, extra,
+                   checksums=False)
+    else:
+        # Every read goes through one opened directory: a save that commits to this path
+        # meanwhile cannot make this load read some files of each checkpoint.
+        with pinned_directory(root) as pinned:
+            try:
+                _load_into(state, storage_reader, pinned, root, pinned, group, strict, extra,
+                           checksums)
+            finally:
+                storage_reader.reset(root)  # the caller's reader points at the checkpoint again
     set_state_dict(
         model, optimizers, model_state_dict=state[MODEL_KEY],
         optim_state_dict=state.get(OPTIM_KEY),
         options=_dsd.StateDictOptions(strict=strict),
     )
     return {k: state[k] for k in extra}
+
+
+def _load_into(
+    state: dict[str, Any], storage_reader: Any, read_id: Any, root: Any, pinned: Any,
+    group: dist.ProcessGroup | None, strict: bool, extra: dict[str, Any], checksums: bool,
+) -> None:
+    """``load``'s checks and ``dcp.load`` from ``read_id`` (a local checkpoint's pinned path,
+    else the caller's ``checkpoint_id``) into ``state``; ``state``'s tensors change only when
+    every rank read everything."""
+    shown = root if root is not None else read_id  # what messages name
+    if read_id is not None:
+        storage_reader.reset(read_id)
+    error: str | None
+    save_id = None
+    try:
+        metadata = storage_reader.read_metadata()
+        save_id = getattr(metadata.storage_meta, "save_id", None)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        metadata, error = None, f"cannot read checkpoint metadata of {str(shown)!r}: {exc}"
+        if root is not None:
+            error += interrupted_commit_hint(root)
+    if metadata is not None:
+        error = check_against_metadata(state, metadata, strict=strict, extra=extra)
+        if error is None and checksums:
+            error = verify_checksums(root, metadata, group, read_from=pinned)
+    # One agreement: the first rank's error, else whether every rank opened the same save (a
+    # commit between two ranks' opens would make them read different ones).
+    found = _group.all_gather((error, save_id), group)
+    error = next((e for e, _ in found if e is not None), None)
+    if error is None and root is not None and any(i != found[0][1] for _, i in found):
+        error = (f"checkpoint '{root}' was replaced by another save while this load opened "
+                 "it (the ranks opened different saves); nothing was loaded, retry")
+    if error is not None:
+        raise ValueError(error)
+    assert metadata is not None
+    # DCP reads into a staging copy; the model and optimizers change only once every rank read
+    # everything (see [Note: loads that change nothing until they succeeded] in _staging.py).
+    staged = staging_copy(state, complete=strict)
+    try:
+        dcp.load(staged, checkpoint_id=read_id, storage_reader=storage_reader,
+                 process_group=group,
+                 planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
+    except CheckpointException as exc:  # raised on every rank alike: the diagnosis is agreed
+        damage = (find_unreadable_item(root, metadata, group, read_from=pinned)
+                  if root is not None else None)
+        damage = next((d for d in _group.all_gather(damage, group) if d is not None), None)
+        raise RuntimeError(
+            f"checkpoint.load of {str(shown)!r} failed, nothing was loaded (the model and "
+            f"optimizers are unchanged): {damage + '; ' if damage else ''}"
+            f"{_group.describe(exc, -1)}") from exc
+    apply_staged(state, staged)
 
 
 # ---------------------------------------------------------------------- full state dicts

@@ -112,13 +112,17 @@ def write_checksum_file(root: Path, metadata: Metadata, entries: list[dict[str, 
 
 
 def verify_checksums(
-    root: Path, metadata: Metadata, process_group: dist.ProcessGroup | None
+    root: Path, metadata: Metadata, process_group: dist.ProcessGroup | None,
+    read_from: Path | None = None,
 ) -> str | None:
     """Check this rank's share (within ``process_group``) of a checkpoint's items against its
     ``checksums.json``; the error for the first bad item, or ``None``. No collective: the
     caller agrees on the result. A checkpoint without the file (written by plain
-    ``dcp.save``) or with a file of another save passes unverified."""
-    path = root / CHECKSUM_FILE
+    ``dcp.save``) or with a file of another save passes unverified. ``read_from``: where to
+    read the files (a pinned path of ``root``, see ``pinned_directory``); messages name
+    ``root``."""
+    read_root = root if read_from is None else read_from
+    path = read_root / CHECKSUM_FILE
     if not path.exists():
         return None
     try:
@@ -128,9 +132,10 @@ def verify_checksums(
             raise ValueError(f"not a {_CHECKSUM_FORMAT} crc32 file")
         items = record["items"]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        return f"cannot read the checksum file '{path}': {exc}"
+        return f"cannot read the checksum file '{root / CHECKSUM_FILE}': {exc}"
     if record.get("save_id") != getattr(metadata.storage_meta, "save_id", None):
-        warnings.warn(f"'{path}' belongs to another save than '{root / '.metadata'}' (the "
+        warnings.warn(f"'{root / CHECKSUM_FILE}' belongs to another save than "
+                      f"'{root / '.metadata'}' (the "
                       "directory was overwritten by another writer); not verifying", stacklevel=3)
         return None
     # Every rank checks that the file describes exactly the items of .metadata (no I/O) ...
@@ -157,7 +162,7 @@ def verify_checksums(
     for name in sorted(_split_files(sizes, size)[rank]):
         entries = sorted(by_file[name], key=lambda e: e["start"])
         try:
-            crcs = _crc32_ranges(root / name, [(e["start"], e["length"]) for e in entries])
+            crcs = _crc32_ranges(read_root / name, [(e["start"], e["length"]) for e in entries])
         except (OSError, EOFError) as exc:
             return (f"checkpoint '{root}' is corrupted: cannot read key '{entries[0]['fqn']}' "
                     f"from file '{name}': {exc}")
@@ -170,22 +175,23 @@ def verify_checksums(
 
 
 def find_unreadable_item(
-    root: Path, metadata: Metadata, process_group: dist.ProcessGroup | None
+    root: Path, metadata: Metadata, process_group: dist.ProcessGroup | None,
+    read_from: Path | None = None,
 ) -> str | None:
     """After a failed ``dcp.load``: the first item of this rank's share of the files (split
     as for checksums) that cannot be read back, as an error naming its key and file, or
     ``None``. Reads every item's bytes (a file that ends early is named) and deserializes each
     tensor item DCP stored with ``torch.save`` (a damaged header is named), one item at a
-    time. No collective: the caller agrees on the result."""
+    time. No collective: the caller agrees on the result. ``read_from`` as for
+    :func:`verify_checksums`."""
     by_file: dict[str, list[tuple[str, Any]]] = {}
     for index, info in metadata.storage_data.items():
         by_file.setdefault(info.relative_path, []).append((index.fqn, info))
     rank, size = rank_and_size(process_group)
     sizes = {name: sum(info.length for _, info in items) for name, items in by_file.items()}
     for name in sorted(_split_files(sizes, size)[rank]):
-        path = root / name
         try:
-            with open(path, "rb") as f:
+            with open((root if read_from is None else read_from) / name, "rb") as f:
                 for fqn, info in sorted(by_file[name], key=lambda item: item[1].offset):
                     f.seek(info.offset)
                     data = f.read(info.length)

@@ -25,6 +25,10 @@ directories are never removed (they may still be writing), only the fixed-name o
 versions (``<path>.incomplete``, ``<path>.old``); a crashed save's ``<path>.<id>.incomplete``
 stays until removed by hand.
 
+A load reads through one opened directory (``pinned_directory``): a commit during the load
+renames directories but cannot change which files the load reads, and the ranks check that they
+opened the same save (DCP's ``save_id``), so a load never mixes two saves' files either.
+
 ``checkpoint.load`` checks every item against ``checksums.json`` (when the file exists and
 belongs to the same save, by DCP's ``save_id``) before ``dcp.load`` reads anything, the files
 split across ranks; ``dcp.load`` then reads into a staging copy, never into the model (see
@@ -36,12 +40,13 @@ collective here runs on the group DCP gets (see ``[Note: checkpoint collectives]
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +59,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from . import _group
 from ._checksums import checksum_items, write_checksum_file, writer_rank
 
-__all__ = ["atomic_save", "interrupted_commit_hint", "local_dir"]
+__all__ = ["atomic_save", "interrupted_commit_hint", "local_dir", "pinned_directory"]
 
 _INCOMPLETE_SUFFIX = ".incomplete"
 _OLD_SUFFIX = ".old"
@@ -103,6 +108,29 @@ def interrupted_commit_hint(root: Path) -> str:
         return ""
     return (f"; a save was interrupted while committing and left the previous checkpoint at "
             f"'{olds[0]}' (the next save to this path puts it back, or rename it)")
+
+
+@contextlib.contextmanager
+def pinned_directory(root: Path) -> Iterator[Path]:
+    """A path that keeps naming the directory at ``root`` as it is on entry, even after a
+    concurrent save's commit renamed it away and another checkpoint into ``root``: the
+    directory opened once, read through ``/proc/self/fd/<fd>`` (Linux). A load that reads
+    through it reads one save's files only (or fails, when that save's files were removed
+    since); ``root`` itself where the platform has no such path or ``root`` cannot be opened
+    (the metadata read then reports it)."""
+    proc = Path("/proc/self/fd")
+    if not proc.is_dir() or not hasattr(os, "O_DIRECTORY"):
+        yield root
+        return
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        yield root
+        return
+    try:
+        yield proc / str(fd)
+    finally:
+        os.close(fd)
 
 
 def _remove(path: Path) -> None:

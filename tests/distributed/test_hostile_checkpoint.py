@@ -15,11 +15,13 @@ gives with one process's (one job's) exact state; none may load a mix.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -166,6 +168,63 @@ def test_concurrent_saves_to_one_path_never_mix(ranks: RankPools) -> None:
     (model, optimizer and ``extra``), never a mix."""
     with tempfile.TemporaryDirectory() as root:
         ranks.run(_concurrent_worker, JOBS * JOB_WORLD, root, timeout_s=TIMEOUT_S)
+
+
+def _load_during_commit_worker(rank: int, world: int, root: str) -> None:
+    # Checkpoint A at the path, checkpoint B elsewhere (what a concurrent save has written).
+    model, opt = make()
+    path, other = os.path.join(root, "ckpt"), os.path.join(root, "other")
+    train(model, opt, range(1), rank)
+    mckpt.save(model, opt, checkpoint_id=path)
+    a = snapshot(model, opt)
+    train(model, opt, range(1, 2), rank)
+    mckpt.save(model, opt, checkpoint_id=other)
+    b = snapshot(model, opt)
+    train(model, opt, range(2, 3), rank)
+
+    # During the load, after rank 1 opened its first shard file and before rank 0 opens its
+    # own, a commit replaces A at the path by B (the two renames a commit makes).
+    original = dcp_fs.FileSystem.create_stream
+    first = [True]
+
+    @contextlib.contextmanager
+    def create_stream(self: Any, file: Any, mode: str) -> Iterator[Any]:
+        trigger = first[0] and mode == "rb" and os.fspath(file).endswith(".distcp")
+        if trigger:
+            first[0] = False
+            if rank == 0:
+                _wait_for(root, "opened", 1)
+                os.rename(path, path + ".moved")
+                os.rename(other, path)
+        with original(self, file, mode) as stream:
+            if trigger and rank == 1:
+                _mark(root, "opened", rank)
+            yield stream
+
+    dcp_fs.FileSystem.create_stream = create_stream  # type: ignore[method-assign]
+    try:
+        mckpt.load(model, opt, checkpoint_id=path)
+    finally:
+        dcp_fs.FileSystem.create_stream = original  # type: ignore[method-assign]
+    now = snapshot(model, opt)
+    matches = [name for name, state in (("A", a), ("B", b)) if _same(now, state)]
+    found: list[Any] = [None] * world
+    dist.all_gather_object(found, matches)
+    check("the load read the checkpoint it opened, whole", lambda: _equal_lists(
+        found, [["A"]] * world))
+
+
+def _equal_lists(found: list[Any], expected: list[Any]) -> None:
+    assert found == expected, f"per rank, the load matched {found} (expected {expected})"
+
+
+def test_load_during_a_commit_reads_one_checkpoint(ranks: RankPools) -> None:
+    """Item 4, the load side: a commit that replaces the checkpoint while a load reads it
+    (after one rank opened its shard file, before the other did) cannot make the load read some
+    ranks' rows from each: the load reads the directory it opened, so every rank gets
+    checkpoint A bitwise."""
+    with tempfile.TemporaryDirectory() as root:
+        ranks.run(_load_during_commit_worker, 2, root, timeout_s=TIMEOUT_S)
 
 
 # ----------------------------------------------------- item 11: a load is all or nothing

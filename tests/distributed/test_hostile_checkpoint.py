@@ -4,7 +4,8 @@ gives with one process's (one job's) exact state; none may load a mix.
 
 * Two jobs saving to one path at once: every save writes its own temporary directory and
   commits it whole, so the path ends up holding exactly one job's checkpoint (or none, if both
-  failed clearly); a load never mixes the two.
+  failed clearly); a load never mixes the two, even when a commit replaces the checkpoint
+  while the load reads it.
 * A checkpoint without ``checksums.json`` (plain ``dcp.save``) whose shard is corrupted or
   truncated: ``checkpoint.load`` raises naming the file, and the model and optimizer are
   unchanged bitwise (DCP reads into a staging copy first).

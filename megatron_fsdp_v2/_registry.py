@@ -58,6 +58,10 @@ module_tree_generation = [0]
 # last library group was named with in this process. ``reset`` keeps it: it mirrors torch's
 # group table, which outlives the library's state.
 group_names_level = [-1]
+# _comm/_arrival.py: (call, group ranks) -> how many times this process reached the call on that
+# group. ``reset`` keeps it too: the arrival keys in torch's store outlive the library's state,
+# and a count started again would meet them.
+arrival_counts: dict[tuple[str, tuple[int, ...]], int] = {}
 # [Note: local optimizer step] (_optimizer_local.py): the optimizers whose step runs on local
 # tensors right now (or whose step raised half-way), those given the state-dict hook that swaps
 # back, and where each optimizer holds managed parameters (cached: the hook runs every step).

@@ -49,7 +49,10 @@ git ls-files -z --cached --others --exclude-standard \
   | tar --null --files-from=- --ignore-failed-read -cf - | tar -xf - -C "${TREE}"
 cd "${TREE}"
 echo "[compat ${VERSION}] building the extension (CPU kernels) in ${TREE}"
-MFSDP_FORCE_CPU=1 MAX_JOBS="${MAX_JOBS:-2}" "${PYTHON}" -m pip install --disable-pip-version-check \
+# MFSDP_FORCE_CPU stays set for the tests too: they expect CUDA kernels from a CUDA torch
+# otherwise (tests/ops: test_build_info).
+export MFSDP_FORCE_CPU=1
+MAX_JOBS="${MAX_JOBS:-2}" "${PYTHON}" -m pip install --disable-pip-version-check \
   -q --no-build-isolation --no-deps -e .
 "${PYTHON}" -c "import megatron_fsdp_v2 as m; print('[compat] build_info:', m.build_info())"
 

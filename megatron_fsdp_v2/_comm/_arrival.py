@@ -40,6 +40,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from .. import _registry
 from ._backends import group_timeout
 
 __all__ = ["ARRIVAL_TIMEOUT_ENV", "arrival_wait", "await_every_rank"]
@@ -47,8 +48,6 @@ __all__ = ["ARRIVAL_TIMEOUT_ENV", "arrival_wait", "await_every_rank"]
 ARRIVAL_TIMEOUT_ENV = "MFSDP_ARRIVAL_TIMEOUT_S"
 _PREFIX = "megatron_fsdp_v2/arrival"
 
-# (call, group ranks) -> how many times this process reached the call on that group.
-_arrivals: dict[tuple[str, tuple[int, ...]], int] = {}
 
 
 def arrival_wait(process_group: dist.ProcessGroup | None) -> timedelta:
@@ -91,8 +90,8 @@ def await_every_rank(
     wait = wait if wait is not None else arrival_wait(group)
     me = dist.get_rank()
     key = (call, ranks)
-    n = _arrivals.get(key, 0) + 1
-    _arrivals[key] = n
+    n = _registry.arrival_counts.get(key, 0) + 1
+    _registry.arrival_counts[key] = n
     base = f"{_PREFIX}/{call}/{','.join(map(str, ranks))}"
     store = dist.distributed_c10d._get_default_store()
     store.set(f"{base}/{n}/{me}", "1")

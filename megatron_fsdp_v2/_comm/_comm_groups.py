@@ -124,8 +124,8 @@ def _level_group_names(connecting: Sequence[dist.ProcessGroup]) -> None:
     [Note: group names before torch 2.14]). The groups in
     ``connecting`` must chain every member of the new group (its parent, or the dimensions of
     a mesh): a MAX all-reduce over each in turn gives every member the maximum."""
-    if not _NAMES_COUNT_MEMBERSHIPS:
-        return
+    if not _NAMES_COUNT_MEMBERSHIPS or dist.get_backend() == "fake":
+        return  # 2.14 on; or the estimator's fake world, where no member meets another
     memberships = len(distributed_c10d._world.pg_names)
     count = torch.tensor([max(memberships, _registry.group_names_level[0] + 1)], dtype=torch.int64)
     for group in connecting:

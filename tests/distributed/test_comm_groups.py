@@ -141,7 +141,11 @@ def _bound_device_worker(rank: int, world: int) -> None:
         finally:
             default_group.bound_device_id = bound
 
-    def new_group(*args: Any, **kwargs: Any) -> Any:
+    def new_group(ranks: list[int] | None = None, **kwargs: Any) -> Any:
+        # Before torch 2.14 the library first levels torch's group names with one-rank gloo
+        # groups ([Note: group names before torch 2.14]): no communicator, nothing split.
+        if ranks == [rank] and kwargs.get("backend") == "gloo":
+            return real_new_group(ranks, **kwargs)
         raise AssertionError("new_group with a device-bound default group is an ncclCommSplit "
                              "of the whole job")
 

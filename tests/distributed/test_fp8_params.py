@@ -52,6 +52,20 @@ from _pool import RankPools
 pytest.importorskip("torchao")
 
 TIMEOUT_S = 300
+
+# torch 2.11: the backward of torchao's FP8 all-gathered weight with a bf16 compute dtype fails
+# in torch's autograd engine ("Found dtype Float but expected BFloat16"), for FSDP2 + torchao
+# (the control) as for the library, with torchao 0.15 to 0.18; 2.13 and later train. The
+# control cannot run there, so those cases are skipped on 2.11 (README, "Supported torch
+# releases").
+BF16_FP8_BACKWARD_FAILS = tuple(
+    int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) == (2, 11)
+
+
+def _skip_bf16_on_torch_2_11(dtype_name: str) -> None:
+    if dtype_name == "bfloat16" and BF16_FP8_BACKWARD_FAILS:
+        pytest.skip("torch 2.11: torchao's FP8 all-gathered weight fails in bf16 backward, "
+                    "FSDP2's too (see BF16_FP8_BACKWARD_FAILS)")
 STEPS = 5
 MICRO = 2
 ROWS = 8  # per rank and micro-batch
@@ -198,6 +212,7 @@ def test_fp8_all_gather_matches_fsdp2(ranks: RankPools, world: int, strategy: st
                                       dtype_name: str) -> None:
     """Losses and parameters equal FSDP2 + torchao over 5 steps; FP8 bytes gathered. With
     precomputed scales the library casts with its fused ``ops.fp8_quantize_``."""
+    _skip_bf16_on_torch_2_11(dtype_name)
     ranks.run(_parity, world, strategy, dtype_name, timeout_s=TIMEOUT_S)
 
 
@@ -206,12 +221,14 @@ def test_fp8_all_gather_matches_fsdp2(ranks: RankPools, world: int, strategy: st
 def test_fp8_protocol_path_matches_fsdp2(ranks: RankPools, world: int, strategy: str) -> None:
     """The same through torchao's own ``fsdp_pre_all_gather`` (the fused cast switched off):
     the generic path any subclass with the extensions takes."""
+    _skip_bf16_on_torch_2_11("bfloat16")
     ranks.run(_parity, world, strategy, "bfloat16", False, timeout_s=TIMEOUT_S)
 
 
 def test_fp8_trace_pool_matches_fsdp2(ranks: RankPools) -> None:
     """ZeRO-3 with ``enable_trace_pool=True``: the FP8 scratch buffers are pinned while autograd
     may hold views of them, so the result is FSDP2's."""
+    _skip_bf16_on_torch_2_11("bfloat16")
     ranks.run(_parity, 2, "optim_grads_params", "bfloat16", True, True, timeout_s=TIMEOUT_S)
 
 
@@ -236,6 +253,7 @@ def _at_most(value: float, bound: float) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero3_fp8_gathers_about_half_of_bf16(ranks: RankPools, world: int) -> None:
+    _skip_bf16_on_torch_2_11("bfloat16")
     ranks.run(_zero3_bytes, world, timeout_s=TIMEOUT_S)
 
 

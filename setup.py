@@ -9,6 +9,8 @@ Environment:
   TORCH_CUDA_ARCH_LIST   CUDA archs to compile for (default: those torch was built for
                          that nvcc can compile, plus PTX of the newest; see cuda_arch_list).
   MAX_JOBS               parallel compile jobs (honored by BuildExtension).
+  CC, CXX                the compilers (torch's BuildExtension uses them); a CXX that links
+                         libstdc++ statically is replaced, see shared_libstdcxx_compiler.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Collection, Sequence
 
 import torch
@@ -113,6 +118,56 @@ def _with_cuda(force_cpu: bool, force_cuda: bool) -> bool:
     return ok
 
 
+def _links_libstdcxx_statically(cxx: str) -> bool | None:
+    """Whether ``cxx -shared`` leaves libstdc++ out of a shared library's dependencies: a
+    toolchain wrapper that adds ``-static-libstdc++``. ``None`` when ``cxx`` cannot link a probe
+    (then the real build says what is wrong).
+
+    Such an extension carries a second libstdc++ into a process whose torch uses the system's;
+    the copy's iostreams were never initialized, so the first ``c10::str`` (every op's argument
+    checks) segfaults. Seen on a GPU machine whose environment sets
+    ``CXX=/opt/gcc/bin/g++``, a wrapper of the system g++ 13.3 that links it statically."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "probe.cpp"), os.path.join(tmp, "probe.so")
+        with open(src, "w") as f:
+            f.write("#include <sstream>\n#include <string>\n"
+                    "std::string probe(int i) { std::ostringstream s; s << i; return s.str(); }\n")
+        try:
+            subprocess.run([*shlex.split(cxx), "-shared", "-fPIC", src, "-o", out],
+                           capture_output=True, timeout=120, check=True)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        try:
+            needed = subprocess.run(["readelf", "-d", out], capture_output=True, text=True,
+                                    timeout=60, check=True).stdout
+            return "libstdc++.so" not in needed
+        except (OSError, subprocess.SubprocessError):
+            with open(out, "rb") as f:  # no binutils: the NEEDED name is in the string table
+                return b"libstdc++.so" not in f.read()
+
+
+def shared_libstdcxx_compiler(cxx: str | None, candidates: Sequence[str] = ("c++", "g++")
+                              ) -> tuple[str, str] | None:
+    """``(CC, CXX)`` to build with instead of ``cxx`` (the environment's ``CXX``) when it links
+    libstdc++ statically (see :func:`_links_libstdcxx_statically`): the first of
+    ``candidates`` on PATH that links it dynamically, with its C driver beside it. ``None`` when
+    ``cxx`` is unset or fine. Raises ``RuntimeError`` naming the fix when no candidate is."""
+    if not cxx or not _links_libstdcxx_statically(cxx):
+        return None
+    for name in candidates:
+        found = shutil.which(name)
+        if found and os.path.realpath(found) != os.path.realpath(shutil.which(cxx) or cxx) \
+                and _links_libstdcxx_statically(found) is False:
+            driver = {"c++": "cc", "g++": "gcc", "clang++": "clang"}.get(name, "cc")
+            return shutil.which(driver) or driver, found
+    raise RuntimeError(
+        f"CXX={cxx} links libstdc++ statically into shared libraries, and no other C++ compiler "
+        f"on PATH ({', '.join(candidates)}) links the system's: the extension would carry a "
+        "second libstdc++ into a process whose torch uses the system's, and segfault in its "
+        "first argument check. Set CXX (and CC) to a compiler that links libstdc++ dynamically"
+    )
+
+
 def _extension(force_cpu: bool, force_cuda: bool):
     from torch.utils import cpp_extension
 
@@ -155,6 +210,12 @@ def main() -> None:
         )
     if not force_cpu:
         _pin_cuda_home()
+    replacement = shared_libstdcxx_compiler(os.environ.get("CXX"))
+    if replacement is not None:
+        print(f"megatron_fsdp_v2: CXX={os.environ['CXX']} links libstdc++ statically (a second "
+              f"libstdc++ in torch's process crashes); building with CC={replacement[0]} "
+              f"CXX={replacement[1]}", file=sys.stderr)
+        os.environ["CC"], os.environ["CXX"] = replacement
     from torch.utils import cpp_extension
 
     setup(

@@ -8,7 +8,9 @@ __main__, which is how setuptools runs it)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
+import shutil
 from types import ModuleType
 
 import pytest
@@ -88,3 +90,40 @@ def test_installed_torch_gives_a_valid_list(setup_py: ModuleType,
     assert chosen.endswith("+PTX")
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", chosen)
     assert cpp_extension._get_cuda_arch_flags(list(setup_py.NVCC_FLAGS))  # no ValueError
+
+
+# --- a compiler that links libstdc++ statically (the lent GPU machine's CXX) ----------------
+
+def _static_wrapper(folder: pathlib.Path, name: str) -> str:
+    """A compiler named ``name`` that links libstdc++ statically, as ``/opt/gcc/bin/g++`` on
+    the lent GPU machine does (a wrapper of the system g++)."""
+    real = shutil.which("g++")
+    assert real is not None
+    path = folder / name
+    path.write_text(f'#!/bin/sh\nexec {real} -static-libstdc++ "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_a_compiler_linking_libstdcxx_statically_is_replaced(
+    setup_py: ModuleType, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Such an extension segfaulted in its first argument check on the H200 (its own, never
+    initialized iostreams); setup.py builds with a compiler on PATH that links the system's."""
+    assert setup_py._links_libstdcxx_statically("g++") is False
+    static = _static_wrapper(tmp_path, "g++")
+    assert setup_py._links_libstdcxx_statically(static) is True
+    assert setup_py._links_libstdcxx_statically(str(tmp_path / "missing")) is None
+    assert setup_py.shared_libstdcxx_compiler("g++") is None
+    assert setup_py.shared_libstdcxx_compiler(None) is None
+
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")  # the wrapper is "g++" now
+    cc, cxx = setup_py.shared_libstdcxx_compiler(static)
+    assert os.path.realpath(cxx) != os.path.realpath(static)
+    assert setup_py._links_libstdcxx_statically(cxx) is False
+    assert os.path.basename(cc) in ("cc", "gcc")
+
+    # No other compiler among the candidates (the wrapper shadows g++ on PATH): a clear error.
+    with pytest.raises(RuntimeError, match="links libstdc\\+\\+ statically"):
+        setup_py.shared_libstdcxx_compiler(static, candidates=("g++",))

@@ -297,6 +297,8 @@ def main() -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if device.type == "cuda":
+        if device.index is None:  # torch 2.11's set_device refuses a bare "cuda"
+            device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
     dtype = getattr(torch, args.dtype)
     flat_numel = args.flat_numel or (64 << 20 if device.type == "cpu" else 512 << 20)

@@ -16,16 +16,22 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_fsdp_v2 import fully_shard
 
 from _models import all_ranks_ok
 from _pool import RankPools
+
+# torch.distributed.fsdp.DataParallelMeshDims is not in torch 2.11 (2.12 has it; the
+# supported range starts at 2.11): fully_shard's dp_mesh_dims cannot be given there.
+DataParallelMeshDims = getattr(torch_fsdp, "DataParallelMeshDims", None)
+pytestmark = pytest.mark.skipif(DataParallelMeshDims is None,
+                                reason="torch.distributed.fsdp has no DataParallelMeshDims")
 
 TIMEOUT_S = 240
 

@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 from _titan import apply_fsdp, batches, compare, empty_shards, make_model, reference, train
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import DataParallelMeshDims
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from megatron_fsdp_v2 import FSDPModule as OurFSDPModule
@@ -60,10 +59,13 @@ def _worker(rank: int, world: int, strategy: str, summed: bool) -> list[str]:
     want = reference(STEPS, MICRO, world)
     spmd = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp_shard", "tp"))
     errors: list[str] = []
+    # torchtitan's SPMD mesh with dp_mesh_dims where torch has DataParallelMeshDims (not 2.11);
+    # on 2.11 its data-parallel sub-mesh, which the former resolves to.
+    dims = getattr(torch_fsdp, "DataParallelMeshDims", None)
+    ours = (dict(mesh=spmd, dp_mesh_dims=dims(shard="dp_shard")) if dims is not None
+            else dict(mesh=spmd["dp_shard"]))
     runs: list[tuple[str, Any, dict[str, Any]]] = [
-        ("megatron_fsdp_v2", fully_shard,
-         dict(mesh=spmd, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"),
-              sharding_strategy=strategy, timeout=60)),
+        ("megatron_fsdp_v2", fully_shard, dict(ours, sharding_strategy=strategy, timeout=60)),
         ("FSDP2", torch_fully_shard, dict(mesh=spmd["dp_shard"])),
     ]
     for what, wrap, kw in runs:

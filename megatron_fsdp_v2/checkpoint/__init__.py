@@ -51,6 +51,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint import state_dict as _dsd
 from torch.distributed.checkpoint.api import CheckpointException
 
+from .. import _registry
+from .._comm._arrival import await_every_rank
 from .._runtime._optimizer_hooks import install_state_dict_hooks
 from .._runtime._state_dict_checks import expected_entries, first_mismatch
 from .._runtime._state_dict_hooks import mark_all_loaded
@@ -378,8 +380,21 @@ def get_full_state_dict(
     completes each inner shard from its sub-shards) and "the first rank" is the whole mesh's
     lowest rank.
     """
+    # Every rank of each gather's group must be here: name the one that is not, instead of
+    # waiting in the transport (see [Note: arrival check]).
+    await_every_rank("checkpoint.get_full_state_dict", _first_unit_group(model))
     keep = not rank0_only or _group.rank_and_size(_group.model_group(model))[0] == 0
     return _full.full_state_dict(model, keep=keep, cpu_offload=cpu_offload)
+
+
+def _first_unit_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The communication group of the model's first managed parameter (the ranks its first
+    gather runs over; no group is created), ``None`` (the default group) without one."""
+    for p in model.parameters():
+        group = _registry.group_of(p)
+        if group is not None:
+            return group.process_group
+    return None
 
 
 @torch.no_grad()

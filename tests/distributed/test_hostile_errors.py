@@ -285,3 +285,31 @@ def test_forward_on_some_ranks_names_the_misuse(ranks: RankPools) -> None:
     """Item 10 (a forward run on some ranks only): both ranks fail within the group's timeout
     with an error naming the misuse and the fix."""
     ranks.run(_forward_on_one_rank, WORLD, timeout_s=120)
+
+
+def _full_state_dict_on_one_rank(rank: int, world: int) -> None:
+    """``get_full_state_dict`` called on rank 0 only (the documented misuse): rank 0 fails
+    after the group's timeout naming rank 1 and the call, having issued no collective; a rank
+    that comes after the others gave up is told who left; then every rank calls it and it
+    works."""
+    model = fully_shard(nn.Linear(4, 4), timeout=3.0)
+    start = time.monotonic()
+    if rank == 0:
+        with pytest.raises(RuntimeError, match=(
+                r"checkpoint.get_full_state_dict: rank 1 of its group \(ranks \[0, 1\]\) did not "
+                r"call it within 3s .*not under `if rank == 0:`.*No collective was issued")):
+            mckpt.get_full_state_dict(model)
+        assert time.monotonic() - start < 3.0 + 2.0, "waited past the group's timeout"
+    dist.barrier()
+    if rank == 1:
+        with pytest.raises(RuntimeError, match=r"rank 0 of its group .* did not call it"):
+            mckpt.get_full_state_dict(model)
+    dist.barrier()
+    full, expected = mckpt.get_full_state_dict(model), model.weight.full_tensor()
+    if rank == 0:
+        torch.testing.assert_close(full["weight"], expected)
+
+
+def test_full_state_dict_on_one_rank_names_the_rank(ranks: RankPools) -> None:
+    """Item 10: a full state dict some rank skips fails naming that rank and the call."""
+    ranks.run(_full_state_dict_on_one_rank, WORLD, timeout_s=120)

@@ -46,6 +46,7 @@ def _torch_objects() -> dict[str, Any]:
                getattr(aten.random_, "from"), aten.random_.to):
         found[f"op table {op}"] = table.get(op, _ABSENT)
     found["dsd._get_optim_state_dict"] = dsd._get_optim_state_dict
+    found["dsd._load_model_state_dict"] = dsd._load_model_state_dict
     for name in ("_distribute_state_dict", "_distribute_tensors"):
         found[f"_state_dict_utils.{name}"] = vars(utils)[name]
         if name in vars(dsd):  # imported by name there (_distribute_state_dict on 2.14)

@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .. import _registry
@@ -162,11 +161,14 @@ def check_shard_placements(fn: object, managed: Iterable[tuple[str, nn.Parameter
 # ``torch.nn.utils.get_total_norm`` (torchtitan's clipping: the norm of ``[p.grad for p in
 # params if p.grad is not None]``, then ``torch.nn.utils.clip_grads_with_norm_``, which is
 # local and works on our gradients as it is) is replaced likewise: a list holding a DTensor on a
-# fully_shard mesh, or an empty list while this process has library communication groups, goes
-# to ``megatron_fsdp_v2.utils.get_total_norm`` (see [Note: total norm of gradient lists]), which
-# all-reduces on every library group whatever the list holds, so a rank with fewer gradients
-# or none joins its peers; a list holding any other DTensor (FSDP2's, tensor parallelism's) or
-# only plain tensors goes to torch's. A name bound before the first fully_shard call (``from
+# fully_shard mesh goes to ``megatron_fsdp_v2.utils.get_total_norm`` (see [Note: total norm of
+# gradient lists]), which all-reduces on every library group whatever the list holds; a list
+# holding no such DTensor (empty, FSDP2's or tensor parallelism's DTensors, plain tensors) goes
+# to torch's, so code that has nothing to do with the model (``get_total_norm([])`` on one rank)
+# issues no collective over the library's groups. A rank's filtered list
+# (``[p.grad for p in params if p.grad is not None]``) is never empty while its peers' are not:
+# every rank holds a gradient of every parameter any rank used, with zero rows where its shard
+# is empty. A name bound before the first fully_shard call (``from
 # torch.nn.utils import clip_grad_norm_``) keeps torch's function.
 
 def routed_clip_grad_norm_(
@@ -186,10 +188,9 @@ def routed_clip_grad_norm_(
 
 def _is_library_gradient_list(tensors: list[torch.Tensor]) -> bool:
     """Whether ``get_total_norm`` of ``tensors`` is ours (see the note above): decided from the
-    DTensors' meshes and placements, and the process's library groups, before any collective."""
+    DTensors' meshes and placements, before any collective; a list without them is torch's."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from .._comm._comm_groups import library_comm_groups
     from .._dtensor._uneven_meshes import mesh_is_registered
 
     dtensors = [t for t in tensors if isinstance(t, DTensor)]
@@ -199,10 +200,7 @@ def _is_library_gradient_list(tensors: list[torch.Tensor]) -> bool:
         for t in dtensors
     ):
         return False
-    if dtensors:
-        return True
-    return not tensors and dist.is_available() and dist.is_initialized() and bool(
-        library_comm_groups())
+    return bool(dtensors)
 
 
 def routed_get_total_norm(

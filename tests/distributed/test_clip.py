@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from megatron_fsdp_v2 import clip_grad_norm_, fully_shard
 
 from _comm_counts import CollectiveCounts
-from _models import TinyGPT, all_ranks_ok, lm_loss, shard_rows
+from _models import TinyGPT, all_ranks_ok, check_all_ranks, lm_loss, shard_rows
 from _pool import RankPools
 
 TIMEOUT_S = 20  # fully_shard's collective timeout (one library group for the whole process)
@@ -338,3 +338,32 @@ def _count_worker(rank: int, world: int, case: str) -> None:
 ])
 def test_clip_collective_count(ranks: RankPools, case: str) -> None:
     ranks.run(_count_worker, 2, case, timeout_s=RUN_TIMEOUT_S)
+
+
+# ---------------------------------------------------------------- 4: lists that are not ours
+
+def _unrelated_norm_worker(rank: int, world: int) -> None:
+    """After ``fully_shard``, ``torch.nn.utils.get_total_norm`` of a list holding none of the
+    library's tensors, called on one rank only (code that has nothing to do with the model), is
+    torch's: the same value, no collective over the library's groups (which would leave the
+    caller waiting for peers that never join)."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=1)
+    fully_shard(model, timeout=TIMEOUT_S)
+    errors: list[str] = []
+    if rank == 0:
+        plain = [torch.ones(3), torch.full((2,), 2.0)]
+        with CollectiveCounts() as comm:
+            empty_norm = torch.nn.utils.get_total_norm([])
+            plain_norm = torch.nn.utils.get_total_norm(plain)
+        if sum(comm.get_comm_counts().values()) != 0:
+            errors.append(f"collectives {dict(comm.get_comm_counts())}, expected none")
+        if empty_norm.item() != 0.0:
+            errors.append(f"get_total_norm([]) = {empty_norm.item()}, torch's is 0")
+        if not math.isclose(plain_norm.item(), math.sqrt(11.0), rel_tol=1e-6):
+            errors.append(f"get_total_norm(plain) = {plain_norm.item()}, torch's is sqrt(11)")
+    check_all_ranks(not errors, f"rank {rank}: {errors}")
+
+
+def test_get_total_norm_of_lists_that_are_not_ours_is_torchs(ranks: RankPools) -> None:
+    ranks.run(_unrelated_norm_worker, 2, timeout_s=RUN_TIMEOUT_S)

@@ -54,11 +54,13 @@ class Pending:
 
     def __init__(
         self, handle: comm.CommHandle | None, finish: Callable[[], None] | None = None,
-        what: str = "collective",
+        what: tuple[str, str] = ("collective", "its group"),
     ) -> None:
         self._handle = handle
         self._finish = finish
-        self._what = what  # names it if the transport times out waiting for it
+        # (collective, group) named if the transport times out waiting for it; formatted only
+        # then (a Pending is made per collective, on the step's path).
+        self._what = what
 
     @traced("mfsdp::wait")
     def wait(self) -> None:
@@ -159,7 +161,7 @@ class GroupIssuer:
                 return comm.all_gather_into(full, part, group, a, collectives=collectives)
             return comm.reduce_scatter_into(part, full, group, a, collectives=collectives)
 
-        what = f"{collective.what} of {self.name}"
+        what = (collective.what, self.name)
         try:
             handle = self.streams.run(run, async_op=async_op, reduce=collective.is_reduction)
         except RuntimeError as e:
@@ -167,7 +169,7 @@ class GroupIssuer:
         return Pending(handle, collective.complete, what)
 
 
-def _explained(error: RuntimeError, what: str) -> RuntimeError:
+def _explained(error: RuntimeError, what: tuple[str, str]) -> RuntimeError:
     """``error`` with what a transport timeout means here: some rank did not issue the
     matching collective (its text kept, so callers matching the transport's words still
     do). Any other error is returned as it is."""
@@ -175,14 +177,14 @@ def _explained(error: RuntimeError, what: str) -> RuntimeError:
     if "timed out" not in text.lower() and "timeout" not in text.lower():
         return error
     message = (
-        f"{text}\nfully_shard: the {what} did not complete within the group's timeout: some "
-        "rank of the group did not issue the matching collective. Every rank must run the same "
-        "forwards (evaluation forwards included: a sharded unit gathers its weights in every "
-        "forward), backwards and optimizer steps of a wrapped model, in the same order. Do not "
-        "run a forward on some ranks only (e.g. evaluation under `if rank == 0:`): to evaluate "
-        "on one rank, call checkpoint.get_full_state_dict(model) on every rank and load it into "
-        "an unwrapped copy on that rank. MFSDP_DEBUG_COLLECTIVES=1 names the collective each "
-        "rank was about to issue"
+        f"{text}\nfully_shard: the {what[0]} of {what[1]} did not complete within the group's "
+        "timeout: some rank of the group did not issue the matching collective. Every rank must"
+        " run the same forwards (evaluation forwards included: a sharded unit gathers its "
+        "weights in every forward), backwards and optimizer steps of a wrapped model, in the "
+        "same order. Do not run a forward on some ranks only (e.g. evaluation under `if rank =="
+        " 0:`): to evaluate on one rank, call checkpoint.get_full_state_dict(model) on every "
+        "rank and load it into an unwrapped copy on that rank. MFSDP_DEBUG_COLLECTIVES=1 names "
+        "the collective each rank was about to issue"
     )
     try:
         return type(error)(message)

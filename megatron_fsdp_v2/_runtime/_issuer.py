@@ -169,12 +169,17 @@ class GroupIssuer:
         return Pending(handle, collective.complete, what)
 
 
+_TRANSPORT_GAVE_UP = ("timed out", "timeout", "closed by peer", "reset by peer")
+
+
 def _explained(error: RuntimeError, what: tuple[str, str]) -> RuntimeError:
     """``error`` with what a transport timeout means here: some rank did not issue the
     matching collective (its text kept, so callers matching the transport's words still
     do). Any other error is returned as it is."""
     text = str(error)
-    if "timed out" not in text.lower() and "timeout" not in text.lower():
+    # A peer that timed out first closes its connections: this rank then sees the close, not a
+    # timeout of its own (which rank sees which is a race).
+    if not any(sign in text.lower() for sign in _TRANSPORT_GAVE_UP):
         return error
     message = (
         f"{text}\nfully_shard: the {what[0]} of {what[1]} did not complete within the group's "

@@ -21,6 +21,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 if TYPE_CHECKING:
     from ._init._materialize import PendingUnit
     from ._runtime._flat_param_group import FlatParamGroup
+    from ._runtime._muon import MuonPlan
     from ._runtime._optimizer_local import LocalSwap, ParamPositions
     from ._runtime._param_record import ParamRecord
     from ._runtime._state import FSDPState
@@ -72,6 +73,12 @@ local_step_restore_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.Weak
 # The optimizers given the state-dict hooks that mark managed states (_optimizer_hooks.py).
 optimizer_state_dict_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 local_step_positions: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamPositions] = (
+    weakref.WeakKeyDictionary()
+)
+# [Note: distributed Muon] (_runtime/_muon.py): each Muon's plan (its managed matrices and their
+# owners, cached per parameter set), and the gradients hidden from torch's loop during a step.
+muon_plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, MuonPlan] = weakref.WeakKeyDictionary()
+muon_hidden_grads: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = (
     weakref.WeakKeyDictionary()
 )
 # Wrapped modules whose meta parameters or buffers have no values yet (see [Note: meta
@@ -149,6 +156,8 @@ def reset() -> None:
     local_step_restore_hooked.clear()
     optimizer_state_dict_hooked.clear()
     local_step_positions.clear()
+    muon_plans.clear()
+    muon_hidden_grads.clear()
     pending_meta_units.clear()
     applying_depth[0] = 0
     meta_buffers[0] = False

@@ -44,7 +44,7 @@ from ._deadline import WaitBound, wait_for_event
 
 __all__ = [
     "CommHandle", "CommStreams", "all_gather_into", "reduce_scatter_into", "all_reduce_inplace",
-    "broadcast_from_first", "check_collective_order",
+    "all_to_all_uneven", "broadcast_from_first", "check_collective_order",
 ]
 
 Work = dist.Work
@@ -174,6 +174,18 @@ def all_reduce_inplace(
     """Sum ``buffer`` over ranks in place."""
     _record(ALL_REDUCE, ALL_REDUCE, 1, buffer, collectives)
     return dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=process_group, async_op=async_op)
+
+
+def all_to_all_uneven(
+    output: torch.Tensor, send: torch.Tensor, output_splits: list[int], send_splits: list[int],
+    process_group: ProcessGroup,
+) -> None:
+    """One all-to-all of 1-D ``send`` into 1-D ``output``: ``send_splits[r]`` elements go to
+    group rank ``r`` (in rank order), ``output_splits[r]`` come from it. The whole-matrix
+    exchange of matrix optimizers (``_runtime/_whole_matrices.py``) issues it outside the
+    training step."""
+    dist.all_to_all_single(output, send, output_split_sizes=output_splits,
+                           input_split_sizes=send_splits, group=process_group)
 
 
 def broadcast_from_first(buffer: torch.Tensor, process_group: ProcessGroup) -> None:

@@ -37,6 +37,7 @@ from .. import _registry
 from .._profiling import traced
 from ._flat_param_group import FlatParamGroup
 from ._grads import finalize_unsynchronized
+from ._muon import is_distributed_muon, muon_closure, restore_hidden_grads
 from ._optimizer_checks import sharded_step_refusal
 from ._optimizer_local import restore, swap_in_local_tensors
 from ._state_dict_hooks import (
@@ -133,6 +134,7 @@ def install_state_dict_hooks(optimizer: torch.optim.Optimizer) -> None:
 def _optimizer_pre_step(
     optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
 ) -> tuple[Any, Any] | None:
+    restore_hidden_grads(optimizer)  # a distributed Muon step that raised left them hidden
     info = _optimizer_groups(optimizer)
     if info.stale_params:
         raise RuntimeError(
@@ -144,14 +146,24 @@ def _optimizer_pre_step(
         )
     if info.refusal is not None:
         raise NotImplementedError(info.refusal)
+    # torch.optim.Muon: its plan (and every check of it) before anything changes; the step
+    # itself runs as the closure, after the user's (see [Note: distributed Muon]).
+    muon = is_distributed_muon(optimizer)
+    closure = args[1] if len(args) > 1 else kwargs.get("closure")
+    step_closure = muon_closure(
+        optimizer, closure, lambda: finalize_unsynchronized(info.groups, "optimizer.step()")
+    ) if muon else None
     finalize_unsynchronized(info.groups, "optimizer.step()")
     # Marked before the step too: a step that raises half-way has still changed main weights.
     for group in info.groups:
         group.mark_main_weights_updated()
+    if step_closure is not None:
+        if len(args) > 1:
+            return (args[0], step_closure, *args[2:]), kwargs
+        return args, {**kwargs, "closure": step_closure}
     if info.groups:
         swap_in_local_tensors(optimizer)
     # torch passes the step's arguments with the optimizer first: (optimizer, closure?).
-    closure = args[1] if len(args) > 1 else kwargs.get("closure")
     if closure is None or optimizer not in _registry.local_step_swaps:
         return None
     # The closure (zero_grad, forward, backward) runs inside the step, after the swap: on the
@@ -174,5 +186,6 @@ def _on_dtensors(optimizer: torch.optim.Optimizer, closure: Callable[[], Any]) -
 
 def _optimizer_post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     restore(optimizer)
+    restore_hidden_grads(optimizer)
     for group in _optimizer_groups(optimizer).groups:
         group.mark_main_weights_updated()

@@ -14,6 +14,7 @@ from ._frontend._fully_shard import (
     memory_report,
 )
 from .api import MixedPrecisionPolicy, ShardingStrategy
+from .checkpoint._streaming import iter_full_weights
 from .estimator import Estimate, estimate
 from .ops import build_info
 from .utils import clip_grad_norm_
@@ -31,5 +32,6 @@ __all__ = [
     "clip_grad_norm_",
     "estimate",
     "fully_shard",
+    "iter_full_weights",
     "memory_report",
 ]

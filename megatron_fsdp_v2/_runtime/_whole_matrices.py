@@ -86,6 +86,7 @@ class _Exchange:
     # (matrix, source rank, offset in the receive buffer), source rank then matrix order.
     # from_owners sends back at the receive offsets and receives at the send offsets.
     out_pieces: list[tuple[_Matrix, int]] = field(default_factory=list)
+    wire_dtype: torch.dtype | None = None  # of the last to_owners: from_owners' default
     in_pieces: list[tuple[_Matrix, int, int]] = field(default_factory=list)
 
     @property
@@ -244,6 +245,7 @@ class WholeMatrices:
                 continue
             first = _local(local_rows[e.matrices[0].index])
             wire, device = dtype or first.dtype, first.device
+            e.wire_dtype = wire
             send = torch.empty(sum(e.send_splits), dtype=wire, device=device)
             for m, offset in e.out_pieces:
                 n = m.numel_on(e.rank)
@@ -273,7 +275,8 @@ class WholeMatrices:
     ) -> list[torch.Tensor | None]:
         """This rank's rows of every matrix's result (``None`` where the owner had none, on
         every rank), from the owners' ``results`` (whole, keyed by index; every owned index).
-        ``dtype``: what travels (default: the results' own)."""
+        ``dtype``: what travels (default: what :meth:`to_owners` sent last, else the
+        parameters' dtype; the same on every rank)."""
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for e in self._exchanges:
             for m in e.matrices:
@@ -283,9 +286,8 @@ class WholeMatrices:
                     out[m.index] = result[start:end]
             if not e.issues:
                 continue
-            sample = next((results[m.index] for m, _, _ in e.in_pieces
-                           if results[m.index] is not None), None)
-            wire = dtype or (sample.dtype if sample is not None else torch.bfloat16)
+            # Every rank must put the same dtype on the wire, owners of nothing included.
+            wire = dtype or e.wire_dtype or _local(self.params[e.matrices[0].index]).dtype
             device = _local(self.params[e.matrices[0].index]).device
             # to_owners mirrored: the pieces that came in go back, at the same offsets.
             send = torch.empty(sum(e.recv_splits), dtype=wire, device=device)

@@ -19,13 +19,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+from megatron_fsdp_v2 import MixedPrecisionPolicy, _registry, checkpoint, fully_shard
 
 from _models import agree, local_detached, shard_rows
 from _pool import RankPools
@@ -154,85 +155,92 @@ def _fsdp2_distance(fsdp2: nn.Module, ref: nn.Module) -> float:
     return worst
 
 
-def _train(rank: int, world: int, strategy: str, *, model_cls: type = MuonNet, micro: int = 1,
-           mp: bool = False, mesh_shape: tuple[int, ...] | None = None,
-           outer: str | None = None, nesterov: bool = True, fsdp2: bool = True,
-           closure: bool = False) -> dict[str, Any]:
-    torch.manual_seed(0)
-    base = model_cls()
-    ref = copy.deepcopy(base)
-    kw: dict[str, Any] = {"timeout": 60.0}
-    if mp:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                               reduce_dtype=torch.float32)
-    if mesh_shape is not None:
-        kw["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
-    if outer is not None:
-        kw["outer_dp_sharding_strategy"] = outer
-    ours = _wrap(copy.deepcopy(base), strategy, **kw)
-    ours_opts = _optimizers(ours, nesterov=nesterov)
-    ref_opts = _optimizers(ref, nesterov=nesterov)
-    twin = None
-    if fsdp2:
-        from torch.distributed.fsdp import fully_shard as fsdp2_shard
+class _Run:
+    """A wrapped model and its optimizers, a single-process copy fed the same full gradients,
+    and optionally FSDP2 fed them too."""
 
-        twin = copy.deepcopy(base)
-        for block in getattr(twin, "blocks", []):
-            fsdp2_shard(block)
-        fsdp2_shard(twin)
-        twin_opts = _optimizers(twin, nesterov=nesterov)
-    g = torch.Generator().manual_seed(7)
-    in_dim = 12 if model_cls is MuonNet else 8
-    out_dim = 5 if model_cls is MuonNet else 8
-    counts: list[dict[str, int]] = []
-    for step in range(STEPS):
-        batches = [[(torch.randn(2, in_dim, generator=g), torch.randn(2, out_dim, generator=g))
-                    for _ in range(world)] for _ in range(micro)]
+    def __init__(self, rank: int, world: int, strategy: str, *, model_cls: type = MuonNet,
+                 micro: int = 1, mp: bool = False, mesh_shape: tuple[int, ...] | None = None,
+                 outer: str | None = None, nesterov: bool = True, fsdp2: bool = True,
+                 closure: bool = False) -> None:
+        self.rank, self.world, self.strategy = rank, world, strategy
+        self.micro, self.closure = micro, closure
+        self.dims = (12, 5) if model_cls is MuonNet else (8, 8)
+        torch.manual_seed(0)
+        base = model_cls()
+        self.ref = copy.deepcopy(base)
+        kw: dict[str, Any] = {"timeout": 60.0}
+        if mp:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+        if mesh_shape is not None:
+            kw["mesh"] = init_device_mesh("cpu", mesh_shape,
+                                          mesh_dim_names=("replicate", "shard"))
+        if outer is not None:
+            kw["outer_dp_sharding_strategy"] = outer
+        self.ours = _wrap(copy.deepcopy(base), strategy, **kw)
+        self.ours_opts = _optimizers(self.ours, nesterov=nesterov)
+        self.ref_opts = _optimizers(self.ref, nesterov=nesterov)
+        self.twin: nn.Module | None = None
+        self.twin_opts: list[torch.optim.Optimizer] = []
+        if fsdp2:
+            from torch.distributed.fsdp import fully_shard as fsdp2_shard
 
-        def forward_backward() -> torch.Tensor:
-            total = torch.zeros(())
-            for m in range(micro):
-                ours.set_is_last_backward(m == micro - 1)
-                x, y = batches[m][rank]
-                loss = F.mse_loss(ours(x).float(), y) / micro
-                loss.backward()
-                total += loss.detach()
-            return total
+            self.twin = copy.deepcopy(base)
+            for block in getattr(self.twin, "blocks", []):
+                fsdp2_shard(block)
+            fsdp2_shard(self.twin)
+            self.twin_opts = _optimizers(self.twin, nesterov=nesterov)
 
-        if not closure:
-            forward_backward()
-        else:
-            # The gradients come from the closure inside step(): run it once outside to feed
-            # the reference the same ones, then let step() run it again from zeroed gradients.
-            forward_backward()
-        grads = _full_grads(ours)
-        for q, grad in zip(ref.parameters(), grads):
+    def forward_backward(self, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(7 + 100 * step)
+        (i, o), total = self.dims, torch.zeros(())
+        batches = [[(torch.randn(2, i, generator=g), torch.randn(2, o, generator=g))
+                    for _ in range(self.world)] for _ in range(self.micro)]
+        for m in range(self.micro):
+            self.ours.set_is_last_backward(m == self.micro - 1)
+            x, y = batches[m][self.rank]
+            loss = F.mse_loss(self.ours(x).float(), y) / self.micro
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def step(self, step: int) -> dict[str, int]:
+        """One step of all of them, checked bitwise; the c10d ops of ours' Muon step."""
+        self.forward_backward(step)
+        grads = _full_grads(self.ours)
+        for q, grad in zip(self.ref.parameters(), grads):
             q.grad = grad
-        if twin is not None:
-            for q, grad in zip(twin.parameters(), grads):
+        if self.twin is not None:
+            for q, grad in zip(self.twin.parameters(), grads):
                 q.grad = None if grad is None else distribute_tensor(
                     grad, q.device_mesh, q.placements)
         spy = _Collectives()
-        if closure:
-            for opt in ours_opts:
+        if self.closure:
+            # The closure inside step() computes the same gradients again, from zero.
+            for opt in self.ours_opts:
                 opt.zero_grad()
             with spy:
-                ours_opts[0].step(forward_backward)
+                self.ours_opts[0].step(lambda: self.forward_backward(step))
         else:
             with spy:
-                ours_opts[0].step()
-        counts.append(dict(spy.count))
-        for opt in ours_opts[1:] + ref_opts + (twin_opts if twin is not None else []):
+                self.ours_opts[0].step()
+        others = self.ours_opts[1:] + self.ref_opts + self.twin_opts
+        for opt in others:
             opt.step()
-        for opt in ours_opts + ref_opts + (twin_opts if twin is not None else []):
+        for opt in self.ours_opts + others:
             opt.zero_grad()
-        where = f"{strategy} world {world} step {step}"
-        agree("bitwise vs one process", lambda: _check_equal(ours, ours_opts, ref, ref_opts,
-                                                             where))
-    plan_whole = __import__("megatron_fsdp_v2._registry", fromlist=["x"]).muon_plans[
-        ours_opts[0]].whole
-    return {"counts": counts, "exchanged": plan_whole.exchanged,
-            "fsdp2": _fsdp2_distance(twin, ref) if twin is not None else None}
+        where = f"{self.strategy} world {self.world} step {step}"
+        agree("bitwise vs one process", lambda: _check_equal(
+            self.ours, self.ours_opts, self.ref, self.ref_opts, where))
+        return dict(spy.count)
+
+
+def _train(rank: int, world: int, strategy: str, **options: Any) -> dict[str, Any]:
+    run = _Run(rank, world, strategy, **options)
+    counts = [run.step(step) for step in range(STEPS)]
+    return {"counts": counts, "exchanged": _registry.muon_plans[run.ours_opts[0]].whole.exchanged,
+            "fsdp2": _fsdp2_distance(run.twin, run.ref) if run.twin is not None else None}
 
 
 def _steady(counts: list[dict[str, int]]) -> list[dict[str, int]]:
@@ -283,3 +291,141 @@ def test_hsdp(ranks: RankPools, outer: str) -> None:
                             fsdp2=False, timeout_s=TIMEOUT_S):
         assert _steady(result["counts"]) == [{"alltoall_base_": 2}] * (STEPS - 1), \
             result["counts"]
+
+
+# ---------------------------------------------------------------------- state
+
+
+def _save_phase(rank: int, world: int, root: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    run = _Run(rank, world, "optim_grads_params", fsdp2=False)
+    for step in range(2):
+        run.step(step)
+    checkpoint.save(run.ours, run.ours_opts, checkpoint_id=f"{root}/ours")
+    model_sd, optim_sd = get_state_dict(run.ours, run.ours_opts)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{root}/torch")
+    if rank == 0:
+        torch.save({"model": run.ref.state_dict(),
+                    "optims": [opt.state_dict() for opt in run.ref_opts]}, f"{root}/ref.pt")
+    dist.barrier()
+
+
+def _resume_phase(rank: int, world: int, root: str, strategy: str, api: str) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    run = _Run(rank, world, strategy, fsdp2=False)
+    if api == "ours":
+        checkpoint.load(run.ours, run.ours_opts, checkpoint_id=f"{root}/ours")
+    else:
+        model_sd, optim_sd = get_state_dict(run.ours, run.ours_opts)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=f"{root}/torch")
+        set_state_dict(run.ours, run.ours_opts, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    saved = torch.load(f"{root}/ref.pt", weights_only=False)
+    run.ref.load_state_dict(saved["model"])
+    for opt, opt_sd in zip(run.ref_opts, saved["optims"]):
+        opt.load_state_dict(opt_sd)
+    agree("loaded", lambda: _check_equal(run.ours, run.ours_opts, run.ref, run.ref_opts,
+                                         f"{api} loaded at world {world} {strategy}"))
+    for step in (2, 3):  # a momentum buffer loaded wrong shows here
+        run.step(step)
+
+
+@pytest.mark.timeout(300)
+def test_momentum_resumes_at_another_world_and_strategy(ranks: RankPools, tmp_path: Any) -> None:
+    root = str(tmp_path)
+    ranks.run(_save_phase, 2, root, timeout_s=TIMEOUT_S)
+    for world, strategy, api in [(3, "optim", "ours"), (3, "optim_grads", "torch"),
+                                 (2, "no_shard", "ours"), (2, "optim_grads_params", "torch")]:
+        ranks.run(_resume_phase, world, root, strategy, api, timeout_s=TIMEOUT_S)
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def _errors(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = _wrap(MuonNet(), "optim_grads_params", timeout=60.0)
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    vector = next(p for p in model.parameters() if p.ndim == 1)
+    F.mse_loss(model(torch.randn(2, 12)), torch.randn(2, 5)).backward()
+    before = [local_detached(p).clone() for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]
+
+    def unchanged(opt: torch.optim.Optimizer) -> None:
+        assert not opt.state, "the refused step created state"
+        for p, value, grad in zip(model.parameters(), before, grads):
+            assert torch.equal(local_detached(p), value), "the refused step changed a parameter"
+            assert p.grad is grad, "the refused step changed a gradient"
+
+    plain = nn.Parameter(torch.randn(4, 4))
+    plain.grad = torch.ones(4, 4)
+    mixed = torch.optim.Muon([*matrices, plain], lr=0.02)
+    with pytest.raises(ValueError, match=r"parameter 6 \(shape \(4, 4\)\), which is not"):
+        mixed.step()
+    unchanged(mixed)
+    late_vector = torch.optim.Muon(matrices, lr=0.02)
+    late_vector.add_param_group({"params": [vector]})
+    with pytest.raises(ValueError, match=r"has shape \(24,\); Muon takes 2-D parameters only"):
+        late_vector.step()
+    unchanged(late_vector)
+    differing = torch.optim.Muon(matrices, lr=0.02, ns_steps=5 if rank == 0 else 4)
+    with pytest.raises(ValueError, match=r"torch.optim.Muon differs between ranks"):
+        differing.step()
+    unchanged(differing)
+    fine = torch.optim.Muon(matrices, lr=0.02)
+    fine.step()  # nothing was left half-done by the refusals
+    assert all(local_detached(p).numel() == 0 or not torch.equal(local_detached(p), value)
+               for p, value in zip(matrices, before)), "the step after the refusals did nothing"
+
+
+@pytest.mark.timeout(120)
+def test_bad_input_is_refused_before_anything_changes(ranks: RankPools) -> None:
+    ranks.run(_errors, 2, timeout_s=TIMEOUT_S)
+
+
+# ---------------------------------------------------------------------- the public API
+
+
+def _polar_example(rank: int, world: int) -> list[dict[str, int]]:
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "whole_matrix_optimizer.py"
+    spec = importlib.util.spec_from_file_location("whole_matrix_optimizer", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    model = MuonNet()
+    matrices = lambda m: [p for p in m.parameters() if p.ndim == 2]  # noqa: E731
+    for p in model.parameters():
+        p.requires_grad_(p.ndim == 2)
+    ref = copy.deepcopy(model)
+    model = _wrap(model, "optim_grads", timeout=60.0)
+    opt = example.PolarSGD(matrices(model), lr=0.05)
+    counts = []
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(2 * world, 12, generator=g), torch.randn(2 * world, 5, generator=g)
+        F.mse_loss(model(x[2 * rank : 2 * rank + 2]), y[2 * rank : 2 * rank + 2]).backward()
+        for q, grad in zip(ref.parameters(), _full_grads(model)):
+            q.grad = grad
+        spy = _Collectives()
+        with spy:
+            opt.step()
+        counts.append(dict(spy.count))
+        opt.zero_grad()
+        example.reference_step(ref, 0.05)
+        ref.zero_grad()
+        agree("PolarSGD vs one process", lambda: _check_equal(model, [opt], ref, [], "polar"))
+    return counts
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_whole_matrix_api_example(ranks: RankPools, world: int) -> None:
+    for counts in ranks.run(_polar_example, world, timeout_s=TIMEOUT_S):
+        assert counts == [{"alltoall_base_": 2}] * STEPS, counts

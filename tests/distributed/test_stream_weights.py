@@ -455,3 +455,25 @@ def test_float8(ranks: RankPools) -> None:
     unwrapped)."""
     pytest.importorskip("torchao")
     ranks.run(_fp8, 2, timeout_s=TIMEOUT_S)
+
+
+# ---------------------------------------------------------------------- the example
+
+def test_example_feeds_another_process() -> None:
+    """``examples/stream_weights.py`` under torchrun on 2 ranks (ZeRO-1, 10 KiB buckets): rank
+    0 pushes the streamed weights through a bounded queue to an engine process it spawned; the
+    engine's weights equal the model's full state dict bitwise and its logits the wrapped
+    model's (the script exits non-zero otherwise)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(root, "examples", "stream_weights.py"), "--strategy", "optim",
+           "--bucket-mb", "0.01"]
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "received weights equal the model's (bitwise)" in proc.stdout, proc.stdout

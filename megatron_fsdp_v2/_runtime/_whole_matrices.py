@@ -212,6 +212,13 @@ class WholeMatrices:
         """Indices of the matrices whose rows cross ranks (the others need no collective)."""
         return tuple(m.index for e in self._exchanges for m in e.matrices if m.exchanged)
 
+    def step_collectives(self, dtype: torch.dtype) -> tuple[int, int]:
+        """The all-to-alls of one :meth:`to_owners` + :meth:`from_owners` pair and the bytes
+        this rank sends in them with ``dtype`` on the wire (the estimator's count)."""
+        issuing = [e for e in self._exchanges if e.issues]
+        sent = sum(sum(e.send_splits) + sum(e.recv_splits) for e in issuing)
+        return 2 * len(issuing), sent * dtype.itemsize
+
     def owner_of(self, index: int) -> tuple[dist.ProcessGroup | None, int]:
         """The process group and its rank that owns matrix ``index`` (None: replicated,
         every rank is its owner)."""

@@ -40,6 +40,17 @@ With ``mesh_shape=(R, S)`` as well (HSDP x TP) the mesh is ``(R, S, tp)`` named 
 "shard", "tp")`` and ``fully_shard`` runs over its ``("replicate", "shard")`` dims: the HSDP
 accounting of the TP-local tensors (inner S ranks, outer R).
 
+[Note: estimating Muon]
+``optimizer="muon"`` builds the step's :class:`~.._runtime._whole_matrices.WholeMatrices` plan
+over the wrapped model's trainable matrices, as the step itself does (owners and splits are
+pure layout math, so the fake group serves), and counts what one step sends: one all-to-all
+each way per process group that has a matrix split across ranks (none under ``no_shard`` or
+where every matrix is whole on one rank), and this rank's bytes in both (bfloat16 rows plus
+one flag element per piece; ``WholeMatrices.step_collectives``). A step per iteration, so
+these are per iteration too. Memory: one momentum buffer per matrix, AdamW's state for the
+rest; the exchange's own buffers (this rank's sends and receives, the owned whole matrices and
+Newton-Schulz's temporaries) live only during the step and are not in ``temporary_peak``.
+
 A process that already has a default process group cannot host the fake one: ``estimate``
 raises ``RuntimeError`` there (run it before ``init_process_group``, or in another process).
 """
@@ -60,6 +71,7 @@ from .._buffers._plan import Collective, GradPath
 from .._frontend._fully_shard import fully_shard
 from .._runtime._flat_param_group import FlatParamGroup
 from .._runtime._memory import MemoryReport, memory_report
+from .._runtime._whole_matrices import WholeMatrices
 from ..api import MixedPrecisionPolicy, ShardingStrategy
 from ._fp8 import convert_to_float8, fp8_groups_filled, gathered_dtypes, refuse_other_subclasses
 from ._replay import replay_temporaries
@@ -71,7 +83,7 @@ _KIND = {
     Collective.REDUCE_SCATTER: "reduce_scatter",
     Collective.ALL_REDUCE: "all_reduce",
 }
-OPTIMIZERS = ("adamw", "sgd", "sgd_momentum")
+OPTIMIZERS = ("adamw", "sgd", "sgd_momentum", "muon")
 
 
 @dataclass
@@ -206,7 +218,10 @@ def estimate(
     for HSDP (``outer_dp_sharding_strategy`` along R). ``optimizer``: whose state
     ``memory.optimizer_state`` reports (``"adamw"``: two moments of the main weights plus a
     4-byte step per parameter; ``"sgd"``: none; ``"sgd_momentum"``: one buffer); every one of
-    them is in ``optimizer_state``. Leaves no process group and no library state behind.
+    them is in ``optimizer_state``; ``"muon"``: ``torch.optim.Muon`` on the trainable 2-D
+    parameters (one momentum buffer each) and AdamW on the others, and its step's whole-matrix
+    exchange in ``collectives["all_to_all"]`` (see [Note: estimating Muon]). Leaves no process
+    group and no library state behind.
 
     ``tp > 1``: FSDP x tensor parallelism (see [Note: estimating FSDP x TP]): ``world_size``
     ranks on a ``(world_size // tp, tp)`` mesh named ``("dp", "tp")``, ``tp_plan`` (required) a
@@ -316,6 +331,10 @@ def _measure(model: nn.Module, micro_batches: int, optimizer: str, world_size: i
         for name, s in states for i, g in enumerate(s.groups)
     ]
     collectives, wire = _collectives(groups, micro_batches, extra)
+    if optimizer == "muon":
+        count, sent = muon_exchange(groups)
+        collectives["all_to_all"] = (count, sent)
+        wire["all_to_all"] = float(sent)
     return Estimate(report, collectives, report.padding_ratio, state_bytes, wire, shards,
                     world_size, rank)
 
@@ -326,17 +345,34 @@ def optimizer_state_bytes(groups: list[FlatParamGroup], optimizer: str) -> int:
     (AdamW: 2 and a float32 ``step`` scalar; SGD with momentum: 1; plain SGD: none). A rank
     holding no rows of a parameter still holds its (zero-row) gradient, so the optimizer keeps
     state for it there too: the step scalar, and empty tensors."""
-    per_param = {"adamw": 2, "sgd": 0, "sgd_momentum": 1}[optimizer]
+    per_param = {"adamw": 2, "sgd": 0, "sgd_momentum": 1}.get(optimizer, 0)
     total = 0
     for group in groups:
         if not group.requires_grad:
             continue
         for param in group.dist_params:
             local = param.to_local()  # type: ignore[attr-defined]
+            if optimizer == "muon":  # Muon's momentum for matrices, AdamW for the rest
+                if param.ndim == 2:
+                    total += local.numel() * local.element_size()
+                    continue
+                total += 2 * local.numel() * local.element_size()
+                total += torch.tensor(0.0).element_size()
+                continue
             total += per_param * local.numel() * local.element_size()
             if optimizer == "adamw":
                 total += torch.tensor(0.0).element_size()  # the step count (float32)
     return total
+
+
+def muon_exchange(groups: list[FlatParamGroup]) -> tuple[int, int]:
+    """The all-to-alls of one Muon step on this rank and the bytes it sends in them (see
+    [Note: estimating Muon])."""
+    matrices = [p for g in groups if g.requires_grad for p in g.dist_params if p.ndim == 2]
+    if not matrices:
+        return 0, 0
+    plan = WholeMatrices(matrices)
+    return plan.step_collectives(torch.bfloat16)
 
 
 def _collectives(groups: list[FlatParamGroup], micro_batches: int,

@@ -42,11 +42,14 @@ class _Collectives(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.count: Counter[str] = Counter()
+        self.all_to_all_sent = 0  # bytes of the all-to-alls' inputs
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         name = func._schema.name
         if name.startswith("c10d::"):
             self.count[name.removeprefix("c10d::")] += 1
+            if name == "c10d::alltoall_base_":
+                self.all_to_all_sent += args[1].numel() * args[1].element_size()
         return func(*args, **(kwargs or {}))
 
 
@@ -225,6 +228,7 @@ class _Run:
         else:
             with spy:
                 self.ours_opts[0].step()
+        self.all_to_all_sent = spy.all_to_all_sent
         others = self.ours_opts[1:] + self.ref_opts + self.twin_opts
         for opt in others:
             opt.step()
@@ -429,3 +433,34 @@ def _polar_example(rank: int, world: int) -> list[dict[str, int]]:
 def test_whole_matrix_api_example(ranks: RankPools, world: int) -> None:
     for counts in ranks.run(_polar_example, world, timeout_s=TIMEOUT_S):
         assert counts == [{"alltoall_base_": 2}] * STEPS, counts
+
+
+# ---------------------------------------------------------------------- the estimator
+
+
+def _measured(rank: int, world: int, strategy: str) -> tuple[int, int, int]:
+    """All-to-alls and bytes sent by the last Muon step (counted at the dispatcher), and the
+    bytes of both optimizers' state, on this rank."""
+    run = _Run(rank, world, strategy, fsdp2=False)
+    counts = [run.step(step) for step in range(2)]
+    state = sum(local_detached(v).numel() * v.element_size()
+                for opt in run.ours_opts for st in opt.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor))
+    return counts[-1].get("alltoall_base_", 0), run.all_to_all_sent, state
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world,strategy", [(2, "optim_grads_params"), (3, "optim"),
+                                            (2, "no_shard")])
+def test_estimator_counts_the_exchange_exactly(ranks: RankPools, world: int,
+                                               strategy: str) -> None:
+    from megatron_fsdp_v2 import estimate
+
+    measured = ranks.run(_measured, world, strategy, timeout_s=TIMEOUT_S)
+    for rank, (count, sent, state) in enumerate(measured):
+        est = estimate(MuonNet, world_size=world, rank=rank, wrap=(_Block,),
+                       sharding_strategy=strategy, optimizer="muon")
+        assert est.collectives.get("all_to_all", (0, 0)) == (count, sent), (
+            rank, est.collectives.get("all_to_all"), (count, sent))
+        assert est.optimizer_state["muon"] == state, (rank, est.optimizer_state["muon"], state)
+        assert (count > 0) == (strategy != "no_shard")

@@ -16,9 +16,12 @@ until the unit's post-backward.
   window starts (state EMPTY). ``main_grad`` then holds *unscaled* local sums, and the
   pre-scale (``1/D`` or ``gradient_scaling_factor``) is applied once before the delayed
   collective (fused with the cast into the workspace when the communication dtype differs).
-  Micro-batches staged on this path (below) are therefore staged unscaled too. When
-  ``main_grad`` holds REDUCED values (an unmarked loop, gradients not cleared, an HSDP window
-  carry) no alias is set: those micro-batches take the staging path as before.
+  Micro-batches staged on this path (below) are therefore staged unscaled too. A window that
+  starts on REDUCED values (gradients zeroed in place or not cleared, a second backward over a
+  retained graph) sets them aside first ([Note: HSDP window carry] in ``_grads.py``) and arms
+  as from EMPTY; they go back if the backward brings this group nothing. A group that reduced
+  in this window and has not installed yet sets no alias: those micro-batches take the staging
+  path.
 * Reduce-each path (``optim_grads``): the aliases view the unit's ``reduce_scatter_input``
   scratch buffer, allocated and zeroed at the pre-backward instead of the post-backward (while its
   autograd gradients would otherwise be alive: the same bytes, held as one scratch buffer); the
@@ -89,6 +92,10 @@ class GradStaging:
     if TYPE_CHECKING:  # defined by GroupGrads or its other part
         def ensure_main_grad(self) -> torch.Tensor: ...
         def sweep(self) -> None: ...
+        def _carry_over(self) -> None: ...
+        def _return_unused_carry(self) -> None: ...
+        @property
+        def window_starts_on_reduced_values(self) -> bool: ...
 
     @property
     def _accumulate_scale(self) -> float:
@@ -129,7 +136,9 @@ class GradStaging:
         group = self.group
         if group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE:
             if self.state is GradState.REDUCED:
-                return None  # reduced values: later micro-batches are reduced, then added
+                if not self.window_starts_on_reduced_values:
+                    return None  # reduced in this window: later micro-batches reduce, then add
+                self._carry_over()  # set aside, added back after the window's collective
             buffer = self.ensure_main_grad()
             if self.state is GradState.EMPTY:
                 buffer.zero_()
@@ -217,6 +226,7 @@ class GradStaging:
     def drop_compute_grads(self) -> None:
         """Forget this backward's compute-parameter gradients (recovery after a failure)."""
         self._disarm()
+        self._return_unused_carry()
         for record in self.group.records:
             record.compute_param.grad = None
 

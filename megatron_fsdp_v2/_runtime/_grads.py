@@ -11,13 +11,24 @@ window (:meth:`GroupGrads.reduce_across_replicas`) the inner-reduced shard is al
 the outer group. That is only right if ``main_grad`` held nothing but this window's
 contributions. A window can start with globally reduced values in it (gradients not cleared
 between steps, an unmarked loop where every backward is "last", a second backward over a
-retained graph): all-reducing those again would count them R times. So the first reduction of a
+retained graph): all-reducing those again would count them R times. So the first write of a
 window (``pending_install`` False) that finds ``main_grad`` REDUCED moves what the optimizer-
 facing part holds into a temporary ``window_carry`` scratch buffer and restarts from EMPTY; after
 the window's outer all-reduce the carry is added back and freed. Clearing gradients in between
 (``zero_grad``, all installed gradients set to ``None``) drops the carry. A group with an
 all-reduce hook carries the same way on any mesh, and adds the carry back after the hook (see
 [Note: the all-reduce hook] in ``_all_reduce_hook.py``).
+
+The accumulate path (``no_shard``, ``optim``) carries the same way on any mesh: its one
+collective at the window's end would otherwise reduce the installed values again, together with
+the local partial sums. Whatever the user did to the installed gradients in place (``optimizer.
+zero_grad(set_to_none=False)``, clipping, an add through ``to_local()``) is carried as it is,
+so the library never needs to know whether they are zero: no value is read and no torch
+function is wrapped (see [Note: gradients known without a host read] in ``_zeroed_grads.py``).
+The cost, per group and window that starts on installed gradients: a scratch buffer of the
+optimizer-facing part (this rank's shard under ``optim``, all of ``main_grad`` under
+``no_shard``) from the window's first write to its end, one copy into it and one add back;
+the collectives stay one per window.
 
 With an outer ``optim`` axis the window's micro-batches add into a temporary ``window_grad``
 scratch buffer (the inner shard; the plan's ``window_grad_span``) and the window step
@@ -42,7 +53,6 @@ from ._grad_staging import GradStaging
 from ._grad_state import GradState
 from ._grad_views import OptimizerGrads
 from ._issuer import Pending
-from ._zeroed_grads import ZeroMarks
 
 if TYPE_CHECKING:
     from ._coalesce import ReductionCoalescer
@@ -76,18 +86,12 @@ class GroupGrads(GradStaging, OptimizerGrads):
         # accumulated in the window before stays theirs, as in torch (see [Note: gradients the
         # optimizer sees]).
         self._frozen_in_window = [False] * n
-        # Installed views an optimizer zeroed in place (see [Note: gradients known without a
-        # host read] in _zeroed_grads.py).
-        self._zero_marks = ZeroMarks(n)
         # Something was staged or reduced that the optimizer has not been shown yet.
         self.pending_install = False
         # [Note: HSDP window carry] main_grad_local's values at the window start, if any.
         self._carrying = False
         # The window's steps (HSDP's outer reduction) were launched and not yet installed.
         self._window_issued = False
-        # The sweep read whether the installed gradients were zeroed, for the coming window
-        # (OptimizerGrads._zero_on_every_rank): once per window, on every rank alike.
-        self._path_read = False
         # [Note: gradients in place] The aliases of the buffer they were built over, and while
         # a backward writes through them, each armed parameter's alias version (else None).
         self._alias_base: torch.Tensor | None = None
@@ -131,7 +135,6 @@ class GroupGrads(GradStaging, OptimizerGrads):
         self.state = GradState.EMPTY
         self._installed = [None] * len(self._installed)
         self._any_installed = False
-        self._zero_marks.clear()
         self._window_issued = False
 
     def restart_accumulation_from_zeros(self) -> None:
@@ -163,11 +166,9 @@ class GroupGrads(GradStaging, OptimizerGrads):
         if not has_new and not (is_last_backward and self.state is GradState.ACCUMULATING):
             if armed is not None:
                 self._clear_aliases()
+                self._return_unused_carry()
             return False
-        if (
-            (group.plan.window_steps or self.all_reduce_hook is not None)
-            and not self.pending_install and self.state is GradState.REDUCED
-        ):
+        if self.window_starts_on_reduced_values:
             self._carry_over()
         delayed = (
             group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE
@@ -253,6 +254,19 @@ class GroupGrads(GradStaging, OptimizerGrads):
     def _carry_key(self) -> tuple[tuple[int, int], str]:
         return self.group.temporary_key("window_carry")
 
+    @property
+    def window_starts_on_reduced_values(self) -> bool:
+        """The first write of a window finds reduced values in ``main_grad`` that the window's
+        collectives must not count again: the accumulate path (its one collective would reduce
+        them with the local partial sums), an HSDP window (its outer step) or a group with an
+        all-reduce hook. They are carried (see [Note: HSDP window carry]). Decided by the state
+        machine only, which is the same on every rank, never by the values."""
+        plan = self.group.plan
+        return not self.pending_install and self.state is GradState.REDUCED and (
+            plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE or bool(plan.window_steps)
+            or self.all_reduce_hook is not None
+        )
+
     def _carry_over(self) -> None:
         """A window starts on reduced values: set them aside (see [Note: HSDP window carry])."""
         local = self.main_grad_local()
@@ -269,6 +283,16 @@ class GroupGrads(GradStaging, OptimizerGrads):
             assert carry is not None
             self.main_grad_local().add_(carry)
             self._drop_carry()
+
+    def _return_unused_carry(self) -> None:
+        """A window set its starting values aside (an armed pre-backward) and then received
+        nothing: they go back, as they were (nothing was reduced in between)."""
+        if self._carrying and self.state is GradState.EMPTY and not self.pending_install:
+            carry = self.group.allocator.get(self._carry_key())
+            assert carry is not None
+            self.main_grad_local().copy_(carry)
+            self._drop_carry()
+            self.state = GradState.REDUCED
 
     def _drop_carry(self) -> None:
         if self._carrying:
@@ -342,8 +366,6 @@ class GroupGrads(GradStaging, OptimizerGrads):
         self._frozen_in_window = [False] * len(self._frozen_in_window)
         self.pending_install = False
         self._window_issued = False
-        self._path_read = False
-        self._zero_marks.clear()
         self._drop_carry()
         self._free_window_grad()
         if set_to_none or self.state is GradState.EMPTY:

@@ -6,10 +6,9 @@ which would be updated as stale copies that never see a gradient), reduce gradie
 no backward marked last, and mark the groups the optimizer holds for the refresh of their
 compute weights (see [Note: replicated-buffer refresh]), and let an elementwise optimizer step on
 the local tensors (see [Note: local optimizer step]); after it, swap the DTensors back and mark
-the groups again. ``torch.optim.Optimizer.zero_grad`` is wrapped alongside (with
-:func:`zero_grad`, by ``_torch_patches/_zero_grad.py``): after ``zero_grad(set_to_none=False)``
-it tells each group which installed gradients the optimizer zeroed, so no value is read back
-to learn it (see [Note: gradients known without a host read] in ``_zeroed_grads.py``).
+the groups again. ``optimizer.zero_grad`` needs nothing from here: however the gradients were
+cleared, the next window takes it in without reading a value (see [Note: gradients known
+without a host read] in ``_zeroed_grads.py``).
 
 The first time they see an optimizer that holds managed parameters they also give it
 ``state_dict`` / ``load_state_dict`` post-hooks (``_state_dict_hooks.optimizer_*``), so that
@@ -45,7 +44,7 @@ from ._state_dict_hooks import (
     optimizer_state_dict_post_hook,
 )
 
-__all__ = ["install_optimizer_hooks", "install_state_dict_hooks", "note_wrap", "zero_grad"]
+__all__ = ["install_optimizer_hooks", "install_state_dict_hooks", "note_wrap"]
 
 # Optimizers given the state-dict hooks (once each; the hooks die with the optimizer).
 
@@ -64,16 +63,6 @@ def install_optimizer_hooks() -> None:
         ])
 
 
-def zero_grad(torch_fn: Callable[[torch.optim.Optimizer, bool], None],
-              optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-    """``optimizer.zero_grad`` (torch's ``torch_fn``); after ``set_to_none=False`` it marks the
-    installed gradients it zeroed (see [Note: gradients known without a host read])."""
-    torch_fn(optimizer, set_to_none)
-    if not set_to_none:
-        for group, indices in _optimizer_groups(optimizer).members:
-            group.grads.note_zeroed_in_place(indices)
-
-
 @dataclass
 class _OptimizerGroups:
     param_count: int
@@ -83,8 +72,6 @@ class _OptimizerGroups:
     # Why this optimizer may not step on these groups (see [Note: optimizers that read across
     # parameters]); None: it may.
     refusal: str | None = None
-    # Per group, the indices of the parameters this optimizer holds.
-    members: list[tuple[FlatParamGroup, list[int]]] = field(default_factory=list)
 
 
 def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
@@ -97,7 +84,7 @@ def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
     ):
         return cached
     info = _OptimizerGroups(param_count, _registry.wrap_generation[0])
-    indices: dict[int, list[int]] = {}
+    seen: set[int] = set()
     for param_group in optimizer.param_groups:
         for p in param_group["params"]:
             record = _registry.record_of(p)
@@ -108,11 +95,9 @@ def _optimizer_groups(optimizer: torch.optim.Optimizer) -> _OptimizerGroups:
                     f"'{record.fqn}' of {record.group.owner}, shape {tuple(record.item.shape)}"
                 )
                 continue
-            if id(record.group) not in indices:
-                indices[id(record.group)] = []
+            if id(record.group) not in seen:
+                seen.add(id(record.group))
                 info.groups.append(record.group)
-                info.members.append((record.group, indices[id(record.group)]))
-            indices[id(record.group)].append(record.index)
     info.refusal = sharded_step_refusal(optimizer, info.groups)
     _registry.optimizer_cache[optimizer] = info
     if info.groups:

@@ -16,7 +16,7 @@ running and tested versions and the fix (pin torch, or opt in with
 Dependency direction: this package holds only the mechanics (finding the slots, saving the
 originals, rebinding, restoring; ``_patch.py``, ``_slots.py``, ``_op_handlers.py``). What a
 replacement does lives with the layer it belongs to (``_dtensor/`` for DTensor and state-dict
-paths, ``_runtime/`` for ``zero_grad`` and ``autograd.grad``, ``_frontend/_fsdp2_compat.py`` for
+paths, ``_runtime/`` for ``autograd.grad``, ``_frontend/_fsdp2_compat.py`` for
 the clipping route) as plain functions that take torch's original as their first argument. The
 patch modules import that logic (at install time) and pass the originals in; the logic never
 imports this package and holds no torch original of its own. So: ``_frontend._fully_shard`` ->
@@ -38,7 +38,6 @@ from . import (
     _optim_state_dict,
     _random_ops,
     _redistribute,
-    _zero_grad,
 )
 from ._patch import Patch
 from ._version_gate import ALLOW_UNTESTED_ENV, TESTED_TORCH, check_torch_version
@@ -56,7 +55,6 @@ PATCHES: tuple[Patch, ...] = (
     _random_ops.PATCH,  # DTensor op table: 10 in-place random ops
     _optim_state_dict.PATCH,  # checkpoint.state_dict._get_optim_state_dict
     _full_state_dict.PATCH,  # _state_dict_utils._distribute_state_dict / _distribute_tensors
-    _zero_grad.PATCH,  # torch.optim.Optimizer.zero_grad
     _clip_grad.PATCH,  # torch.nn.utils.clip_grad_norm_ (x2) / get_total_norm
     _autograd_grad.PATCH,  # torch.autograd.grad
 )

@@ -172,7 +172,7 @@ def test_random_init_of_uneven_rows_is_not_the_single_process_draw(fake_mesh: De
     assert not torch.equal(p.to_local(), single_process[OUR_ROWS[0]:OUR_ROWS[1]])
 
 
-# --- _optim_state_dict and _zero_grad: the optimizer's hooks --------------------------------
+# --- _optim_state_dict: the optimizer's hooks -----------------------------------------------
 
 def test_optimizer_hooks_cannot_see_state_dict_options(fake_mesh: DeviceMesh) -> None:
     """The optimizer's state-dict hooks receive the optimizer only, so inside
@@ -187,18 +187,6 @@ def test_optimizer_hooks_cannot_see_state_dict_options(fake_mesh: DeviceMesh) ->
     get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
     assert calls and all(args == (optimizer,) for args in calls), _may_go(
         "optim_state_dict", "passes more than the optimizer to its state-dict hooks")
-
-
-def test_optimizer_has_no_zero_grad_hook() -> None:
-    """Optimizers have step and state-dict hooks (per optimizer and global), none for
-    ``zero_grad``."""
-    import torch.optim.optimizer as optimizer_module
-
-    names = [name for name in dir(torch.optim.Optimizer) + dir(optimizer_module)
-             if name.startswith("register") and "zero" in name]
-    hooks = [name for name in dir(torch.optim.Optimizer) if name.startswith("register_")]
-    assert "register_step_pre_hook" in hooks and "register_state_dict_pre_hook" in hooks
-    assert not names, _may_go("zero_grad", f"has {names}")
 
 
 # --- _full_state_dict ---------------------------------------------------------------------

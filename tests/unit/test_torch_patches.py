@@ -54,9 +54,14 @@ def _torch_objects() -> dict[str, Any]:
     found["clip_grad.clip_grad_norm_"] = clip_grad.clip_grad_norm_
     found["nn.utils.clip_grad_norm_"] = nn_utils.clip_grad_norm_
     found["nn.utils.get_total_norm"] = nn_utils.get_total_norm
-    found["Optimizer.zero_grad"] = vars(torch.optim.Optimizer)["zero_grad"]
     found["torch.autograd.grad"] = torch.autograd.grad
     return found
+
+
+def _torch_objects_left_alone() -> dict[str, Any]:
+    """torch objects earlier versions of the library patched and that it must now leave as
+    torch's (issue 35: the conveniences go through public hooks or go)."""
+    return {"Optimizer.zero_grad": vars(torch.optim.Optimizer)["zero_grad"]}
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -97,6 +102,27 @@ def _patch_lifecycle_worker(rank: int, world_size: int) -> list[str]:
 
 def test_fully_shard_patches_and_reset_restores_the_originals() -> None:
     assert run_distributed(_patch_lifecycle_worker, 1, timeout_s=120) == [[]]
+
+
+def _left_alone_worker(rank: int, world_size: int) -> list[str]:
+    import torch.nn as nn
+
+    from megatron_fsdp_v2 import _torch_patches, fully_shard
+
+    original = _torch_objects_left_alone()
+    model = fully_shard(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)))
+    _torch_patches.install_all()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    return [f"replaced: {k}" for k in _same(original, _torch_objects_left_alone())]
+
+
+def test_fully_shard_leaves_zero_grad_to_torch() -> None:
+    """No patch of ``Optimizer.zero_grad``: a wrapped optimizer's ``zero_grad`` is torch's own
+    (what it did is taken in without a host read: ``tests/distributed/test_host_syncs.py``)."""
+    assert run_distributed(_left_alone_worker, 1, timeout_s=120) == [[]]
 
 
 def test_import_patches_nothing(fresh_python) -> None:

@@ -58,6 +58,23 @@ class FSDPContext:
         self.forward_order: list[FSDPState] = []
         self._order_index: dict[int, int] = {}
         self.recording_order = True
+        # Counts the root's forward passes; a unit records the pass it last ran in
+        # (``UnitState.forward_pass``), so that a unit called again in the same pass (a shared
+        # block) does not prefetch a neighbor that already ran (FSDPState._prefetch_targets).
+        self.forward_pass = 0
+        # [Note: backward over part of the graph] ``root_graph_pending``: a forward of the
+        # root with grad ran and no backward has reached its graph since. ``root_graph_reached``:
+        # a hook of a call made inside the root's forward ran in the current backward.
+        # A backward that runs while the root's graph is pending and never reaches it (the
+        # per-chunk backward of torchtitan's chunked loss, over a head called outside the
+        # root's forward) finishes only the units whose hooks ran in it (``UnitState.
+        # backward_task``); the others keep their post-backward and gathered weights for the
+        # backward that will reach the root's graph, as FSDP2, which queues no final callback
+        # for such calls. Finishing every unit there would free the weights they keep for that
+        # backward (``reshard_after_forward=False``) and the gathers their neighbors prefetched,
+        # and the later backward would gather them all again.
+        self.root_graph_pending = False
+        self.root_graph_reached = False
         # Units whose gradient collectives hold scratch buffers and may still be in flight,
         # oldest first. At most ``max_inflight_reductions`` units' reduction scratch buffers are
         # alive at once. Reductions in place into persistent buffers are not listed: they cost no
@@ -139,9 +156,18 @@ class FSDPContext:
 
     @traced("mfsdp::final_callback")
     def final_callback(self) -> None:
-        """End of backward: reduce what no post-backward hook reduced, then finish reductions."""
+        """End of backward: reduce what no post-backward hook reduced, then finish reductions.
+        Every unit, or only those whose hooks ran in this backward when it did not reach the
+        root's pending graph (see [Note: backward over part of the graph])."""
+        states = self.states
+        if self.root_graph_reached or not self.root_graph_pending:
+            self.root_graph_pending = False
+        else:
+            task = torch._C._current_graph_task_id()
+            states = [state for state in self.states if state.backward_task == task]
+        self.root_graph_reached = False
         try:
-            for state in reversed(self.states):
+            for state in reversed(states):
                 # Also units that accumulated earlier micro-batches of the window but did not
                 # run in this one: the last backward must still reduce what they hold.
                 if state.needs_post_backward or (
@@ -155,7 +181,7 @@ class FSDPContext:
             # (see [Note: outer reductions in backward]); those listed again are waited below.
             self.drain_reductions(0)
             self.reducing.clear()
-            for state in self.states:
+            for state in states:
                 # Weights kept for the next forward stay (see [Note: keeping gathered weights]).
                 keep = state.keeps_gathered_weights
                 for group in state.groups:
@@ -171,7 +197,7 @@ class FSDPContext:
             # in the same order on every rank, then waited on and installed.
             windows = [
                 group.end_window(async_op=self.overlap)
-                for state in self.states if state.is_last_backward for group in state.groups
+                for state in states if state.is_last_backward for group in state.groups
             ]
             for window in windows:
                 window.finish()
@@ -180,7 +206,7 @@ class FSDPContext:
             raise
         finally:
             self.final_callback_queued = False
-            for state in self.states:
+            for state in states:
                 state.reset_to_idle()
 
     @property
@@ -274,6 +300,7 @@ class FSDPContext:
         self.reducing.clear()
         self.final_callback_queued = False
         self.callback_failed = False
+        self.root_graph_pending = self.root_graph_reached = False
         for state in self.states:
             state.reset_to_idle()
             state.forget_graph()

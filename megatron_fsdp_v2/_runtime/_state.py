@@ -14,6 +14,9 @@ For a unit ``U`` (a module passed to ``fully_shard``):
 * forward post-hook: registers the DTensor parameters again, reshards ZeRO-3 groups, and hooks
   the outputs so the first gradient flowing into them runs ``U``'s pre-backward.
 * pre-backward: queues the root's final callback (once per backward) and re-gathers ZeRO-3 weights.
+  A backward that never reaches the graph of the root's forward (a head called outside it, as
+  torchtitan's chunked loss does, with a backward per chunk) leaves the other units as they are
+  (see [Note: backward over part of the graph] in ``_context.py``).
 * post-backward: when every forward call of ``U`` in this pass has finished its backward,
   reshard ZeRO-3 groups, finish the previous unit's reductions (launching its HSDP outer
   reduction when its window ends: [Note: outer reductions in backward] in ``_context.py``) and
@@ -30,6 +33,7 @@ weights gathered for the recompute serve the backward that follows.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,17 +55,22 @@ __all__ = ["FSDPState"]
 
 
 class _RegisterPostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; its backward is the unit's post-backward hook."""
+    """Identity on a unit's inputs; its backward is the unit's post-backward hook.
+    ``in_root_graph``: the call ran inside the root's forward (see [Note: backward over part of
+    the graph] in ``_context.py``)."""
 
     @staticmethod
-    def forward(ctx: Any, state: FSDPState, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any, state: FSDPState, in_root_graph: bool, *inputs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.state = state
+        ctx.in_root_graph = in_root_graph
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.state.post_backward()
-        return (None, *grads)
+        ctx.state.post_backward(ctx.in_root_graph)
+        return (None, None, *grads)
 
 
 class FSDPState(UnitState):
@@ -115,13 +124,21 @@ class FSDPState(UnitState):
     # ------------------------------------------------------------------ forward
 
     def _prefetch_targets(self, step: int) -> list[FSDPState]:
-        """Units to prefetch: the explicit list, else the neighbor in the forward order."""
+        """Units to prefetch: the explicit list, else the neighbor in the forward order. In the
+        root's forward, not a neighbor that already ran in it: the order was recorded at the
+        first call of each unit, and after a later call of a unit called twice (a shared block)
+        the next unit in it has run already; gathering it again would be wasted."""
         ctx = self.ctx
         assert ctx is not None
         explicit = self.forward_prefetch if step > 0 else self.backward_prefetch
         if explicit is None:
             neighbor = ctx.neighbor(self, step)
-            return [] if neighbor is None else [neighbor]
+            if neighbor is None or (
+                step > 0 and neighbor.forward_pass == ctx.forward_pass
+                and ctx.root.training_state is TrainingState.FORWARD
+            ):
+                return []
+            return [neighbor]
         for target in explicit:
             if target.ctx is not ctx:
                 raise ValueError(
@@ -145,7 +162,7 @@ class FSDPState(UnitState):
                 # nothing; this recompute's graph is what the nested backward runs, so hook it
                 # for the post-backward (reshard, reduce) now.
                 self.needs_post_backward = True
-                return self._register_post_backward(args, kwargs)
+                return self._register_post_backward(args, kwargs, in_root_graph=True)
             return None
         if self.ctx is None:
             lazy_init(self)
@@ -169,6 +186,10 @@ class FSDPState(UnitState):
             group.sync_requires_grad()
         if self._graph_backwarded:
             self.forget_graph()
+        # Inside the root's forward (else called directly, e.g. a head called by the loss).
+        in_root_graph = self.is_root or ctx.root.training_state is TrainingState.FORWARD
+        if in_root_graph:
+            self.forward_pass = ctx.forward_pass
         ctx.record_forward(self)
         self.training_state = TrainingState.FORWARD
         self.drop_stale_kept_weights()
@@ -191,7 +212,7 @@ class FSDPState(UnitState):
             )
         if torch.is_grad_enabled():
             self.needs_post_backward = True
-            args, kwargs = self._register_post_backward(args, kwargs)
+            args, kwargs = self._register_post_backward(args, kwargs, in_root_graph)
         return args, kwargs
 
     def _root_pre_forward(self) -> None:
@@ -199,6 +220,7 @@ class FSDPState(UnitState):
         if self.ctx.step_failed:
             # The last forward or backward raised before finishing (see FSDPContext.recover).
             self.ctx.recover()
+        self.ctx.forward_pass += 1
         if self.ctx.allocator.begin_iteration():  # see [Note: trace-planned pool]
             for group in self.ctx.groups:
                 group.drop_gathered_views()  # of the replaced arena, so it can be freed
@@ -226,14 +248,16 @@ class FSDPState(UnitState):
                     self.ctx.log("refresh", state)
 
     def _register_post_backward(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], in_root_graph: bool
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not kwargs and all(isinstance(t, torch.Tensor) for t in args):
             # The common call (tensors only): the same as below without the pytree round trip.
             positions = [i for i, t in enumerate(args) if t.requires_grad]
             if not positions:
                 return args, kwargs
-            outputs = _RegisterPostBackward.apply(self, *(args[i] for i in positions))
+            outputs = _RegisterPostBackward.apply(
+                self, in_root_graph, *(args[i] for i in positions)
+            )
             new_args = list(args)
             for i, out in zip(positions, outputs):
                 new_args[i] = out
@@ -246,7 +270,7 @@ class FSDPState(UnitState):
         ]
         if not positions:
             return args, kwargs
-        outputs = _RegisterPostBackward.apply(self, *(flat[i] for i in positions))
+        outputs = _RegisterPostBackward.apply(self, in_root_graph, *(flat[i] for i in positions))
         for i, out in zip(positions, outputs):
             flat[i] = out
         self.pending_post_backward += 1
@@ -269,22 +293,33 @@ class FSDPState(UnitState):
             return output
         ctx = self.ctx
         assert ctx is not None
-        if torch.is_grad_enabled() and self._keeps_weights_for_backward():
-            self.keep_gathered()  # for the backward (reshard_after_forward=False)
+        in_root_graph = self.is_root or ctx.root.training_state is TrainingState.FORWARD
+        if torch.is_grad_enabled() and (
+            self._keeps_weights_for_backward()
+            # [Note: calls after the root's forward] A unit called outside the root's forward
+            # while its graph awaits backward is part of the loss (torchtitan's chunked loss
+            # calls the head once per sequence chunk): keep its weights from the first such
+            # call to its backward instead of gathering them again for every call, as FSDP2
+            # does for a grouped unit whose call ran only some of its modules.
+            or (not in_root_graph and ctx.root_graph_pending and self.needs_post_backward)
+        ):
+            self.keep_gathered()  # for the backward (and the next such call)
         elif self.reshard():
             ctx.log("reshard", self)
         self.training_state = TrainingState.IDLE
         if self.is_root:
             ctx.recording_order = False
+            if torch.is_grad_enabled():
+                ctx.root_graph_pending = True
             if ctx.refresh_coalescer is not None:  # no refresh bucket outlives the forward
                 ctx.refresh_coalescer.settle()
             for state in ctx.states:  # prefetched but never run (skipped by control flow)
                 if not state._keeps_weights_for_backward() and state.reshard():
                     ctx.log("reshard", state)
         if torch.is_grad_enabled():
-            hook = self._pre_backward
+            hook = self._pre_backward_in_root_graph if in_root_graph else self._pre_backward
             if ctx.allocator.moves_scratch:  # see [Note: trace-planned pool]
-                hook = functools.partial(self._checked_pre_backward, self._views_stamp())
+                hook = functools.partial(self._checked_pre_backward, self._views_stamp(), hook)
             if isinstance(output, torch.Tensor):  # the common case, without the pytree walk
                 if output.requires_grad:
                     # One tensor: a plain tensor hook fires exactly when the multi-grad hook
@@ -304,8 +339,10 @@ class FSDPState(UnitState):
     def _views_stamp(self) -> tuple[int, ...]:
         return tuple(group.views_generation for group in self.groups)
 
-    def _checked_pre_backward(self, stamp: tuple[int, ...], grad: torch.Tensor) -> None:
-        """``_pre_backward`` of a graph built when the compute views had ``stamp``: raise,
+    def _checked_pre_backward(
+        self, stamp: tuple[int, ...], hook: Callable[[torch.Tensor], None], grad: torch.Tensor
+    ) -> None:
+        """``hook`` (a pre-backward) of a graph built when the compute views had ``stamp``: raise,
         before anything changes, if they moved since (a trace-pool replan between this graph's
         forward and a backward over it, kept with ``retain_graph=True``): tensors autograd saved
         would read memory that moved."""
@@ -317,12 +354,20 @@ class FSDPState(UnitState):
                 "memory that moved. Run every backward over a retained graph before the next "
                 "forward, or use enable_trace_pool=False"
             )
+        hook(grad)
+
+    def _pre_backward_in_root_graph(self, grad: torch.Tensor) -> None:
+        """Pre-backward of a call made inside the root's forward: this backward reaches the
+        root's graph (see [Note: backward over part of the graph] in ``_context.py``)."""
+        assert self.ctx is not None
+        self.ctx.root_graph_reached = True
         self._pre_backward(grad)
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         ctx = self.ctx
         assert ctx is not None
         task = torch._C._current_graph_task_id()
+        self.backward_task = task
         if task != self._backward_task:
             self._backward_task = task
             if self._graph_backwarded:  # another backward over a retained graph
@@ -345,8 +390,13 @@ class FSDPState(UnitState):
         self.register_compute_params()
         self.prepare_gradients()
 
-    def post_backward(self) -> None:
-        """Called by ``_RegisterPostBackward``: runs once every forward call has its gradients."""
+    def post_backward(self, in_root_graph: bool) -> None:
+        """Called by ``_RegisterPostBackward``: runs once every forward call has its gradients.
+        ``in_root_graph``: the call ran inside the root's forward."""
+        assert self.ctx is not None
+        self.backward_task = torch._C._current_graph_task_id()
+        if in_root_graph:
+            self.ctx.root_graph_reached = True
         self.pending_post_backward -= 1
         if self.pending_post_backward <= 0 and self.needs_post_backward:
             self.run_post_backward()

@@ -66,6 +66,12 @@ class UnitState:
         self.registered_calls = 0
         self._graph_backwarded = False
         self._backward_task: int | None = None
+        # The autograd graph task in which this unit's backward hooks last ran: the units a
+        # backward over part of the graph finishes (see [Note: backward over part of the
+        # graph] in _context.py).
+        self.backward_task: int | None = None
+        # The root's forward pass (``FSDPContext.forward_pass``) this unit last ran in.
+        self.forward_pass = -1
         self.overlap = True  # prefetch gathers and run reductions in the background
         self.enable_trace_pool = False  # see [Note: trace-planned pool]; all units agree
         # fully_shard's reduce_bucket_size_mb (see [Note: reduction buckets] in _coalesce.py).

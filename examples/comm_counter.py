@@ -87,6 +87,24 @@ def _wire_factor(kind: str, n: int) -> float:
     return (n - 1) / n
 
 
+def _all_to_all_sent(args: tuple[Any, ...], n: int) -> float:
+    """Bytes ``c10d.alltoall_base_(output, input, group, output_splits, input_splits, ...)``
+    sends to other ranks: its input less this rank's own split."""
+    send = args[1]
+    splits = list(args[4]) if len(args) > 4 and args[4] else []
+    if not splits:  # even splits
+        return _bytes(send) * _wire_factor("all_to_all", n)
+    group = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+    own = 0
+    if group is not None:
+        try:
+            own = splits[dist.ProcessGroup.unbox(group).rank()]
+        except Exception:  # noqa: BLE001 - not a process group
+            own = 0
+    row = send[0].numel() if send.dim() > 1 else 1
+    return (sum(splits) - own) * row * send.element_size()
+
+
 def _bytes(obj: Any) -> int:
     leaves, _ = tree_flatten(obj)
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
@@ -190,5 +208,9 @@ class CommCounter(TorchDispatchMode):
                 size = max(size, _bytes(args[0]) * n)
             self.stats.calls[kind] += 1
             self.stats.payload_bytes[kind] += size
+            if kind == "all_to_all" and name == "alltoall_base":
+                # What this rank sends: its input, less the split it keeps (uneven splits).
+                self.stats.wire_bytes[kind] += _all_to_all_sent(args, n)
+                return out
             self.stats.wire_bytes[kind] += size * _wire_factor(kind, n)
         return out

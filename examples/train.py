@@ -89,6 +89,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--bf16", action="store_true",
                    help="bf16 compute weights, fp32 main weights and gradients")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--optimizer", default="adamw", choices=["adamw", "muon"],
+                   help="adamw: AdamW on every parameter; muon: torch.optim.Muon on the blocks' "
+                        "matrices (each orthogonalized whole on one rank) and AdamW on the rest")
+    p.add_argument("--muon-lr", type=float, default=0.02, help="Muon learning rate")
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the initial weights (the same on every rank) and of the data")
@@ -242,6 +246,28 @@ def to_float8(model: torch.nn.Module) -> None:
             module_filter_fn=lambda module, fqn: fqn.startswith("blocks."))
 
 
+def build_optimizers(model: torch.nn.Module, blocks: list[torch.nn.Module],
+                     args: argparse.Namespace) -> list[torch.optim.Optimizer]:
+    """``--optimizer adamw``: one AdamW. ``muon``: ``torch.optim.Muon`` on the blocks' 2-D
+    weights (on fully_shard parameters each matrix is orthogonalized whole on one rank, see
+    ``megatron_fsdp_v2.optim``) and AdamW on everything else (embeddings, head, norms, biases)."""
+    adamw = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": 0.1}
+    if getattr(args, "optimizer", "adamw") == "adamw":
+        return [torch.optim.AdamW(model.parameters(), **adamw)]
+    matrices = {id(p) for block in blocks for p in block.parameters() if p.ndim == 2}
+    return [
+        torch.optim.Muon([p for p in model.parameters() if id(p) in matrices], lr=args.muon_lr,
+                         weight_decay=0.1),
+        torch.optim.AdamW([p for p in model.parameters() if id(p) not in matrices], **adamw),
+    ]
+
+
+def held_bytes(model: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> int:
+    """``memory_report``'s total with the state of every optimizer."""
+    reports = [mfsdp.memory_report(model, optimizer=opt) for opt in optimizers]
+    return reports[0].total + sum(r.optimizer_state for r in reports[1:])
+
+
 def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.Namespace,
           device: torch.device, *, title: str,
           loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor], batch_len: int,
@@ -270,8 +296,7 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
     precompute = float8_api()[1] if fp8 else (lambda module: None)
     precompute(model)
     # Built after wrapping, on the sharded (DTensor) parameters.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95),
-                                  weight_decay=0.1)
+    optimizers = build_optimizers(model, blocks, args)
 
     tokens_per_step = world * args.micro_batches * args.batch_size * args.seq_len
     if rank == 0:
@@ -308,8 +333,9 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
                 loss_sum += loss.detach()
             if args.clip > 0:
                 mfsdp.clip_grad_norm_(model.parameters(), args.clip)
-            optimizer.step()
-            optimizer.zero_grad()
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
             precompute(model)
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -318,8 +344,8 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
         comm = counter.reset()
 
         # Logging (not counted): every rank's loss, held bytes and peak memory.
-        report = mfsdp.memory_report(model, optimizer=optimizer)
-        mine = torch.tensor([loss_sum.item(), report.total, peak_memory_bytes(device)],
+        mine = torch.tensor([loss_sum.item(), held_bytes(model, optimizers),
+                             peak_memory_bytes(device)],
                             dtype=torch.float64, device=device)
         everyone = torch.empty(world * 3, dtype=torch.float64, device=device)
         _all_gather_single(everyone, mine)
@@ -333,7 +359,9 @@ def train(model: torch.nn.Module, blocks: list[torch.nn.Module], args: argparse.
                   f"peak MiB {fmt_ranks((everyone[:, 2] / MiB).tolist())}", flush=True)
 
     reports = [None] * world
-    dist.all_gather_object(reports, str(mfsdp.memory_report(model, optimizer=optimizer)))
+    dist.all_gather_object(reports, "; ".join(
+        f"with {type(opt).__name__}: {mfsdp.memory_report(model, optimizer=opt)}"
+        for opt in optimizers))
     if rank == 0:
         steady = sorted(step_times[1:] or step_times)
         median = steady[len(steady) // 2]

@@ -293,6 +293,10 @@ later_checks() {
       "${PYTHON}" -m torch.distributed.run --standalone --nproc_per_node=1 \
       examples/train.py --strategy "${strategy}" --steps 5
   done
+  # torch.optim.Muon on the blocks' matrices (its step on CUDA; one rank: no exchange).
+  cuda_step "examples/train.py 1 GPU --optimizer muon" 40 \
+    "${PYTHON}" -m torch.distributed.run --standalone --nproc_per_node=1 \
+    examples/train.py --optimizer muon --steps 5
   # A benchmark, not a check ("plain" = device-to-device copy of the same bytes).
   needs_kernels "bench_kernels --device cuda" \
     && cuda_step "bench_kernels --device cuda" 45 \

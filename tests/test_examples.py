@@ -117,6 +117,22 @@ def test_train_example_fp8(pools: RankPools) -> None:
     assert len(ratios) == 3 and all(r <= 0.52 for r in ratios), (ratios, steps, bf16)
 
 
+def test_train_example_muon(pools: RankPools) -> None:
+    """``--optimizer muon``: torch.optim.Muon on the blocks' matrices (AdamW on the rest) trains
+    under ZeRO-3 at 3 ranks (uneven rows: matrices split across ranks), its step's two
+    all-to-alls counted, and the loss goes down."""
+    stdout = _run_main(pools, "train.py",
+                       ["--optimizer", "muon", "--strategy", "optim_grads_params", "--steps",
+                        "3", "--batch-size", "2", "--seq-len", "16", "--dim", "32", "--layers",
+                        "2", "--heads", "2", "--vocab", "64", "--muon-lr", "0.05"], nproc=3)
+    steps = re.findall(r"step\s+(\d+)/3 \| loss ([0-9.]+) .*all_to_all=(\d+)", stdout)
+    assert [int(s) for s, _, _ in steps] == [1, 2, 3], stdout
+    assert all(int(n) == 2 for _, _, n in steps), stdout
+    losses = [float(loss) for _, loss, _ in steps]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
+    assert "with Muon:" in stdout and "with AdamW:" in stdout, stdout
+
+
 def test_train_example_hsdp_mesh(pools: RankPools) -> None:
     """``--mesh 2,2``: HSDP (2 replicas x 2 shards, outer no_shard) on 4 CPU ranks."""
     stdout = _run_main(pools, "train.py",

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from model import GPT, GPTConfig, attention_residual
 
 __all__ = ["MoEConfig", "MoEGPT", "MoE", "LocalExperts", "Expert", "all_to_all",
-           "keep_local_experts"]
+           "keep_local_experts", "local_expert_indices"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -177,16 +177,24 @@ class MoEGPT(GPT):
         self.reset_parameters()
 
 
+def local_expert_indices(experts: int, ep_rank: int, ep: int) -> range:
+    """The global indices of the experts EP rank ``ep_rank`` of ``ep`` holds, in local order:
+    contiguous blocks of ``experts / ep`` (what ``megatron_fsdp_v2.checkpoint.register_experts``
+    needs to store each under its global name)."""
+    if experts % ep:
+        raise ValueError(f"experts={experts} must be a multiple of ep={ep}")
+    local = experts // ep
+    return range(ep_rank * local, (ep_rank + 1) * local)
+
+
 def keep_local_experts(model: MoEGPT, ep_rank: int, ep: int,
                        group: dist.ProcessGroup | None) -> None:
-    """Keep the experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of every block and route
+    """Keep the experts ``local_expert_indices(E, ep_rank, ep)`` of every block and route
     through ``group`` (the EP group, of size ``ep``; ``None`` for a local slice, as a reference
     view of one rank's experts). Call on a model built with the same seed on every rank."""
     for block in model.blocks:
         moe = block.moe
-        if moe.num_experts % ep:
-            raise ValueError(f"experts={moe.num_experts} must be a multiple of ep={ep}")
-        local = moe.num_experts // ep
-        kept = list(moe.experts.experts)[ep_rank * local:(ep_rank + 1) * local]
-        moe.experts.experts = nn.ModuleList(kept)
+        kept = list(moe.experts.experts)
+        indices = local_expert_indices(moe.num_experts, ep_rank, ep)
+        moe.experts.experts = nn.ModuleList(kept[i] for i in indices)
         moe.ep_group = group

@@ -26,6 +26,7 @@ from .._dtensor._chunk_metadata import (
     strip_metadata,
 )
 from .._dtensor._local_rows import convert_for_load, dist_param_slots, param_slot
+from ._expert_names import lost_on_dcp, lost_on_dcp_params
 from ._flat_param_group import FlatParamGroup
 from ._state_dict_checks import expected_entries, first_mismatch, tensor_shape
 
@@ -62,6 +63,12 @@ def state_dict_post_hook(
                 # saved with torch.save and loaded on the same layout is recognized as the
                 # model's own rows (``_dtensor/_local_rows.py``).
                 setattr(value, ROWS_ATTR, rows)
+    # Experts under local names (expert parallelism): DCP would keep one EP rank's copy; it
+    # raises instead (see [Note: expert names in checkpoints] in _expert_names.py).
+    for name, message in lost_on_dcp(module).items():
+        value = state_dict.get(prefix + name)
+        if isinstance(value, DTensor) and not isinstance(value, nn.Parameter):
+            mark_unsupported(value, message)
 
 
 # ---------------------------------------------------------------------- optimizer hooks
@@ -104,6 +111,7 @@ def optimizer_state_dict_post_hook(
     state = state_dict.get("state")
     if not isinstance(state, dict):
         return state_dict
+    lost = lost_on_dcp_params([p for g in optimizer.param_groups for p in g["params"]])
     for group_live, group_packed in zip(optimizer.param_groups, state_dict["param_groups"]):
         for param, pid in zip(group_live["params"], group_packed["params"]):
             record = _registry.record_of(param)
@@ -117,6 +125,11 @@ def optimizer_state_dict_post_hook(
                 )
                 for name, value in entries.items()
             }
+            message = lost.get(id(param))
+            if message is not None:  # an expert's state under its local name (see above)
+                for value in state[pid].values():
+                    if isinstance(value, DTensor):
+                        mark_unsupported(value, message)
     return state_dict
 
 

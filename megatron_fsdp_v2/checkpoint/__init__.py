@@ -39,9 +39,10 @@ metadata at the true row offsets, ``[Note: uneven shards in state dicts]``) and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import _registry
 from .._comm._arrival import await_every_rank
+from .._runtime._expert_names import register, renamed_by_caller
 from .._runtime._optimizer_hooks import install_state_dict_hooks
 from .._runtime._state_dict_checks import expected_entries, first_mismatch
 from .._runtime._state_dict_hooks import mark_all_loaded
@@ -65,10 +67,12 @@ from ._checks import (
     check_optim_state_dict,
 )
 from ._checksums import find_unreadable_item, verify_checksums
+from ._experts import ExpertNames
 from ._files import atomic_save, interrupted_commit_hint, local_dir, pinned_directory
 from ._staging import apply_staged, staging_copy
 
 __all__ = [
+    "register_experts",
     "get_state_dict",
     "set_state_dict",
     "save",
@@ -104,6 +108,36 @@ def _check_options(options: _dsd.StateDictOptions | None, api: str) -> _dsd.Stat
     return options
 
 
+# ---------------------------------------------------------------------- expert parallelism
+
+def register_experts(experts: nn.Module, global_indices: Iterable[int] | None = None) -> None:
+    """Declare that the children of ``experts`` (e.g. the ``nn.ModuleList`` of the experts this
+    rank holds under expert parallelism) are experts with global indices ``global_indices``, in
+    child order; checkpoints then store child ``j`` as ``<experts>.<global_indices[j]>.*``.
+
+    Call it on every rank, each with its own indices (the example's contiguous numbering:
+    ``range(ep_rank * local, (ep_rank + 1) * local)``), before or after ``fully_shard``, before
+    the first checkpoint call. ``global_indices=None``: the children's names already are global
+    (an ``nn.ModuleDict`` keyed by global index), nothing is renamed.
+
+    Checkpoints then hold every expert under its global name, as one process holding every
+    expert would: :func:`save` / :func:`load` (and :func:`get_state_dict` /
+    :func:`set_state_dict`, the full-state-dict functions) of a model whose expert units sit on
+    a part of its ranks (the ``edp`` sub-mesh) and dense units on all of them reshard across EP
+    sizes, and load into a model without expert parallelism. Without the declaration those
+    functions raise a ``ValueError`` for such a model, and torch's ``dcp.save`` of torch's
+    ``get_state_dict`` (which keeps local names, so DCP would keep one EP rank's experts)
+    raises naming this fix (see [Note: expert names in checkpoints] in
+    ``_runtime/_expert_names.py``); experts declared with global names pass there too.
+
+    Raises ``TypeError`` / ``ValueError`` (before storing anything) for a module without
+    children, indices that are not non-negative integers, repeat, or do not match the number of
+    children. Indices that collide across ranks are reported by the next checkpoint call, on
+    every rank, before anything is read or written.
+    """
+    register(experts, global_indices)
+
+
 # ---------------------------------------------------------------------- sharded state dicts
 
 def _hook_optimizers(optims: tuple[torch.optim.Optimizer, ...]) -> None:
@@ -136,14 +170,21 @@ def get_state_dict(
 
     A thin wrapper: the units' ``state_dict`` hooks and the optimizers' (see
     ``_optimizer_hooks.py``) do the marking, so torch's own ``get_state_dict`` gives the same
-    result; this adds only the option and HSDP checks.
+    result; this adds only the option checks, and the experts' global names: experts declared
+    with :func:`register_experts` appear under their global names (model keys, optimizer state
+    keys and param-group members), so the result of every EP rank goes to one ``dcp.save``
+    without losing experts (torch's own ``get_state_dict`` keeps local names, which
+    ``dcp.save`` refuses, see :func:`register_experts`).
     """
     options = _check_options(options, "get_state_dict")
     optims = _as_tuple(optimizers)
-    if not optims:
-        return _dsd.get_model_state_dict(model, options=options), {}
-    _hook_optimizers(optims)
-    return _dsd.get_state_dict(model, optims, options=options)
+    experts = ExpertNames(model)
+    with renamed_by_caller() if experts else contextlib.nullcontext():
+        if not optims:
+            return experts.model_to_global(_dsd.get_model_state_dict(model, options=options)), {}
+        _hook_optimizers(optims)
+        msd, osd = _dsd.get_state_dict(model, optims, options=options)
+    return experts.model_to_global(msd), experts.optim_to_global(osd)
 
 
 def set_state_dict(
@@ -162,9 +203,17 @@ def set_state_dict(
     written (agreed on the units' communication group, with ``fully_shard``'s timeout).
     Afterwards every unit refreshes its compute weights from the loaded main weights before the
     next forward. Returns ``(missing_keys, unexpected_keys)`` like torch.
+
+    Experts declared with :func:`register_experts` are expected under their global names (as
+    :func:`get_state_dict` gives them); entries of experts other ranks hold (a state dict of
+    another EP size, or a full one) are left out.
     """
     options = _check_options(options, "set_state_dict")
     optims = _as_tuple(optimizers)
+    experts = ExpertNames(model)
+    model_state_dict = experts.model_to_local(model_state_dict)
+    if optim_state_dict:
+        optim_state_dict = experts.optim_to_local(optim_state_dict)
     found = {
         k: (v.shape if isinstance(v, torch.Tensor) else None) for k, v in model_state_dict.items()
     }
@@ -231,11 +280,13 @@ def save(
     """
     # DCP's coordination group: the caller's, else the units' group if it covers the job
     # (see [Note: checkpoint collectives] in _group.py).
+    _group.widest_unit(model)  # the layout checks, also with a caller's process_group
     group = _group.dcp_group(model, process_group)
     root = local_dir(checkpoint_id, storage_writer)
-    # Before anything is built or written: every rank names the same checkpoint.
+    # Before anything is built or written: every rank names the same checkpoint, and the
+    # registered experts' global names fit together.
     _group.check_same_path(root if root is not None else checkpoint_id, group,
-                        "checkpoint.save")
+                           "checkpoint.save", ExpertNames(model))
     if root is not None:
         return atomic_save(lambda: _build_state(model, optimizers, extra), root, storage_writer,
                            group, checksums)
@@ -281,25 +332,29 @@ def load(
     checksums]``). Every rank of ``process_group`` (default: all) calls it;
     the checks, DCP and the agreement use the same group as :func:`save`.
     """
-    group = _group.dcp_group(model, process_group)  # as in save
+    _group.widest_unit(model)  # as in save
+    group = _group.dcp_group(model, process_group)
     root = local_dir(checkpoint_id, storage_reader)
-    _group.check_same_path(root if root is not None else checkpoint_id, group, "checkpoint.load")
+    experts = ExpertNames(model)
+    held = _group.check_same_path(root if root is not None else checkpoint_id, group,
+                                  "checkpoint.load", experts)
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError("load needs a checkpoint_id or a storage_reader")
         storage_reader = dcp.FileSystemReader(checkpoint_id)
     extra = dict(extra or {})
     state = _build_state(model, optimizers, extra)
+    elsewhere = experts.held_elsewhere(held, MODEL_KEY)
     if root is None:
         _load_into(state, storage_reader, checkpoint_id, None, None, group, strict, extra,
-                   checksums=False)
+                   checksums=False, elsewhere=elsewhere)
     else:
         # Every read goes through one opened directory: a save that commits to this path
         # meanwhile cannot make this load read some files of each checkpoint.
         with pinned_directory(root) as pinned:
             try:
                 _load_into(state, storage_reader, pinned, root, pinned, group, strict, extra,
-                           checksums)
+                           checksums, elsewhere=elsewhere)
             finally:
                 storage_reader.reset(root)  # the caller's reader points at the checkpoint again
     set_state_dict(
@@ -313,6 +368,7 @@ def load(
 def _load_into(
     state: dict[str, Any], storage_reader: Any, read_id: Any, root: Any, pinned: Any,
     group: dist.ProcessGroup | None, strict: bool, extra: dict[str, Any], checksums: bool,
+    elsewhere: Callable[[str], bool] | None = None,
 ) -> None:
     """``load``'s checks and ``dcp.load`` from ``read_id`` (a local checkpoint's pinned path,
     else the caller's ``checkpoint_id``) into ``state``; ``state``'s tensors change only when
@@ -330,7 +386,8 @@ def _load_into(
         if root is not None:
             error += interrupted_commit_hint(root)
     if metadata is not None:
-        error = check_against_metadata(state, metadata, strict=strict, extra=extra)
+        error = check_against_metadata(state, metadata, strict=strict, extra=extra,
+                                       elsewhere=elsewhere)
         if error is None and checksums:
             error = verify_checksums(root, metadata, group, read_from=pinned)
     # One agreement: the first rank's error, else whether every rank opened the same save (a

@@ -9,7 +9,7 @@ raises. No collectives here. The model's own keys and shapes are compared by
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -106,18 +106,21 @@ def _missing_extra(extra: dict[str, Any], metadata: Metadata) -> str | None:
 
 
 def check_against_metadata(
-    state: dict[str, Any], metadata: Metadata, *, strict: bool, extra: dict[str, Any]
+    state: dict[str, Any], metadata: Metadata, *, strict: bool, extra: dict[str, Any],
+    elsewhere: Callable[[str], bool] | None = None,
 ) -> str | None:
     """The first problem loading ``state`` (``{"model": ..., "optim": ..., **extra}``) from a
     checkpoint with ``metadata``: a shape mismatch, or with ``strict`` a missing entry, an
-    extra ``model.*`` entry, or a missing ``extra`` key."""
+    extra ``model.*`` entry (other than one ``elsewhere`` says another rank loads: another EP
+    rank's expert), or a missing ``extra`` key."""
     flat, _ = flatten_state_dict(state)
     error = _check_tensors(flat, metadata, MODEL_KEY + ".", strict=strict)
     if error is None:
         error = _check_tensors(flat, metadata, OPTIM_KEY + ".", strict=strict)
     if error is None and strict:
         for key in metadata.state_dict_metadata:
-            if key.startswith(MODEL_KEY + ".") and key not in flat:
+            if (key.startswith(MODEL_KEY + ".") and key not in flat
+                    and not (elsewhere is not None and elsewhere(key))):
                 return f"checkpoint has an unexpected entry '{key}' the model does not have"
     if error is None and strict and extra:
         error = _missing_extra(extra, metadata)

@@ -61,6 +61,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import _registry
 from .._comm._comm_groups import whole_mesh_group
+from .._runtime._expert_names import unit_ranks
+from ._experts import ExpertNames, check_claims, global_rank, narrow_unit_error
 
 __all__ = [
     "Failure",
@@ -73,6 +75,7 @@ __all__ = [
     "gather_to_coordinator",
     "mesh_group",
     "model_group",
+    "widest_unit",
     "no_checkpoint_exception",
     "raise_first",
     "raise_if_any_rank",
@@ -105,42 +108,53 @@ def mesh_group(group: Any) -> dist.ProcessGroup:
 def model_group(model: nn.Module) -> dist.ProcessGroup | None:
     """The communication group of ``model``'s units (see the note at the top), ``None`` when
     it has none or ``torch.distributed`` is not initialized. For units on a 2-D (HSDP) mesh:
-    the group over the whole mesh (:func:`mesh_group`), not the inner group."""
+    the group over the whole mesh (:func:`mesh_group`), not the inner group. With expert
+    parallelism (units whose meshes cover a part of the model's ranks, each holding registered
+    experts only): the group of the first unit over all of the model's ranks."""
     if not _distributed():
         return None
-    chosen_group: Any = None
-    chosen: dist.ProcessGroup | None = None
-    chosen_ranks: tuple[int, ...] = ()
-    chosen_name = ""
-    checked: set[int] = set()
-    for module in model.modules():
-        state = _registry.state_of(module)
-        if state is None:
-            continue
-        for group in state.groups:
-            if chosen_group is not None and group.mesh.ndim != chosen_group.mesh.ndim:
-                raise ValueError(
-                    f"the units of this model live on meshes of different dimensions "
-                    f"({group.name}: {group.mesh.ndim}-D, {chosen_group.name}: "
-                    f"{chosen_group.mesh.ndim}-D); megatron_fsdp_v2's checkpoint functions need "
-                    "every unit of a model on the same mesh"
-                )
-            process_group = group.process_group
-            if id(process_group) in checked:
-                continue
-            checked.add(id(process_group))
-            ranks = tuple(dist.get_process_group_ranks(process_group))
-            if chosen is None:
-                chosen, chosen_ranks, chosen_name = process_group, ranks, group.name
-                chosen_group = group
-            elif ranks != chosen_ranks:
-                raise ValueError(
-                    f"the units of this model communicate over different ranks ({group.name}: "
-                    f"{list(ranks)}, {chosen_name}: {list(chosen_ranks)}); megatron_fsdp_v2's "
-                    "checkpoint functions need every unit of a model on the same mesh"
-                )
-    if chosen_group is not None and chosen_group.mesh.ndim > 1:
-        return mesh_group(chosen_group)
+    chosen = widest_unit(model)
+    if chosen is None:
+        return None
+    if chosen.mesh.ndim > 1:
+        return mesh_group(chosen)
+    return chosen.process_group
+
+
+def widest_unit(model: nn.Module) -> Any:
+    """The first parameter group (in module order) whose mesh covers all of the model's ranks
+    (``None`` without units), after checking the layout a checkpoint accepts: every unit on
+    meshes of one dimension, every unit's ranks a part of the chosen one's, and units on a
+    strict part holding registered experts only (else a ``ValueError`` naming the first
+    parameter that is not). Local: no collective, the same answer on every rank."""
+    units = [(name or "<root>", group) for name, state in _registry.unit_states(model)
+             for group in state.groups]
+    if not units:
+        return None
+    first_name, first = units[0]
+    for name, group in units:
+        if group.mesh.ndim != first.mesh.ndim:
+            raise ValueError(
+                f"the units of this model live on meshes of different dimensions "
+                f"({name}: {group.mesh.ndim}-D, {first_name}: {first.mesh.ndim}-D); "
+                "megatron_fsdp_v2's checkpoint functions need every unit of a model on the "
+                "same mesh, or expert units on a part of its ranks"
+            )
+    ranks = {id(group): unit_ranks(group) for _, group in units}
+    wider = frozenset().union(*ranks.values())
+    chosen = next((group for _, group in units if ranks[id(group)] == wider), None)
+    if chosen is None:
+        shown = {tuple(sorted(ranks[id(g)])): name for name, g in units}
+        listed = ", ".join(f"{name}: {list(r)}" for r, name in list(shown.items())[:3])
+        raise ValueError(
+            f"the units of this model communicate over different ranks ({listed}) and none "
+            "covers all of them; megatron_fsdp_v2's checkpoint functions need every unit of a "
+            "model on the same mesh, or expert units on a part of the ranks of the others"
+        )
+    narrow = {id(g): (ranks[id(g)], name) for name, g in units if ranks[id(g)] < wider}
+    error = narrow_unit_error(model, narrow, wider)
+    if error is not None:
+        raise ValueError(error)
     return chosen
 
 
@@ -211,15 +225,21 @@ def raise_if_any_rank(error: str | None, process_group: dist.ProcessGroup | None
 
 
 def check_same_path(path: str | os.PathLike | None, process_group: dist.ProcessGroup | None,
-                    what: str) -> None:
+                    what: str, experts: ExpertNames | None = None) -> set[tuple[str, str]]:
     """Raise ``ValueError`` on every rank of ``process_group`` unless every rank names the same
     checkpoint location (one ``all_gather_object``). A distributed checkpoint is one directory
     that every rank writes its shard files into, beside the one ``.metadata`` the coordinator
     writes; a rank-dependent path (``f"ckpt_rank{rank}"``) would let the coordinator commit a
-    checkpoint whose other shards are elsewhere, which no load can read."""
+    checkpoint whose other shards are elsewhere, which no load can read.
+
+    The same gather carries each rank's registered experts (``experts``), whose global names
+    must fit together (``_experts.check_claims``); returns every rank's ``(container, global
+    name)`` pairs (empty without registered experts)."""
     key = None if path is None else (
         str(path) if "://" in str(path) else os.path.abspath(os.fspath(path)))
-    paths = all_gather(key, process_group)
+    claims = experts.claims() if experts else []
+    found = all_gather((key, global_rank(), claims), process_group)
+    paths = [p for p, _, _ in found]
     if any(p != paths[0] for p in paths):
         shown = ", ".join(f"rank {r}: {p!r}" for r, p in enumerate(paths[:4]))
         more = f", ... ({len(paths)} ranks)" if len(paths) > 4 else ""
@@ -229,6 +249,10 @@ def check_same_path(path: str | os.PathLike | None, process_group: dist.ProcessG
             ".metadata: pass the same path on every rank (leave the rank out of it); each "
             "rank's part is kept apart inside it. Nothing was read or written"
         )
+    error = check_claims([(rank, c) for _, rank, c in found])
+    if error is not None:
+        raise ValueError(f"{what}: {error}. Nothing was read or written")
+    return {(container, name) for _, _, c in found for container, name, _ in c}
 
 
 def raise_first(failures: Iterable[Failure | None], cause: BaseException | None = None) -> None:

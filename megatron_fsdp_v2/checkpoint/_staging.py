@@ -81,10 +81,12 @@ def _apply(target: Any, staged: Any) -> Any:
         for k in target:
             target[k] = _apply(target[k], staged[k])
         return target
-    if isinstance(target, list):
+    if isinstance(target, list) and len(target) == len(staged):
         for i, v in enumerate(target):
             target[i] = _apply(v, staged[i])
         return target
+    # A non-tensor DCP replaced as a whole: e.g. a param group's ``params`` names, whose number
+    # differs with the number of experts a rank holds.
     return staged
 
 

@@ -125,9 +125,11 @@ def _optimizer_pre_step(
         raise RuntimeError(
             f"{type(optimizer).__name__} holds parameters that fully_shard replaced "
             f"({len(info.stale_params)}, first: {info.stale_params[0]}): the optimizer was "
-            "built before wrapping, so it would update stale copies and never see gradients. "
-            "Build the optimizer after fully_shard (after wrapping the root), from "
-            "model.parameters()"
+            "built before wrapping, or between a reshard_after_forward=False forward and its "
+            "backward (the modules hold the unsharded parameters then, as FSDP2's do), so it "
+            "would update stale copies and never see gradients. Build the optimizer after "
+            "fully_shard (after wrapping the root), from model.parameters(), outside forward "
+            "and backward"
         )
     if info.refusal is not None:
         raise NotImplementedError(info.refusal)

@@ -287,7 +287,11 @@ class FSDPState(UnitState):
         )
 
     def _post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        self.register_dist_params()
+        # reshard_after_forward=False with a backward to come: the gathered parameters stay
+        # registered until the post-backward, as FSDP2 leaves its unsharded ones
+        # (module.weight is the full tensor between forward and backward).
+        if in_backward() or not (torch.is_grad_enabled() and self._keeps_weights_for_backward()):
+            self.register_dist_params()
         output = self._cast_output(output)
         if in_backward():
             return output

@@ -50,12 +50,22 @@ def _reshard_after_forward_worker(rank: int, world: int, how: str, micro: int) -
     _loss(ref, _batches(1, 1)[0][0]).backward()
     ref.zero_grad()
     result = _train(model, ref, steps=3, micro=micro, count_step=1)
-    # A forward no backward follows keeps the weights too; an edit of the main weights before
-    # the next forward must not be missed.
+    # A forward no backward follows keeps the weights too (and, as FSDP2's, leaves the
+    # unsharded parameters registered); an edit of the main weights (the DTensor parameters,
+    # as an optimizer holds them) before the next forward must not be missed.
+    dist_params = list(model.parameters())
     _loss(model, _batches(1, 1)[0][0])
     with torch.no_grad():
-        for p in (*model.parameters(), *ref.parameters()):
+        for p in (*dist_params, *ref.parameters()):
             p.mul_(0.5)
+    # That forward's backward registers the DTensor parameters again, for the optimizer below.
+    edited, ref_edited = (_loss(m, _batches(1, 1)[0][0]) for m in (model, ref))
+    if abs(edited.item() - ref_edited.item()) > 1e-5 * abs(ref_edited.item()):
+        result["errors"].append(f"edit missed: loss {edited.item()} vs {ref_edited.item()}")
+    edited.backward()
+    ref_edited.backward()
+    model.zero_grad()  # type: ignore[operator]
+    ref.zero_grad()
     after_edit = _train(model, ref, steps=1, micro=1)
     result["errors"] += [f"after edit: {e}" for e in after_edit["errors"]]
     result["losses"] += after_edit["losses"]

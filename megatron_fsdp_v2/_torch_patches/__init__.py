@@ -16,9 +16,9 @@ running and tested versions and the fix (pin torch, or opt in with
 Dependency direction: this package holds only the mechanics (finding the slots, saving the
 originals, rebinding, restoring; ``_patch.py``, ``_slots.py``, ``_op_handlers.py``). What a
 replacement does lives with the layer it belongs to (``_dtensor/`` for DTensor and state-dict
-paths, ``_runtime/`` for ``autograd.grad``, ``_frontend/_fsdp2_compat.py`` for
-the clipping route) as plain functions that take torch's original as their first argument. The
-patch modules import that logic (at install time) and pass the originals in; the logic never
+paths, ``_frontend/_fsdp2_compat.py`` for the clipping route) as plain functions that take
+torch's original as their first argument. The patch modules import that logic (at install
+time) and pass the originals in; the logic never
 imports this package and holds no torch original of its own. So: ``_frontend._fully_shard`` ->
 ``_torch_patches`` -> replacement logic -> torch, and ``_registry.reset`` imports this package
 lazily to undo it (the registry sits below everything).
@@ -30,7 +30,6 @@ No other module of the package may assign to a torch module, class or op table
 from __future__ import annotations
 
 from . import (
-    _autograd_grad,
     _clip_grad,
     _copy_handler,
     _foreach_norm,
@@ -56,7 +55,6 @@ PATCHES: tuple[Patch, ...] = (
     _optim_state_dict.PATCH,  # checkpoint.state_dict._get_optim_state_dict
     _full_state_dict.PATCH,  # _state_dict_utils._distribute_state_dict / _distribute_tensors
     _clip_grad.PATCH,  # torch.nn.utils.clip_grad_norm_ (x2) / get_total_norm
-    _autograd_grad.PATCH,  # torch.autograd.grad
 )
 
 

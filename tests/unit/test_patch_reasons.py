@@ -214,7 +214,7 @@ def test_full_state_dict_load_cuts_at_chunk_rows_before_any_hook(fake_mesh: Devi
         "full_state_dict", "hands the load hooks something other than torch.chunk rows")
 
 
-# --- _clip_grad and _autograd_grad: plain functions with no dispatch point ------------------
+# --- _clip_grad: plain functions with no dispatch point -------------------------------------
 
 class _Recorder(torch.Tensor):
     """A tensor subclass whose ``__torch_function__`` notes every function it is offered."""
@@ -240,14 +240,3 @@ def test_clip_grad_norm_offers_no_dispatch_point() -> None:
     offered = set(_Recorder.offered)
     assert offered and not offered & {"clip_grad_norm_", "get_total_norm"}, _may_go(
         "clip_grad_norm", "dispatches clip_grad_norm_/get_total_norm to tensor subclasses")
-
-
-def test_autograd_grad_is_not_offered_to_dtensor(fake_mesh: DeviceMesh) -> None:
-    """``torch.autograd.grad`` hands its call to ``__torch_function__`` only when an input
-    has one; DTensor disables it, so no override of a parameter type sees the call (only a
-    process-wide TorchFunctionMode would, on every torch call)."""
-    from torch.overrides import has_torch_function
-
-    p = nn.Parameter(_our_rows(fake_mesh, torch.ones(2, 4)))
-    assert not has_torch_function((p,)), _may_go(
-        "autograd_grad", "offers torch.autograd.grad to DTensor's __torch_function__")

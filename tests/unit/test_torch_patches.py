@@ -54,14 +54,14 @@ def _torch_objects() -> dict[str, Any]:
     found["clip_grad.clip_grad_norm_"] = clip_grad.clip_grad_norm_
     found["nn.utils.clip_grad_norm_"] = nn_utils.clip_grad_norm_
     found["nn.utils.get_total_norm"] = nn_utils.get_total_norm
-    found["torch.autograd.grad"] = torch.autograd.grad
     return found
 
 
 def _torch_objects_left_alone() -> dict[str, Any]:
     """torch objects earlier versions of the library patched and that it must now leave as
     torch's (issue 35: the conveniences go through public hooks or go)."""
-    return {"Optimizer.zero_grad": vars(torch.optim.Optimizer)["zero_grad"]}
+    return {"Optimizer.zero_grad": vars(torch.optim.Optimizer)["zero_grad"],
+            "torch.autograd.grad": torch.autograd.grad}
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
@@ -119,9 +119,11 @@ def _left_alone_worker(rank: int, world_size: int) -> list[str]:
     return [f"replaced: {k}" for k in _same(original, _torch_objects_left_alone())]
 
 
-def test_fully_shard_leaves_zero_grad_to_torch() -> None:
+def test_fully_shard_leaves_zero_grad_and_autograd_grad_to_torch() -> None:
     """No patch of ``Optimizer.zero_grad``: a wrapped optimizer's ``zero_grad`` is torch's own
-    (what it did is taken in without a host read: ``tests/distributed/test_host_syncs.py``)."""
+    (what it did is taken in without a host read: ``tests/distributed/test_host_syncs.py``).
+    No patch of ``torch.autograd.grad``: with respect to our parameters it behaves as under
+    FSDP2 (``tests/distributed/test_misuse_errors.py``)."""
     assert run_distributed(_left_alone_worker, 1, timeout_s=120) == [[]]
 
 

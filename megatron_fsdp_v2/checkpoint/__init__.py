@@ -436,12 +436,25 @@ def get_full_state_dict(
     the same rows; with outer ``optim`` an all-gather over the outer group comes first, which
     completes each inner shard from its sub-shards) and "the first rank" is the whole mesh's
     lowest rank.
+
+    Experts declared with :func:`register_experts` appear under their global names, every EP
+    rank's: the lowest rank of each expert unit also keeps its gathered state dict and sends
+    its experts (on CPU) to the receiving rank (to every rank without ``rank0_only``) in one
+    object gather over the model's group. The result is the state dict of one process
+    holding every expert.
     """
     # Every rank of each gather's group must be here: name the one that is not, instead of
     # waiting in the transport (see [Note: arrival check]).
     await_every_rank("checkpoint.get_full_state_dict", _first_unit_group(model))
-    keep = not rank0_only or _group.rank_and_size(_group.model_group(model))[0] == 0
-    return _full.full_state_dict(model, keep=keep, cpu_offload=cpu_offload)
+    group = _group.model_group(model)
+    keep = not rank0_only or _group.rank_and_size(group)[0] == 0
+    experts = ExpertNames(model)
+    if not experts:
+        return _full.full_state_dict(model, keep=keep, cpu_offload=cpu_offload)
+    leader = experts.leads()
+    full = _full.full_state_dict(model, keep=keep or leader, cpu_offload=cpu_offload)
+    return _full.with_all_experts(full, experts, keep=keep, leader=leader,
+                                  process_group=group, to_all=not rank0_only)
 
 
 def _first_unit_group(model: nn.Module) -> dist.ProcessGroup | None:
@@ -477,9 +490,16 @@ def load_full_state_dict(
     Keys (``strict``) and shapes are checked first; a mismatch raises a ``ValueError`` naming
     the first mismatching key on every rank before anything is written. The next forward uses
     the loaded weights. Returns ``(missing_keys, unexpected_keys)``.
+
+    Experts declared with :func:`register_experts` are read under their global names (the state
+    dict of one process holding every expert, as :func:`get_full_state_dict` gives it); each
+    rank keeps its own experts and skips the others'. With ``broadcast_from_rank0`` every rank
+    checks its own entries against the broadcast header (one more agreement) before any tensor
+    is broadcast.
     """
     expected = expected_entries(model)
     group = _group.model_group(model)
+    experts = ExpertNames(model)
     rank, size = _group.rank_and_size(group)
     distributed = size > 1
     is_source = not broadcast_from_rank0 or not distributed or rank == 0
@@ -492,12 +512,19 @@ def load_full_state_dict(
         else:
             found = {
                 k: (v.shape if isinstance(v, torch.Tensor) else None)
-                for k, v in full_state_dict.items()
+                for k, v in experts.model_to_local(full_state_dict).items()
             }
             error = first_mismatch(expected, found, strict=strict)
     _group.raise_if_any_rank(error, group)
     if broadcast_from_rank0 and distributed:
-        full_state_dict = _full.broadcast_rows(model, full_state_dict, group)
+        full_state_dict = _full.broadcast_rows(
+            model, full_state_dict, group, rename=experts.to_local if experts else None,
+            # rank 0 checked its own experts only: every rank checks its own from the header
+            check=(lambda found: first_mismatch(expected, found, strict=strict))
+            if experts else None)
+    else:
+        assert full_state_dict is not None
+        full_state_dict = experts.model_to_local(full_state_dict)
     assert full_state_dict is not None
     # load_state_dict's pre-hooks turn full tensors into each rank's rows; its post-hooks mark
     # the units for a compute-weight refresh.

@@ -77,6 +77,18 @@ class ExpertNames:
         container, _, rest = found
         return [self._join(container, local, rest) for local in container.local_names]
 
+    def container_of(self, key: str) -> str | None:
+        """The path of the registered container ``key`` lies under, else ``None``."""
+        found = self._split(key)
+        return None if found is None else found[0].path
+
+    def leads(self) -> bool:
+        """Whether this rank sends its experts into a full state dict: it is the lowest rank of
+        the unit holding some of its experts (one copy of every expert), or they are not
+        managed by any unit."""
+        me = global_rank()
+        return any(not ranks or min(ranks) == me for _, _, ranks in self.claims())
+
     # ------------------------------------------------------------------ whole state dicts
 
     def model_to_global(self, msd: dict[str, Any]) -> dict[str, Any]:

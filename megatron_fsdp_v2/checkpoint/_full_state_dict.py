@@ -6,7 +6,7 @@ each rank keeps only its own rows. Collectives run on the units' groups (see
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -21,9 +21,16 @@ from .._dtensor._chunk_metadata import is_row_sharded
 from .._dtensor._local_rows import dist_param_slots, local_rows_dtensor, param_slot
 from .._init._materialize import materialize
 from .._runtime._flat_param_group import FlatParamGroup
-from ._group import coordinator, rank_and_size
+from ._experts import ExpertNames
+from ._group import (
+    all_gather,
+    coordinator,
+    gather_to_coordinator,
+    raise_if_any_rank,
+    rank_and_size,
+)
 
-__all__ = ["broadcast_rows", "full_state_dict", "gather_full_params"]
+__all__ = ["broadcast_rows", "full_state_dict", "gather_full_params", "with_all_experts"]
 
 
 def _unique_groups(params: Iterator[nn.Parameter]) -> list[FlatParamGroup]:
@@ -95,13 +102,70 @@ def full_state_dict(model: nn.Module, *, keep: bool, cpu_offload: bool) -> dict[
     return out if keep else {}
 
 
+def with_all_experts(
+    full: dict[str, Any], experts: ExpertNames, *, keep: bool, leader: bool,
+    process_group: dist.ProcessGroup | None, to_all: bool,
+) -> dict[str, Any]:
+    """``full`` (this rank's full state dict, local names) with the registered experts of every
+    rank under their global names in place of this rank's (see [Note: expert names in
+    checkpoints] in ``_runtime/_expert_names.py``): each ``leader`` (one rank per expert unit)
+    sends its experts, on CPU, to the group's first rank (``to_all``: to every rank) by one
+    object gather; the experts of each container are placed where its first one was, in global
+    index order. ``{}`` unless ``keep``; every rank of ``process_group`` must call it."""
+    mine: dict[str, torch.Tensor] = {}
+    if leader:
+        for key, value in full.items():
+            if experts.container_of(key) is not None:
+                mine[experts.to_global(key)] = (
+                    value.detach().cpu() if isinstance(value, torch.Tensor) else value)
+    parts = all_gather(mine, process_group) if to_all else gather_to_coordinator(
+        mine, process_group)
+    if not keep or parts is None:
+        return {}
+    # Per container: global name -> its entries (any leader's copy; replicas hold the same).
+    by_container: dict[str, dict[str, dict[str, Any]]] = {}
+    for part in parts:
+        for key, value in part.items():
+            path = experts.container_of(key)
+            assert path is not None
+            rest = key[len(path) + 1:] if path else key
+            name, _, _ = rest.partition(".")
+            by_container.setdefault(path, {}).setdefault(name, {}).setdefault(key, value)
+    device = next((v.device for k, v in full.items()
+                   if experts.container_of(k) is not None and isinstance(v, torch.Tensor)), None)
+    out: dict[str, Any] = {}
+    placed: set[str] = set()
+    for key, value in full.items():
+        path = experts.container_of(key)
+        if path is None:
+            out[key] = value
+            continue
+        if path in placed:
+            continue
+        placed.add(path)
+        numbered = by_container.get(path, {})
+        for name in sorted(numbered, key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0,
+                                                     n)):
+            for expert_key, tensor in numbered[name].items():
+                moved = isinstance(tensor, torch.Tensor) and device is not None
+                out[expert_key] = tensor.to(device) if moved else tensor
+    return out
+
+
 def broadcast_rows(
     model: nn.Module, full_state_dict: dict[str, Any] | None,
     process_group: dist.ProcessGroup | None,
+    rename: Callable[[str], str | None] | None = None,
+    check: Callable[[dict[str, Any]], str | None] | None = None,
 ) -> dict[str, Any]:
     """The state dict of ``process_group``'s first rank on every rank of ``process_group``, managed
     parameters reduced to each rank's rows: a header (keys, shapes, dtypes, non-tensor values) as
-    one object, then one broadcast per tensor."""
+    one object, then one broadcast per tensor.
+
+    ``rename`` maps a broadcast key to this rank's (``None``: not this rank's, e.g. another EP
+    rank's expert: received, not kept); ``check`` gets this rank's ``{key: shape or None}``
+    from the header and returns an error, agreed on every rank (a ``ValueError``) before any
+    tensor is broadcast."""
     src = coordinator(process_group)
     is_source = rank_and_size(process_group)[0] == 0
     if is_source:
@@ -114,22 +178,33 @@ def broadcast_rows(
     else:
         header = [None]
     dist.broadcast_object_list(header, src=src, group=process_group)
+    if check is not None:
+        shapes: dict[str, Any] = {}
+        for k, meta, _ in header[0]:
+            local = rename(k) if rename is not None else k
+            if local is not None:
+                shapes[local] = None if meta is None else torch.Size(meta[0])
+        raise_if_any_rank(check(shapes), process_group)
     slots = dist_param_slots(model)
     targets = model.state_dict(keep_vars=True)
     # The device the group's collectives move natively (CUDA under NCCL, however it was named).
     device = collective_device(process_group)
     out: dict[str, Any] = {}
-    for key, meta, obj in header[0]:
+    for broadcast_key, meta, obj in header[0]:
+        key = rename(broadcast_key) if rename is not None else broadcast_key
         if meta is None:
-            out[key] = obj
+            if key is not None:
+                out[key] = obj
             continue
         shape, dtype = meta
         if is_source:
             assert full_state_dict is not None
-            tensor = full_state_dict[key].detach().to(device=device).contiguous()
+            tensor = full_state_dict[broadcast_key].detach().to(device=device).contiguous()
         else:
             tensor = torch.empty(shape, dtype=dtype, device=device)
         dist.broadcast(tensor, src=src, group=process_group)
+        if key is None:
+            continue
         param = slots.get(key)
         if param is not None:
             # Keep a copy of this rank's rows only, not the whole broadcast tensor.

@@ -41,6 +41,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from _fsdp2_api import _param_errors
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
@@ -257,6 +259,54 @@ def test_ep_checkpoint_loads_at_world_2(
     expert parallelism and without registration."""
     path, saved = saved_ep2
     ranks.run(_load_worker, 2, path, saved, LAYOUTS_2, True, timeout_s=TIMEOUT_S)
+
+
+# ---------------------------------------------------------------------- full state dicts
+
+def _full_state_dict_worker(rank: int, world: int) -> dict[str, Any]:
+    model, opt, args, ep_mesh = _ep_model(2, "optim_grads_params", seed=0)
+    _train(model, opt, args, range(1), ep_mesh)
+    saved = {k: v for k, v in full_form(model, opt, ep_mesh.get_local_rank("ep"), 2,
+                                        args.experts).items() if ":" not in k}
+    problems: dict[str, list[str]] = {}
+    names = list(MoEGPT(config_from(args)).state_dict())  # one process holding every expert
+    for rank0_only in (True, False):
+        full = mckpt.get_full_state_dict(model, rank0_only=rank0_only)
+        if rank0_only and rank != 0:
+            problems[f"rank0_only={rank0_only}"] = [] if full == {} else ["not empty"]
+            continue
+        found = [f"keys {list(full)[:3]}... != one process's"] if list(full) != names else []
+        found += [k for k in saved if k in full and not torch.equal(full[k], saved[k])]
+        problems[f"rank0_only={rank0_only}"] = found
+    sd = mckpt.get_full_state_dict(model, rank0_only=False)
+    for ep, strategy, broadcast in ((4, "optim", False), (1, "optim_grads", True)):
+        fresh, fresh_opt, _, fresh_mesh = _ep_model(ep, strategy, seed=1)
+        mckpt.load_full_state_dict(fresh, sd if rank == 0 or not broadcast else None,
+                                   broadcast_from_rank0=broadcast)
+        loaded = full_form(fresh, fresh_opt, fresh_mesh.get_local_rank("ep"), ep, args.experts)
+        problems[f"load ep={ep} broadcast={broadcast}"] = _differences(loaded, saved)
+    # The FSDP2 control: torch's full state dict of the same EP model holds EP rank 0's
+    # experts only, under names that look like a whole model's.
+    fsdp2, _, _, _ = _ep_model(2, "", seed=0, register=False, fsdp2=True)
+    torch_full = get_model_state_dict(
+        fsdp2, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    experts = sorted({EXPERT.match(k).group(2) for k in torch_full  # type: ignore[union-attr]
+                      if EXPERT.match(k)})
+    return {"problems": problems, "fsdp2 experts": experts}
+
+
+def test_ep_full_state_dict_holds_every_expert(ranks: RankPools) -> None:
+    """``get_full_state_dict`` of the ep=2 x edp=2 model is one process's state dict (its keys
+    in its order, every expert under its global index, the saved values bitwise), on rank 0
+    or on every rank; ``load_full_state_dict`` of it at ep=4 (every rank passes it) and at
+    ep=1 (broadcast from rank 0) gives the same numbers. Control: torch's full state dict of
+    FSDP2's EP model holds experts 0 and 1 only. Before: a ``ValueError`` (units on different
+    ranks)."""
+    results = ranks.run(_full_state_dict_worker, 4, timeout_s=TIMEOUT_S)
+    for rank, out in enumerate(results):
+        for case, problems in out["problems"].items():
+            assert not problems, (rank, case, problems[:4])
+    assert results[0]["fsdp2 experts"] == ["0", "1"], results[0]["fsdp2 experts"]
 
 
 # ---------------------------------------------------------------------- point 2: torch's API

@@ -32,11 +32,14 @@ the owner reports that some rank had a gradient. Momentum buffers are created as
 them (``zeros_like(p.grad)``: DTensors placed as the parameter), so they go through state dicts
 and checkpoints like any optimizer state.
 
+Tensor-parallel matrices (FSDP x TP) are orthogonalized whole too: their exchange runs over the
+whole dp x TP mesh, each rank's piece a block of the global matrix (its dp rows of its TP
+shard), in the same one all-to-all each way.
+
 Refused before anything changes: a Muon that mixes managed matrices with others (``ValueError``),
-a parameter that is not 2-D (``ValueError``), a tensor-parallel parameter
-(``NotImplementedError``), and, checked across ranks when the parameter set is first seen, Muon
-groups that differ between ranks (``ValueError``). Under ``torch.compile`` tracing the step
-stays torch's (through DTensor).
+a parameter that is not 2-D (``ValueError``), and, checked across ranks when the parameter set
+is first seen, Muon groups that differ between ranks (``ValueError``). Under ``torch.compile``
+tracing the step stays torch's (through DTensor).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ from torch.optim import _muon as torch_muon
 from torch.optim.optimizer import _to_scalar
 
 from .. import _registry
+from .._comm._backends import group_timeout
+from .._comm._comm_groups import whole_mesh_group
 from ._whole_matrices import WholeMatrices, newton_schulz_flops
 
 __all__ = ["MuonPlan", "is_distributed_muon", "muon_closure", "restore_hidden_grads"]
@@ -106,15 +111,14 @@ def plan_of(optimizer: torch.optim.Optimizer) -> MuonPlan:
                 f"{tuple(p.shape)}; Muon takes 2-D parameters only (give the others to AdamW). "
                 "Nothing was changed"
             )
+    _check_agreement(params, group_of)  # before the plan: its TP blocks are gathered
     whole = WholeMatrices(params, cost=newton_schulz_flops)
-    _check_agreement(params, group_of, whole)
     plan = MuonPlan(signature, params, group_of, whole)
     _registry.muon_plans[optimizer] = plan
     return plan
 
 
-def _check_agreement(params: list[torch.Tensor], group_of: list[dict[str, Any]],
-                     whole: WholeMatrices) -> None:
+def _check_agreement(params: list[torch.Tensor], group_of: list[dict[str, Any]]) -> None:
     """Every rank that exchanges with this one holds the same Muon: same matrices in the same
     order, the same static settings (one all-gather per process group, once per parameter
     set)."""
@@ -145,7 +149,11 @@ def _process_groups(params: list[torch.Tensor]) -> list[dist.ProcessGroup]:
     for p in params:
         record = _registry.record_of(p)
         assert record is not None
-        for process_group in (record.group.process_group, *record.group.axis_groups.values()):
+        groups = [record.group.process_group, *record.group.axis_groups.values()]
+        if record.tp is not None:  # the exchange runs over the whole dp x TP mesh
+            groups.append(whole_mesh_group(record.tp.dist_mesh,
+                                           group_timeout(record.group.process_group)))
+        for process_group in groups:
             if dist.get_world_size(process_group) > 1:
                 seen.setdefault(id(process_group), process_group)
     return list(seen.values())

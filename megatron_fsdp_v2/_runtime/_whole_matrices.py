@@ -1,30 +1,34 @@
-"""Whole matrices for optimizers that need them: each 2-D parameter gets one owner rank, its rows
-go to the owner and the owner's result comes back, with one all-to-all each way per process
+"""Whole matrices for optimizers that need them: each 2-D parameter gets one owner rank, its
+pieces go to the owner and the owner's result comes back, with one all-to-all each way per process
 group (see [Note: whole-matrix exchange]).
 
 [Note: whole-matrix exchange]
 A matrix optimizer (Muon's Newton-Schulz orthogonalization, a Shampoo-style preconditioner)
 must see each 2-D parameter whole, while under every sharded strategy a rank holds only some
-rows of it (``Shard(0)``: uneven, whole rows, see [Note: row-aligned flat buffers]).
-:class:`WholeMatrices` plans, once per set of parameters:
+rows of it (``Shard(0)``: uneven, whole rows, see [Note: row-aligned flat buffers]), and under
+FSDP x TP only its dp rows of its TP shard. :class:`WholeMatrices` plans, once per set of
+parameters:
 
-* **where the rows are**: for each matrix, the dim-0 rows every rank of the group's process
-  group holds, read from the group's layout (the same on every rank, so every rank computes
-  the same plan with no collective). The exchange runs over the process group the rows are
-  split over: the shard axis (HSDP's replicas each exchange inside their own replica), or the
-  whole mesh under outer ``optim`` (sub-shards). Replicated parameters (``no_shard``) are
-  whole on every rank: each rank computes its own result, with no exchange, as one process.
-* **who owns each matrix**: a matrix all of whose rows sit on one rank is owned by that rank
-  and needs no exchange. The others, largest cost first (Newton-Schulz FLOPs by default), go
-  to the least-loaded rank (ties: the rank holding more of its rows, then the lower rank).
-  Deterministic: every rank derives the same owners from the same shapes and layouts.
-* **the exchange**: :meth:`WholeMatrices.to_owners` sends every rank's rows of each matrix it
-  does not own to the owner, all matrices of one process group in one ``all_to_all_single``
+* **where the pieces are**: for each matrix, the block (rows and columns of the global
+  matrix) every rank of its exchange group holds. A parameter that is not tensor-parallel is
+  exchanged over the process group its rows are split over (the shard axis: HSDP's replicas
+  each exchange inside their own replica; the whole mesh under outer ``optim``, whose sub-shards
+  span it), its blocks whole rows read from the group's layout, the same on every rank, so no
+  collective plans them; replicated (``no_shard``) it is whole on every rank. A tensor-parallel
+  parameter is exchanged over its whole dp x TP mesh, its block its dp rows of its TP shard at
+  the offset torch's ``Shard`` gives that shard; other TP ranks lay out other TP-local shapes,
+  so these blocks are gathered once (one small all-gather per mesh, at planning).
+* **who computes each matrix**: a matrix no rank holds in part is computed where it is held
+  whole (one rank, or every replica) and needs no exchange. Each of the others, largest cost
+  first (Newton-Schulz FLOPs by default), goes to the least-loaded rank (ties: the rank holding
+  more of it, then the lower rank). Deterministic: every rank derives the same owners.
+* **the exchange**: :meth:`WholeMatrices.to_owners` sends every rank's block of each matrix
+  it does not own to the owner, all matrices of one process group in one ``all_to_all_single``
   with uneven splits; :meth:`WholeMatrices.from_owners` sends the owners' results back the
   same way. Each piece carries one extra element, a flag saying whether the sender has a value
   for that matrix (a gradient: ``None`` on a rank that did not use a parameter), so an owner
   knows whether any rank had one and every rank learns the answer with the result. A process
-  group where every matrix is whole on its owner issues nothing.
+  group where no matrix is held in part issues nothing.
 
 The pieces travel in the dtype the caller names (Muon: bfloat16, the dtype its Newton-Schulz
 casts to first, so the owner's input is bit-identical to what one process computes from the
@@ -38,16 +42,18 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .. import _registry
 from .._buffers._plan import Extent
+from .._comm._backends import group_timeout
 from .._comm._collectives import all_to_all_uneven
+from .._comm._comm_groups import whole_mesh_group
 from ._param_record import ParamRecord
 
 __all__ = ["WholeMatrices", "newton_schulz_flops"]
 
-Rows = tuple[int, int]
+Block = tuple[int, int, int, int]
 
 
 def newton_schulz_flops(shape: torch.Size, steps: int = 5) -> float:
@@ -61,21 +67,30 @@ def newton_schulz_flops(shape: torch.Size, steps: int = 5) -> float:
 class _Matrix:
     index: int  # in the caller's sequence
     shape: torch.Size
-    rows: list[Rows]  # per rank of the exchange group: [start, end) dim-0 rows it holds
+    # Per rank of the exchange group: the block of the matrix it holds, (row start, row end,
+    # column start, column end); its local tensor is that block, row-major.
+    blocks: list[Block]
     owner: int = 0
-    exchanged: bool = False  # some of its rows sit off the owner
+    exchanged: bool = False  # some of its pieces sit off the owner
 
     def numel_on(self, rank: int) -> int:
-        start, end = self.rows[rank]
-        return (end - start) * self.shape[1]
+        r0, r1, c0, c1 = self.blocks[rank]
+        return (r1 - r0) * (c1 - c0)
+
+    def whole_on(self, rank: int) -> bool:
+        return self.blocks[rank] == (0, self.shape[0], 0, self.shape[1])
+
+    def block_of(self, matrix: torch.Tensor, rank: int) -> torch.Tensor:
+        """``rank``'s block of a whole ``matrix`` (a view)."""
+        r0, r1, c0, c1 = self.blocks[rank]
+        return matrix[r0:r1, c0:c1]
 
 
 @dataclass
 class _Exchange:
-    """The matrices whose rows are split over one process group, and the splits of its two
-    all-to-alls."""
+    """The matrices exchanged over one process group, and the splits of its two all-to-alls."""
 
-    process_group: dist.ProcessGroup | None  # None: replicated (whole on every rank)
+    process_group: dist.ProcessGroup
     rank: int
     world: int
     matrices: list[_Matrix] = field(default_factory=list)
@@ -94,8 +109,8 @@ class _Exchange:
         return any(m.exchanged for m in self.matrices)
 
 
-def _row_span(record: ParamRecord, slot: int) -> Rows:
-    """The dim-0 rows of ``record``'s parameter in layout slot ``slot``."""
+def _row_span(record: ParamRecord, slot: int) -> tuple[int, int]:
+    """The dim-0 rows of ``record``'s (TP-local) parameter in layout slot ``slot``."""
     layout, item = record.group.layout, record.item
     lo, hi = layout.local_item_range(record.index, *layout.shard_range(slot))
     start = min(max(lo - item.offset, 0), item.numel) // item.row_numel
@@ -120,13 +135,61 @@ def _slots_of_group_ranks(record: ParamRecord, process_group: dist.ProcessGroup)
     return slots
 
 
-def _exchange_group(record: ParamRecord) -> dist.ProcessGroup | None:
-    placement = record.group.plan.optimizer_placement
-    if placement is Extent.FULL:
-        return None
-    if placement is Extent.SUB_SHARD:
-        return record.group.axis_groups["mesh"]
-    return record.group.process_group
+def _layout_blocks(record: ParamRecord) -> tuple[dist.ProcessGroup, list[Block]]:
+    """The exchange group of a parameter that is not tensor-parallel, and every rank's block,
+    from the layout (the same on every rank: no collective)."""
+    shape, group = record.item.shape, record.group
+    placement = group.plan.optimizer_placement
+    if placement is Extent.FULL:  # replicated: whole everywhere
+        process_group = group.process_group
+        return process_group, [(0, shape[0], 0, shape[1])] * dist.get_world_size(process_group)
+    process_group = group.axis_groups["mesh"] if placement is Extent.SUB_SHARD \
+        else group.process_group
+    blocks = [(*_row_span(record, slot), 0, shape[1])
+              for slot in _slots_of_group_ranks(record, process_group)]
+    return process_group, blocks
+
+
+def _tp_block(record: ParamRecord) -> Block:
+    """This rank's block of a tensor-parallel parameter: its dp rows of the TP-local tensor,
+    placed where torch's ``Shard`` puts that tensor in the global one."""
+    face = record.tp
+    assert face is not None
+    start = [0, 0]
+    local_shape = list(face.shape)
+    if face.tp_mesh is not None:
+        for mesh_dim, placement in enumerate(face.tp_placements):
+            if isinstance(placement, Shard):
+                d, k = placement.dim, face.tp_mesh.size(mesh_dim)
+                chunk = -(-local_shape[d] // k)  # torch.chunk's
+                offset = min(face.tp_mesh.get_local_rank(mesh_dim) * chunk, local_shape[d])
+                start[d] += offset
+                local_shape[d] = max(0, min(local_shape[d] - offset, chunk))
+    r0, r1 = record.local_rows
+    return (start[0] + r0, start[0] + r1, start[1], start[1] + local_shape[1])
+
+
+def _tp_blocks(records: list[tuple[int, ParamRecord]]
+               ) -> dict[int, tuple[dist.ProcessGroup, list[Block]]]:
+    """Tensor-parallel parameters: the group over their whole dp x TP mesh and every rank's
+    block, gathered (one all-gather of small lists per mesh: blocks of other TP ranks depend
+    on their TP-local shapes, which this rank does not lay out)."""
+    by_mesh: dict[int, list[tuple[int, ParamRecord]]] = {}
+    for i, record in records:
+        assert record.tp is not None
+        by_mesh.setdefault(id(record.tp.dist_mesh), []).append((i, record))
+    found: dict[int, tuple[dist.ProcessGroup, list[Block]]] = {}
+    for members in by_mesh.values():
+        first = members[0][1]
+        assert first.tp is not None
+        process_group = whole_mesh_group(first.tp.dist_mesh,
+                                         group_timeout(first.group.process_group))
+        mine = [_tp_block(record) for _, record in members]
+        everyone: list[list[Block] | None] = [None] * dist.get_world_size(process_group)
+        dist.all_gather_object(everyone, mine, group=process_group)
+        for k, (i, _) in enumerate(members):
+            found[i] = (process_group, [tuple(blocks[k]) for blocks in everyone])  # type: ignore[index]
+    return found
 
 
 class WholeMatrices:
@@ -165,51 +228,39 @@ class WholeMatrices:
                     f"parameter {i} ('{record.fqn}' of {record.group.owner}) has shape "
                     f"{tuple(p.shape)}: whole-matrix exchanges take 2-D parameters only"
                 )
-            if record.tp is not None:
-                raise NotImplementedError(
-                    f"parameter {i} ('{record.fqn}') is tensor-parallel: whole-matrix "
-                    "exchanges of FSDP x TP parameters are not supported yet"
-                )
             records.append(record)
         self.params = list(params)
+        tp = _tp_blocks([(i, r) for i, r in enumerate(records) if r.tp is not None])
         self._exchanges: list[_Exchange] = []
         by_group: dict[int, _Exchange] = {}
         for i, record in enumerate(records):
-            process_group = _exchange_group(record)
-            key = id(process_group)
-            if key not in by_group:
-                if process_group is None:
-                    exchange = _Exchange(None, 0, 1)
-                else:
-                    exchange = _Exchange(process_group, dist.get_rank(process_group),
-                                         dist.get_world_size(process_group))
-                by_group[key] = exchange
-                self._exchanges.append(exchange)
-            exchange = by_group[key]
-            shape = record.item.shape
-            if process_group is None:
-                rows = [(0, shape[0])]
-            else:
-                slots = _slots_of_group_ranks(record, process_group)
-                rows = [_row_span(record, slot) for slot in slots]
-                if rows[exchange.rank] != record.local_rows:
-                    raise AssertionError(  # the layout math and the record disagree
-                        f"'{record.fqn}': rows {rows[exchange.rank]} from the layout, "
-                        f"{record.local_rows} held"
-                    )
-            exchange.matrices.append(_Matrix(i, shape, rows))
+            process_group, blocks = tp[i] if i in tp else _layout_blocks(record)
+            if id(process_group) not in by_group:
+                by_group[id(process_group)] = _Exchange(
+                    process_group, dist.get_rank(process_group),
+                    dist.get_world_size(process_group))
+                self._exchanges.append(by_group[id(process_group)])
+            exchange = by_group[id(process_group)]
+            shape = self.params[i].shape
+            held = blocks[exchange.rank]
+            if (held[1] - held[0], held[3] - held[2]) != tuple(_local(self.params[i]).shape):
+                raise AssertionError(  # the layout math and the local tensor disagree
+                    f"'{record.fqn}': block {held} from the layout, local shape "
+                    f"{tuple(_local(self.params[i]).shape)}"
+                )
+            exchange.matrices.append(_Matrix(i, shape, blocks))
         for exchange in self._exchanges:
             _assign_owners(exchange, cost)
             _splits(exchange)
         self.owned: tuple[int, ...] = tuple(
-            m.index for e in self._exchanges for m in e.matrices if m.owner == e.rank
+            m.index for e in self._exchanges for m in e.matrices if _computes(m, e.rank)
         )
         self.collectives_issued = 0  # all-to-alls run by to_owners and from_owners
         self.bytes_sent = 0  # by this rank, both directions
 
     @property
     def exchanged(self) -> tuple[int, ...]:
-        """Indices of the matrices whose rows cross ranks (the others need no collective)."""
+        """Indices of the matrices held in part by some rank (the others need no collective)."""
         return tuple(m.index for e in self._exchanges for m in e.matrices if m.exchanged)
 
     def step_collectives(self, dtype: torch.dtype) -> tuple[int, int]:
@@ -219,23 +270,24 @@ class WholeMatrices:
         sent = sum(sum(e.send_splits) + sum(e.recv_splits) for e in issuing)
         return 2 * len(issuing), sent * dtype.itemsize
 
-    def owner_of(self, index: int) -> tuple[dist.ProcessGroup | None, int]:
-        """The process group and its rank that owns matrix ``index`` (None: replicated,
-        every rank is its owner)."""
+    def owner_of(self, index: int) -> tuple[dist.ProcessGroup, int | None]:
+        """The process group matrix ``index`` is exchanged over and the rank of it that
+        computes its result (``None``: every rank holding it whole computes it there)."""
         for e in self._exchanges:
             for m in e.matrices:
                 if m.index == index:
-                    return e.process_group, m.owner
+                    return e.process_group, m.owner if m.exchanged else None
         raise IndexError(index)
 
     def to_owners(
-        self, local_rows: Sequence[torch.Tensor], *, present: Sequence[bool] | None = None,
+        self, local_pieces: Sequence[torch.Tensor], *, present: Sequence[bool] | None = None,
         dtype: torch.dtype | None = None,
     ) -> dict[int, torch.Tensor | None]:
-        """Each owned matrix, whole, from every rank's ``local_rows[i]`` (this rank's rows of
-        matrix ``i``, plain or the DTensor's local tensor, shaped ``(rows, columns)``).
+        """Each owned matrix, whole, from every rank's ``local_pieces[i]`` (this rank's piece of
+        matrix ``i``, plain or the DTensor's local tensor: what the parameter's local tensor
+        holds, shaped as it).
 
-        ``present[i]`` False: this rank has no value for matrix ``i`` (its rows are sent all
+        ``present[i]`` False: this rank has no value for matrix ``i`` (its piece is sent all
         the same, the caller's stand-in). The result for an owned matrix that no rank had a
         value for is ``None``. ``dtype``: what travels and what the owner gets (default: each
         piece's own; a matrix whole here is returned as given when the dtypes match).
@@ -244,32 +296,30 @@ class WholeMatrices:
         wholes: dict[int, torch.Tensor | None] = {}
         for e in self._exchanges:
             for m in e.matrices:
-                if m.owner == e.rank and not m.exchanged:
-                    piece = _local(local_rows[m.index])
+                if not m.exchanged and m.whole_on(e.rank):
+                    piece = _local(local_pieces[m.index])
                     whole = piece if dtype is None else piece.to(dtype)
                     wholes[m.index] = whole if present[m.index] else None
             if not e.issues:
                 continue
-            first = _local(local_rows[e.matrices[0].index])
+            first = _local(local_pieces[e.matrices[0].index])
             wire, device = dtype or first.dtype, first.device
             e.wire_dtype = wire
             send = torch.empty(sum(e.send_splits), dtype=wire, device=device)
             for m, offset in e.out_pieces:
                 n = m.numel_on(e.rank)
-                send[offset + 1 : offset + 1 + n].copy_(_local(local_rows[m.index]).reshape(-1))
+                send[offset + 1 : offset + 1 + n].copy_(_local(local_pieces[m.index]).reshape(-1))
             _write_flags(send, [offset for _, offset in e.out_pieces],
                          [present[m.index] for m, _ in e.out_pieces])
             received = self._all_to_all(e, send, e.recv_splits, e.send_splits)
             owned = [m for m in e.matrices if m.owner == e.rank and m.exchanged]
             whole_of = {m.index: torch.empty(m.shape, dtype=wire, device=device) for m in owned}
             for m in owned:
-                start, end = m.rows[e.rank]
-                whole_of[m.index][start:end].copy_(_local(local_rows[m.index]))
+                m.block_of(whole_of[m.index], e.rank).copy_(_local(local_pieces[m.index]))
             for m, source, offset in e.in_pieces:
-                start, end = m.rows[source]
-                whole_of[m.index][start:end].copy_(
-                    received[offset + 1 : offset + 1 + m.numel_on(source)].view(
-                        end - start, m.shape[1]))
+                block = m.block_of(whole_of[m.index], source)
+                block.copy_(received[offset + 1 : offset + 1 + m.numel_on(source)].view(
+                    block.shape))
             anyone = {m.index: present[m.index] for m in owned}
             for (m, _, _), flag in zip(e.in_pieces, _read_flags(received, e.in_pieces)):
                 anyone[m.index] = anyone[m.index] or flag
@@ -280,17 +330,16 @@ class WholeMatrices:
     def from_owners(
         self, results: Mapping[int, torch.Tensor | None], *, dtype: torch.dtype | None = None,
     ) -> list[torch.Tensor | None]:
-        """This rank's rows of every matrix's result (``None`` where the owner had none, on
+        """This rank's piece of every matrix's result (``None`` where the owner had none, on
         every rank), from the owners' ``results`` (whole, keyed by index; every owned index).
         ``dtype``: what travels (default: what :meth:`to_owners` sent last, else the
         parameters' dtype; the same on every rank)."""
         out: list[torch.Tensor | None] = [None] * len(self.params)
         for e in self._exchanges:
             for m in e.matrices:
-                result = results[m.index] if m.owner == e.rank else None
+                result = results[m.index] if _computes(m, e.rank) else None
                 if result is not None:
-                    start, end = m.rows[e.rank]
-                    out[m.index] = result[start:end]
+                    out[m.index] = m.block_of(result, e.rank)
             if not e.issues:
                 continue
             # Every rank must put the same dtype on the wire, owners of nothing included.
@@ -301,18 +350,18 @@ class WholeMatrices:
             for m, dest, offset in e.in_pieces:
                 result = results[m.index]
                 if result is not None:
-                    start, end = m.rows[dest]
+                    block = m.block_of(result, dest)
                     send[offset + 1 : offset + 1 + m.numel_on(dest)].view(
-                        end - start, m.shape[1]).copy_(result[start:end])
+                        block.shape).copy_(block)
             _write_flags(send, [offset for _, _, offset in e.in_pieces],
                          [results[m.index] is not None for m, _, _ in e.in_pieces])
             received = self._all_to_all(e, send, e.send_splits, e.recv_splits)
             flags = _read_flags(received, e.out_pieces)
             for (m, offset), flag in zip(e.out_pieces, flags):
                 if flag:
-                    start, end = m.rows[e.rank]
+                    r0, r1, c0, c1 = m.blocks[e.rank]
                     out[m.index] = received[offset + 1 : offset + 1 + m.numel_on(e.rank)].view(
-                        end - start, m.shape[1])
+                        r1 - r0, c1 - c0)
         return out
 
     def _all_to_all(self, exchange: _Exchange, send: torch.Tensor, output_splits: list[int],
@@ -343,22 +392,27 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _computes(m: _Matrix, rank: int) -> bool:
+    """Whether ``rank`` computes matrix ``m``'s result: its owner, or, for a matrix no rank
+    holds in part, every rank that holds it whole."""
+    return m.owner == rank if m.exchanged else m.whole_on(rank)
+
+
 def _assign_owners(exchange: _Exchange, cost: Callable[[torch.Size], float]) -> None:
     load = [0.0] * exchange.world
     spread = []
     for m in exchange.matrices:
-        holders = [r for r in range(exchange.world) if m.rows[r][1] > m.rows[r][0]]
-        if exchange.process_group is None:
-            m.owner = exchange.rank  # replicated: whole everywhere
-        elif len(holders) <= 1:
-            m.owner = holders[0] if holders else 0
-            load[m.owner] += cost(m.shape)
-        else:
+        partial = [r for r in range(exchange.world)
+                   if m.numel_on(r) > 0 and not m.whole_on(r)]
+        if partial:
             spread.append(m)
+            continue
+        for r in range(exchange.world):  # whole where held (one rank, or every replica)
+            if m.whole_on(r):
+                load[r] += cost(m.shape)
     # Largest first; the order of equal costs is the caller's (stable sort): deterministic.
     for m in sorted(spread, key=lambda m: -cost(m.shape)):
-        m.owner = min(range(exchange.world),
-                      key=lambda r: (load[r], -(m.rows[r][1] - m.rows[r][0]), r))
+        m.owner = min(range(exchange.world), key=lambda r: (load[r], -m.numel_on(r), r))
         m.exchanged = True
         load[m.owner] += cost(m.shape)
 

@@ -371,6 +371,12 @@ def muon_exchange(groups: list[FlatParamGroup]) -> tuple[int, int]:
     matrices = [p for g in groups if g.requires_grad for p in g.dist_params if p.ndim == 2]
     if not matrices:
         return 0, 0
+    if any(t is not None for g in groups for t in g.tp_faces):
+        raise NotImplementedError(
+            "estimate(optimizer='muon') with tp > 1: the whole-matrix exchange of tensor-"
+            "parallel matrices gathers every rank's blocks at run time, which the fake process "
+            "group cannot; estimate with optimizer='adamw' and add Muon's momentum by hand"
+        )
     plan = WholeMatrices(matrices)
     return plan.step_collectives(torch.bfloat16)
 

@@ -464,3 +464,59 @@ def test_estimator_counts_the_exchange_exactly(ranks: RankPools, world: int,
             rank, est.collectives.get("all_to_all"), (count, sent))
         assert est.optimizer_state["muon"] == state, (rank, est.optimizer_state["muon"], state)
         assert (count > 0) == (strategy != "no_shard")
+
+
+# ---------------------------------------------------------------------- tensor parallel
+
+
+def _tp_muon(rank: int, world: int, strategy: str) -> list[dict[str, int]]:
+    from _tp_common import apply_tp, batches, build_model, dp_tp_mesh, loss_of, wrap_ours
+
+    mesh = dp_tp_mesh(2, 2)
+    model = build_model()
+    ref = copy.deepcopy(model)
+    wrap_ours(apply_tp(model, mesh["tp"]), mesh["dp"], strategy, timeout=60.0)
+
+    def optimizers(m: nn.Module) -> list[torch.optim.Optimizer]:
+        return [torch.optim.Muon([p for p in m.parameters() if p.ndim == 2], lr=0.02,
+                                 weight_decay=0.1),
+                torch.optim.AdamW([p for p in m.parameters() if p.ndim != 2], lr=1e-2)]
+
+    ours_opts, ref_opts = optimizers(model), optimizers(ref)
+    data = batches(STEPS, 1, 2)
+    counts = []
+    for step in range(STEPS):
+        loss_of(model, data[step, 0, mesh["dp"].get_local_rank()]).backward()
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            q.grad = None if p.grad is None else p.grad.full_tensor()
+        spy = _Collectives()
+        with spy:
+            ours_opts[0].step()
+        counts.append(dict(spy.count))
+        for opt in ours_opts[1:] + ref_opts:
+            opt.step()
+        for opt in ours_opts + ref_opts:
+            opt.zero_grad()
+
+        def same() -> None:
+            ref_state = ref_opts[0].state
+            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert torch.equal(p.full_tensor(), q.detach()), (
+                    f"step {step}: {name} {p.placements} differs from one process by "
+                    f"{(p.full_tensor() - q.detach()).abs().max().item():.3e}")
+                if p.ndim == 2:
+                    buf = ours_opts[0].state[p]["momentum_buffer"]
+                    assert buf.placements == p.placements, (name, buf.placements)
+                    assert torch.equal(buf.full_tensor(), ref_state[q]["momentum_buffer"]), name
+        agree(f"FSDP x TP {strategy} vs one process", same)
+    return counts
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_tensor_parallel_matrices_are_orthogonalized_whole(ranks: RankPools,
+                                                           strategy: str) -> None:
+    # dp 2 x tp 2: colwise (Shard(0)) and rowwise (Shard(1)) TP weights, odd TP-local rows
+    # (uneven over dp); one exchange over the whole dp x TP mesh.
+    for counts in ranks.run(_tp_muon, 4, strategy, timeout_s=TIMEOUT_S):
+        assert _steady(counts) == [{"alltoall_base_": 2}] * (STEPS - 1), counts

@@ -9,9 +9,16 @@ reaches a checkpoint call (it raised, or is stuck in user code) makes the others
 timeout, not the default group's:
 
 * :func:`model_group`: the group of the model's first unit, in ``model.modules()`` order, that
-  owns parameters (the root unit when it does). Every unit's groups must cover the same ranks
-  (all units of a model on one 1-D mesh do, whatever their timeouts); a model whose units span
-  different ranks is rejected with a ``ValueError``. A model with no unit (nothing wrapped) has
+  owns parameters (the root unit when it does) and whose mesh covers all of the model's ranks.
+  All units of a model on one 1-D mesh cover the same ranks, whatever their timeouts. Expert
+  parallelism puts units on a part of the ranks (each EP rank's experts on its ``edp``
+  sub-mesh, dense units on the world): accepted when every parameter of such a unit is an
+  expert declared with ``register_experts`` (the checkpoint stores it under its global name,
+  see [Note: expert names in checkpoints] in ``_runtime/_expert_names.py``), and the model's
+  group is then the dense units' (the world's). Any other unit on a part of the ranks, or units
+  none of which covers the others' ranks, is rejected with a ``ValueError`` before any
+  collective (:func:`widest_unit`, which ``save`` and ``load`` also run with a caller's
+  ``process_group``). A model with no unit (nothing wrapped) has
   no group: ``None``, the default group. ``set_state_dict``'s agreement, ``load_full_state_dict``'s
   agreement and broadcast, and ``get_full_state_dict``'s choice of the receiving rank use it;
   "rank 0" there is the group's first rank (global rank 0 when the mesh spans the job).

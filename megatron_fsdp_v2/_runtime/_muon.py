@@ -34,7 +34,10 @@ and checkpoints like any optimizer state.
 
 Tensor-parallel matrices (FSDP x TP) are orthogonalized whole too: their exchange runs over the
 whole dp x TP mesh, each rank's piece a block of the global matrix (its dp rows of its TP
-shard), in the same one all-to-all each way.
+shard), in the same one all-to-all each way. A param group with ``"tp_mode": "per_shard"``
+(Megatron's per-shard mode, an explicit choice) orthogonalizes each TP rank's shard on its own
+instead: gathered over the dp ranks only, no TP traffic; the learning-rate adjustment still
+reads the parameter's full shape.
 
 Refused before anything changes: a Muon that mixes managed matrices with others (``ValueError``),
 a parameter that is not 2-D (``ValueError``), and, checked across ranks when the parameter set
@@ -65,7 +68,11 @@ __all__ = ["MuonPlan", "is_distributed_muon", "muon_closure", "restore_hidden_gr
 MUON: type[torch.optim.Optimizer] = torch.optim.Muon
 # The keys that must agree across ranks (the learning rate and weight decay may be scheduled:
 # they are read every step, like torch's).
-_STATIC_KEYS = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn")
+_STATIC_KEYS = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "eps", "adjust_lr_fn",
+                "tp_mode")
+# A param group's "tp_mode" (ours; torch's Muon keeps unknown keys): how a tensor-parallel matrix
+# is orthogonalized.
+TP_MODES = ("whole", "per_shard")
 
 
 @dataclass
@@ -112,7 +119,16 @@ def plan_of(optimizer: torch.optim.Optimizer) -> MuonPlan:
                 "Nothing was changed"
             )
     _check_agreement(params, group_of)  # before the plan: its TP blocks are gathered
-    whole = WholeMatrices(params, cost=newton_schulz_flops)
+    modes = [group.get("tp_mode", "whole") for group in group_of]
+    for mode in modes:
+        if mode not in TP_MODES:
+            raise ValueError(
+                f"torch.optim.Muon param group 'tp_mode' {mode!r}: use 'whole' (a tensor-"
+                "parallel matrix orthogonalized as the global matrix, the default) or "
+                "'per_shard' (each TP rank's shard on its own). Nothing was changed"
+            )
+    whole = WholeMatrices(params, cost=newton_schulz_flops,
+                          per_tp_shard=[mode == "per_shard" for mode in modes])
     plan = MuonPlan(signature, params, group_of, whole)
     _registry.muon_plans[optimizer] = plan
     return plan

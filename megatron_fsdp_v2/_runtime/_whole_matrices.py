@@ -202,6 +202,9 @@ class WholeMatrices:
             every rank.
         cost: the work of one matrix, from its shape, for balancing the owners (default:
             :func:`newton_schulz_flops`).
+        per_tp_shard: per parameter, for tensor-parallel ones: True makes the matrix each TP
+            rank's own shard (its TP-local tensor, gathered over the data-parallel ranks only;
+            Megatron's per-shard ``tp_mode``); False (default), the whole global matrix.
 
     :attr:`owned` lists the indices (into ``params``) whose whole matrix this rank receives
     from :meth:`to_owners` and must return a result for in :meth:`from_owners`. Every rank
@@ -212,6 +215,7 @@ class WholeMatrices:
     def __init__(
         self, params: Sequence[torch.Tensor], *,
         cost: Callable[[torch.Size], float] | None = None,
+        per_tp_shard: Sequence[bool] | None = None,
     ) -> None:
         cost = cost or newton_schulz_flops
         records = []
@@ -230,7 +234,11 @@ class WholeMatrices:
                 )
             records.append(record)
         self.params = list(params)
-        tp = _tp_blocks([(i, r) for i, r in enumerate(records) if r.tp is not None])
+        # Per TP shard: the matrix is this rank's TP-local tensor, exchanged over dp only.
+        self.per_tp_shard = [bool(per_tp_shard[i]) if per_tp_shard is not None else False
+                             for i in range(len(records))]
+        tp = _tp_blocks([(i, r) for i, r in enumerate(records)
+                         if r.tp is not None and not self.per_tp_shard[i]])
         self._exchanges: list[_Exchange] = []
         by_group: dict[int, _Exchange] = {}
         for i, record in enumerate(records):
@@ -241,7 +249,7 @@ class WholeMatrices:
                     dist.get_world_size(process_group))
                 self._exchanges.append(by_group[id(process_group)])
             exchange = by_group[id(process_group)]
-            shape = self.params[i].shape
+            shape = record.item.shape if self.per_tp_shard[i] else self.params[i].shape
             held = blocks[exchange.rank]
             if (held[1] - held[0], held[3] - held[2]) != tuple(_local(self.params[i]).shape):
                 raise AssertionError(  # the layout math and the local tensor disagree

@@ -375,6 +375,10 @@ def _errors(rank: int, world: int) -> None:
     with pytest.raises(ValueError, match=r"has shape \(24,\); Muon takes 2-D parameters only"):
         late_vector.step()
     unchanged(late_vector)
+    unknown_mode = torch.optim.Muon([{"params": matrices, "tp_mode": "rows"}], lr=0.02)
+    with pytest.raises(ValueError, match=r"'tp_mode' 'rows': use 'whole' .* or 'per_shard'"):
+        unknown_mode.step()
+    unchanged(unknown_mode)
     differing = torch.optim.Muon(matrices, lr=0.02, ns_steps=5 if rank == 0 else 4)
     with pytest.raises(ValueError, match=r"torch.optim.Muon differs between ranks"):
         differing.step()
@@ -469,20 +473,58 @@ def test_estimator_counts_the_exchange_exactly(ranks: RankPools, world: int,
 # ---------------------------------------------------------------------- tensor parallel
 
 
-def _tp_muon(rank: int, world: int, strategy: str) -> list[dict[str, int]]:
+class _PerShardMuon(torch.optim.Optimizer):
+    """One process's reference for ``tp_mode="per_shard"``: torch's Muon step with
+    Newton-Schulz run on each TP chunk of the update (``torch.chunk`` along the TP dim, as
+    DTensor's ``Shard`` cuts) instead of the whole matrix."""
+
+    def __init__(self, params: Any, tp_dims: list[int | None], tp: int) -> None:
+        super().__init__(params, {"lr": 0.02, "weight_decay": 0.1, "momentum": 0.95})
+        self.tp_dims, self.tp = tp_dims, tp
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        from torch.optim import _muon
+
+        group = self.param_groups[0]
+        for p, dim in zip(group["params"], self.tp_dims):
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - group["momentum"])
+            update = p.grad.lerp(buf, group["momentum"])
+            pieces = [update] if dim is None else update.chunk(self.tp, dim=dim)
+            ortho = torch.cat([_muon._zeropower_via_newtonschulz(
+                piece, (3.4445, -4.775, 2.0315), 5, 1e-7) for piece in pieces],
+                dim=dim or 0)
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(ortho, alpha=-_muon._adjust_lr(group["lr"], None, p.shape))
+
+
+def _tp_muon(rank: int, world: int, strategy: str, mode: str) -> list[dict[str, int]]:
     from _tp_common import apply_tp, batches, build_model, dp_tp_mesh, loss_of, wrap_ours
 
     mesh = dp_tp_mesh(2, 2)
     model = build_model()
     ref = copy.deepcopy(model)
     wrap_ours(apply_tp(model, mesh["tp"]), mesh["dp"], strategy, timeout=60.0)
-
-    def optimizers(m: nn.Module) -> list[torch.optim.Optimizer]:
-        return [torch.optim.Muon([p for p in m.parameters() if p.ndim == 2], lr=0.02,
-                                 weight_decay=0.1),
-                torch.optim.AdamW([p for p in m.parameters() if p.ndim != 2], lr=1e-2)]
-
-    ours_opts, ref_opts = optimizers(model), optimizers(ref)
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    ours_opts = [torch.optim.Muon([{"params": matrices, "tp_mode": mode}], lr=0.02,
+                                  weight_decay=0.1),
+                 torch.optim.AdamW([p for p in model.parameters() if p.ndim != 2], lr=1e-2)]
+    ref_matrices = [p for p in ref.parameters() if p.ndim == 2]
+    if mode == "whole":
+        ref_muon: torch.optim.Optimizer = torch.optim.Muon(ref_matrices, lr=0.02,
+                                                           weight_decay=0.1)
+    else:
+        tp_dims = [next((pl.dim for pl in p.placements[1:] if pl.is_shard()), None)
+                   for p in matrices]
+        ref_muon = _PerShardMuon(ref_matrices, tp_dims, mesh["tp"].size())
+    ref_opts = [ref_muon,
+                torch.optim.AdamW([p for p in ref.parameters() if p.ndim != 2], lr=1e-2)]
     data = batches(STEPS, 1, 2)
     counts = []
     for step in range(STEPS):
@@ -502,21 +544,22 @@ def _tp_muon(rank: int, world: int, strategy: str) -> list[dict[str, int]]:
             ref_state = ref_opts[0].state
             for (name, p), q in zip(model.named_parameters(), ref.parameters()):
                 assert torch.equal(p.full_tensor(), q.detach()), (
-                    f"step {step}: {name} {p.placements} differs from one process by "
+                    f"{mode} step {step}: {name} {p.placements} differs from one process by "
                     f"{(p.full_tensor() - q.detach()).abs().max().item():.3e}")
                 if p.ndim == 2:
                     buf = ours_opts[0].state[p]["momentum_buffer"]
                     assert buf.placements == p.placements, (name, buf.placements)
                     assert torch.equal(buf.full_tensor(), ref_state[q]["momentum_buffer"]), name
-        agree(f"FSDP x TP {strategy} vs one process", same)
+        agree(f"FSDP x TP {strategy} {mode} vs one process", same)
     return counts
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
-def test_tensor_parallel_matrices_are_orthogonalized_whole(ranks: RankPools,
-                                                           strategy: str) -> None:
+@pytest.mark.parametrize("strategy,mode", [("optim", "whole"), ("optim_grads_params", "whole"),
+                                          ("optim_grads_params", "per_shard")])
+def test_tensor_parallel_matrices(ranks: RankPools, strategy: str, mode: str) -> None:
     # dp 2 x tp 2: colwise (Shard(0)) and rowwise (Shard(1)) TP weights, odd TP-local rows
-    # (uneven over dp); one exchange over the whole dp x TP mesh.
-    for counts in ranks.run(_tp_muon, 4, strategy, timeout_s=TIMEOUT_S):
+    # (uneven over dp). "whole": one exchange over the whole dp x TP mesh; "per_shard": each
+    # TP shard on its own, one exchange over the dp ranks (each TP rank its own group).
+    for counts in ranks.run(_tp_muon, 4, strategy, mode, timeout_s=TIMEOUT_S):
         assert _steady(counts) == [{"alltoall_base_": 2}] * (STEPS - 1), counts

@@ -75,6 +75,9 @@ optimizer_state_dict_hooked: weakref.WeakSet[torch.optim.Optimizer] = weakref.We
 local_step_positions: weakref.WeakKeyDictionary[torch.optim.Optimizer, ParamPositions] = (
     weakref.WeakKeyDictionary()
 )
+# [Note: expert names in checkpoints] (_runtime/_expert_names.py): register_experts' record,
+# container module -> the global name of each child, in child order (None: names are global).
+expert_names: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # [Note: distributed Muon] (_runtime/_muon.py): each Muon's plan (its managed matrices and their
 # owners, cached per parameter set), and the gradients hidden from torch's loop during a step.
 muon_plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, MuonPlan] = weakref.WeakKeyDictionary()
@@ -157,6 +160,7 @@ def reset() -> None:
     optimizer_state_dict_hooked.clear()
     local_step_positions.clear()
     muon_plans.clear()
+    expert_names.clear()
     muon_hidden_grads.clear()
     pending_meta_units.clear()
     applying_depth[0] = 0

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -57,9 +56,6 @@ __all__ = [
     "unit_ranks",
 ]
 
-# container -> the global name of each child, in child order (None: the names are global).
-_registered: weakref.WeakKeyDictionary[nn.Module, tuple[str, ...] | None] = (
-    weakref.WeakKeyDictionary())
 # True while checkpoint's API builds a state dict that it renames itself.
 _renaming: contextvars.ContextVar[bool] = contextvars.ContextVar("mfsdp_expert_renaming",
                                                                   default=False)
@@ -77,7 +73,7 @@ def register(container: nn.Module, global_indices: Iterable[int] | None) -> None
                          "pass the module whose children are this rank's experts (e.g. the "
                          "nn.ModuleList of them)")
     if global_indices is None:
-        _registered[container] = None
+        _registry.expert_names[container] = None
         return
     if isinstance(global_indices, (str, bytes)):
         raise TypeError("register_experts: global_indices must be integers, one per expert, "
@@ -96,7 +92,7 @@ def register(container: nn.Module, global_indices: Iterable[int] | None) -> None
     if len(set(indices)) != len(indices):
         raise ValueError(f"register_experts: global_indices {indices} repeat an index; each "
                          "expert needs its own")
-    _registered[container] = tuple(str(i) for i in indices)
+    _registry.expert_names[container] = tuple(str(i) for i in indices)
 
 
 @contextlib.contextmanager
@@ -132,14 +128,14 @@ class ExpertContainer:
 
 def expert_containers(model: nn.Module) -> list[ExpertContainer]:
     """Every registered container in ``model``'s tree, in module order."""
-    if not _registered:
+    if not _registry.expert_names:
         return []
     found = []
     for path, module in model.named_modules():
-        if module not in _registered:
+        if module not in _registry.expert_names:
             continue
         local = tuple(name for name, _ in module.named_children())
-        names = _registered[module]
+        names = _registry.expert_names[module]
         if names is not None and len(names) != len(local):
             raise ValueError(
                 f"experts '{path}' have {len(local)} children but register_experts got "
@@ -223,7 +219,7 @@ def lost_on_dcp_params(params: list[nn.Parameter]) -> dict[int, str]:
     narrow = {gid for gid, r in ranks.items() if r < wider}
     renamed_ids: set[int] = set()
     named_ids: set[int] = set()
-    for container, names in list(_registered.items()):
+    for container, names in list(_registry.expert_names.items()):
         local = tuple(name for name, _ in container.named_children())
         renames = names is not None and names != local and not _renaming.get()
         target = renamed_ids if renames else named_ids

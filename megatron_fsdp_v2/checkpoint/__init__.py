@@ -32,7 +32,8 @@ This module is the public API only. Where the pieces live: ``_files.py`` (atomic
 commit, ``[Note: atomic saves and checksums]``), ``_checksums.py`` (per-item CRC32), ``_checks.py``
 (checks against the model and DCP metadata), ``_full_state_dict.py`` (full-state-dict gather and
 broadcast), ``_group.py`` (the process group every checkpoint collective runs on,
-``[Note: checkpoint collectives]``); outside the package, ``_dtensor/_chunk_metadata.py`` (chunk
+``[Note: checkpoint collectives]``), ``_experts.py`` (expert parallelism: experts under global
+names, see :func:`register_experts`), ``_staging.py`` (the copy a load reads into); outside the package, ``_dtensor/_chunk_metadata.py`` (chunk
 metadata at the true row offsets, ``[Note: uneven shards in state dicts]``) and
 ``_runtime/_state_dict_hooks.py`` (the units' and optimizers' state-dict hooks).
 """

@@ -180,6 +180,100 @@ def test_version_gate(monkeypatch: pytest.MonkeyPatch) -> None:
             _torch_patches.check_torch_version()
 
 
+# --- the op table changes at install and uninstall only -------------------------------------
+
+class _RecordingTable(dict):
+    """DTensor's op table, noting every change made while ``recording``."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.recording = False
+        self.changes: list[str] = []
+
+    def _note(self, what: str, key: Any) -> None:
+        if self.recording:
+            self.changes.append(f"{what} {key}")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self._note("set", key)
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: Any) -> None:
+        self._note("del", key)
+        super().__delitem__(key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self._note("pop", key)
+        return super().pop(key, *default)
+
+    def popitem(self) -> Any:
+        self._note("popitem", "")
+        return super().popitem()
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self._note("setdefault", key)
+        return super().setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self._note("update", "")
+        super().update(*args, **kwargs)
+
+    def clear(self) -> None:
+        self._note("clear", "")
+        super().clear()
+
+
+def _op_table_worker(rank: int, world_size: int) -> dict[str, Any]:
+    """Every op whose handler falls back to DTensor's own path (DTensors on a mesh no unit
+    uses): the result is DTensor's, and the table is not changed during the call."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from megatron_fsdp_v2 import _torch_patches
+
+    dispatcher = DTensor._op_dispatcher
+    original = dispatcher._custom_op_handlers
+    table = _RecordingTable(original)
+    dispatcher._custom_op_handlers = table
+    try:
+        _torch_patches.install_all()
+        handlers = {str(op): getattr(h, "__name__", "") for op, h in table.items()}
+        mesh = init_device_mesh("cpu", (world_size,))
+        full = torch.arange(24.0).view(6, 4)
+        dst = distribute_tensor(torch.zeros(6, 4), mesh, [Shard(0)])
+        src = distribute_tensor(full, mesh, [Replicate()])
+        noise = distribute_tensor(torch.zeros(6, 4), mesh, [Replicate()])
+        table.recording = True
+        dst.copy_(src)  # redistributed Replicate -> Shard(0), then a local copy
+        torch.manual_seed(0)
+        torch.nn.init.uniform_(noise)
+        (norm,) = torch._foreach_norm([dst], 2.0)
+        table.recording = False
+        torch.manual_seed(0)
+        return {
+            "changes": table.changes,
+            "handlers": handlers,
+            "copy": torch.equal(dst.full_tensor(), full),
+            "uniform": torch.equal(noise.full_tensor(), torch.rand(6, 4)),
+            "norm": isinstance(norm, DTensor)
+            and torch.allclose(norm.full_tensor(), full.norm()),
+        }
+    finally:
+        _torch_patches.uninstall_all()
+        dispatcher._custom_op_handlers = original
+
+
+def test_op_handlers_do_not_change_the_op_table_on_a_call() -> None:
+    """The handlers' fallback to DTensor's own path (``copy_``, a random op and
+    ``_foreach_norm`` on DTensors of a mesh no unit uses) gives DTensor's results and leaves
+    the table as installed during the call ([Note: falling back to DTensor's own handling of
+    an op])."""
+    (result,) = run_distributed(_op_table_worker, 1, timeout_s=120)
+    assert result["handlers"]["aten.copy_.default"].startswith("megatron_fsdp_v2_"), result
+    assert not result["changes"], f"the op table changed during a call: {result['changes']}"
+    assert result["copy"] and result["uniform"] and result["norm"], result
+
+
 # --- no patch of torch outside _torch_patches ------------------------------------------------
 
 def _root_name(node: ast.AST) -> str | None:

@@ -224,18 +224,23 @@ def saved_ep2(ranks: RankPools) -> Iterator[tuple[str, dict[str, torch.Tensor]]]
         yield path, full
 
 
-LAYOUTS_4 = [(2, "optim_grads_params"), (1, "no_shard"), (4, "optim")]
-LAYOUTS_2 = [(1, "optim_grads"), (2, "optim_grads_params")]
+LAYOUTS_4 = [(2, "optim_grads_params", "load"), (1, "no_shard", "load"), (4, "optim", "load")]
+LAYOUTS_2 = [(1, "optim_grads", "load"), (2, "optim_grads_params", "dcp")]
 
 
 def _load_worker(rank: int, world: int, path: str, saved: dict[str, torch.Tensor],
-                 layouts: list[tuple[int, str]], plain: bool) -> None:
-    for ep, strategy in layouts:
+                 layouts: list[tuple[int, str, str]], plain: bool) -> None:
+    for ep, strategy, how in layouts:
         model, opt, args, ep_mesh = _ep_model(ep, strategy, seed=1)  # other values first
-        out = mckpt.load(model, opt, checkpoint_id=path, extra={"step": -1})
-        assert out["step"] == SAVED_STEPS, out
+        if how == "load":
+            out = mckpt.load(model, opt, checkpoint_id=path, extra={"step": -1})
+            assert out["step"] == SAVED_STEPS, out
+        else:  # DCP directly, with the library's state-dict functions
+            msd, osd = mckpt.get_state_dict(model, opt)
+            dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+            mckpt.set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
         _check_loaded(model, opt, args, ep_mesh, saved, f"ep={ep} x edp={world // ep} "
-                      f"{strategy}")
+                      f"{strategy} ({how})")
     if plain:
         # Without expert parallelism nor any registration: the checkpoint's names are the
         # names of one process holding every expert.
@@ -255,10 +260,44 @@ def test_ep_checkpoint_reshards_across_ep_sizes(
 
 def test_ep_checkpoint_loads_at_world_2(
         ranks: RankPools, saved_ep2: tuple[str, dict[str, torch.Tensor]]) -> None:
-    """The 4-rank checkpoint at world 2: ep=1 x edp=2, ep=2 x edp=1, and a model without
-    expert parallelism and without registration."""
+    """The 4-rank checkpoint at world 2: ep=1 x edp=2, ep=2 x edp=1 (through ``dcp.load`` and
+    the library's ``get_state_dict`` / ``set_state_dict``), and a model without expert
+    parallelism and without registration."""
     path, saved = saved_ep2
     ranks.run(_load_worker, 2, path, saved, LAYOUTS_2, True, timeout_s=TIMEOUT_S)
+
+
+def _param_groups_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    """An optimizer with the experts in a param group of their own (their own lr), saved at
+    ep=2 x edp=2 and loaded at ep=4 and ep=1 into optimizers built with other lrs: each group
+    gets its own lr back. The group's member names come from whichever rank DCP kept them
+    of, which holds none of an ep=4 rank's experts."""
+    def make(ep: int, lrs: tuple[float, float]) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+        model, _, args, ep_mesh = _ep_model(ep, "optim_grads_params", seed=0)
+        experts = [p for n, p in model.named_parameters() if ".experts.experts." in n]
+        dense = [p for n, p in model.named_parameters() if ".experts.experts." not in n]
+        opt = torch.optim.AdamW([{"params": dense, "lr": lrs[0]},
+                                 {"params": experts, "lr": lrs[1]}])
+        return model, opt, (args, ep_mesh)
+
+    path = os.path.join(root, "groups")
+    model, opt, (args, ep_mesh) = make(2, (1e-2, 3e-3))
+    _train(model, opt, args, range(1), ep_mesh)
+    mckpt.save(model, opt, checkpoint_id=path)
+    out = {}
+    for ep in (4, 1):
+        fresh, fresh_opt, _ = make(ep, (0.5, 0.5))
+        mckpt.load(fresh, fresh_opt, checkpoint_id=path)
+        out[f"ep={ep}"] = [g["lr"] for g in fresh_opt.param_groups]
+    return out
+
+
+def test_ep_checkpoint_keeps_each_param_groups_hyperparameters(ranks: RankPools) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        results = ranks.run(_param_groups_worker, 4, root, timeout_s=TIMEOUT_S)
+    for rank, out in enumerate(results):
+        for case, lrs in out.items():
+            assert lrs == [1e-2, 3e-3], (rank, case, lrs)
 
 
 # ---------------------------------------------------------------------- full state dicts

@@ -75,6 +75,12 @@ class FSDPContext:
         # and the later backward would gather them all again.
         self.root_graph_pending = False
         self.root_graph_reached = False
+        # Groups whose window a backward over part of the graph ended without marking their
+        # main weights updated: marked by the next backward that reaches the root's graph, or
+        # the root's next pre-forward (``mark_owed_updates``). Marking them at once would
+        # refresh a ZeRO-1/2 group in the backward that follows, before any step changed it
+        # (torchtitan's head, whose window its last chunk's backward ends).
+        self.owed_updates: list[FlatParamGroup] = []
         # Units whose gradient collectives hold scratch buffers and may still be in flight,
         # oldest first. At most ``max_inflight_reductions`` units' reduction scratch buffers are
         # alive at once. Reductions in place into persistent buffers are not listed: they cost no
@@ -160,7 +166,8 @@ class FSDPContext:
         Every unit, or only those whose hooks ran in this backward when it did not reach the
         root's pending graph (see [Note: backward over part of the graph])."""
         states = self.states
-        if self.root_graph_reached or not self.root_graph_pending:
+        full = self.root_graph_reached or not self.root_graph_pending
+        if full:
             self.root_graph_pending = False
         else:
             task = torch._C._current_graph_task_id()
@@ -195,12 +202,15 @@ class FSDPContext:
             # that drain_reductions did not launch already (overlap=False, a group that reduced
             # earlier in the window but not in this backward), launched for every group first,
             # in the same order on every rank, then waited on and installed.
-            windows = [
-                group.end_window(async_op=self.overlap)
-                for state in states if state.is_last_backward for group in state.groups
-            ]
+            ended = [group for state in states if state.is_last_backward for group in state.groups]
+            windows = [group.end_window(async_op=self.overlap, marks_updated=full)
+                       for group in ended]
             for window in windows:
                 window.finish()
+            if full:
+                self.mark_owed_updates()
+            else:
+                self.owed_updates += ended
         except BaseException:
             self.callback_failed = True  # reductions may be half-waited: recover() next forward
             raise
@@ -208,6 +218,13 @@ class FSDPContext:
             self.final_callback_queued = False
             for state in states:
                 state.reset_to_idle()
+
+    def mark_owed_updates(self) -> None:
+        """Mark the main weights updated where a backward over part of the graph ended a window
+        without marking them (see ``owed_updates``)."""
+        for group in self.owed_updates:
+            group.mark_main_weights_updated()
+        self.owed_updates.clear()
 
     @property
     def step_failed(self) -> bool:
@@ -301,6 +318,7 @@ class FSDPContext:
         self.final_callback_queued = False
         self.callback_failed = False
         self.root_graph_pending = self.root_graph_reached = False
+        self.mark_owed_updates()
         for state in self.states:
             state.reset_to_idle()
             state.forget_graph()

@@ -369,17 +369,20 @@ class FlatParamGroup(ComputeWeights):
         ``temporaries``)."""
         return (self._group_id, role)
 
-    def end_window(self, async_op: bool) -> Pending:
+    def end_window(self, async_op: bool, marks_updated: bool = True) -> Pending:
         """The end of this group's accumulation window at the end of backward: the gradient
         state machine's window end (:meth:`GroupGrads.end_window`), whose ``finish()`` also marks
         the main weights updated: the optimizer step that usually follows changes them, so they
         are refreshed once before the next forward whatever updates them (an optimizer the step
-        hook does not see, writes through ``to_local()``)."""
+        hook does not see, writes through ``to_local()``). ``marks_updated=False``: the caller
+        marks them later (a backward over part of the graph, which no step follows before the
+        root's graph is backwarded: ``FSDPContext.final_callback``)."""
         window = self.grads.end_window(async_op)
 
         def finish() -> None:
             window.finish()
-            self.mark_main_weights_updated()
+            if marks_updated:
+                self.mark_main_weights_updated()
 
         return Pending(None, finish)
 

@@ -221,6 +221,7 @@ class FSDPState(UnitState):
             # The last forward or backward raised before finishing (see FSDPContext.recover).
             self.ctx.recover()
         self.ctx.forward_pass += 1
+        self.ctx.mark_owed_updates()  # before the refreshes below are planned
         if self.ctx.allocator.begin_iteration():  # see [Note: trace-planned pool]
             for group in self.ctx.groups:
                 group.drop_gathered_views()  # of the replaced arena, so it can be freed

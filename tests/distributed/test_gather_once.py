@@ -214,10 +214,14 @@ def test_chunked_loss_gathers_no_more_than_fsdp2(ranks: RankPools, loss: str,
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
 def test_chunked_loss_replicated_strategies(ranks: RankPools, strategy: str) -> None:
     """Strategies that keep the weights replicated (``never``: they refuse
-    ``reshard_after_forward=True``) gather to refresh them after the optimizer step, and the
-    head once more per micro-batch (its window ends at the last chunk's backward, which marks
-    its main weights updated); before this item, 20 and 24 per step."""
-    ranks.run(_chunked_worker, WORLD, "chunk_backward", "never", strategy, timeout_s=TIMEOUT_S)
+    ``reshard_after_forward=True``) gather only to refresh them once their window ended: every
+    backward here ends it (no ``set_is_last_backward``), so every micro-batch but the very
+    first refreshes each of the 4 groups once (embedding, 2 blocks, ``[norm, output]``), the
+    head's window ending at its last chunk's backward included. Before this item, 20 and 24
+    per step; before the head's window end was no longer marked at once, 6 and 10."""
+    ours = ranks.run(_chunked_worker, WORLD, "chunk_backward", "never", strategy,
+                     timeout_s=TIMEOUT_S)[0]
+    assert ours == [4 * (MICRO - 1)] + [4 * MICRO] * (STEPS - 1), ours
 
 
 def _shared_worker(rank: int, world: int, reshard: bool, root_reshard: bool | None) -> list[int]:

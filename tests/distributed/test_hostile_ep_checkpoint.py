@@ -8,9 +8,14 @@ experts a unit on the ``edp`` sub-mesh, dense units on the world), issue 36 item
   (ep=1 x edp=2, ep=2 x edp=1, and a model without expert parallelism nor registration), each
   with the same numbers: every parameter and optimizer state, gathered to full form under
   global names, equals the saved model's bitwise, and a training step after the load equals
-  one process holding every expert, loaded with the same numbers, on the global batch. FSDP2 has
-  no such feature (its control is the next case). Before: ``checkpoint.save`` refused the model
-  ("communicate over different ranks"), with no way to declare experts.
+  one process holding every expert, loaded with the same numbers, on the global batch. One
+  world-2 load goes through ``dcp.load`` with the library's ``get_state_dict`` /
+  ``set_state_dict``. Experts in a param group of their own keep its hyperparameters at every
+  EP size. ``get_full_state_dict`` is one process's state dict (every expert, global names,
+  its key order) and ``load_full_state_dict`` loads it at other EP sizes. FSDP2 has no such
+  feature (its full state dict holds EP rank 0's experts only; its DCP control is below).
+  Before: ``checkpoint.save`` and ``get_full_state_dict`` refused the model ("communicate over
+  different ranks"), with no way to declare experts.
 * torch's API (``get_state_dict`` + ``dcp.save``) with per-rank local expert names raises at
   the save, naming the problem and the fix, for the model and for the optimizer state alone;
   the FSDP2 control shows what it prevents: FSDP2 saves and reloads another EP rank's experts

@@ -82,6 +82,9 @@ class TPFace:
     dist_mesh: DeviceMesh  # the dp mesh's dims, then the TP mesh's
     compute_mesh: DeviceMesh | None = None  # None: tp_mesh
     compute_placements: tuple[Placement, ...] | None = None  # None: tp_placements
+    # SPMD faces: the data-parallel dims of the compute mesh, whose gradient placement
+    # local_grad keeps as it arrives ([Note: SPMD parameters]).
+    dp_dims: tuple[int, ...] = ()
 
     @property
     def dp_ndim(self) -> int:
@@ -133,10 +136,16 @@ class TPFace:
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """This rank's TP-local part of a compute gradient, in the parameter's compute
-        placements (a ``Partial()`` gradient of a ``Replicate()`` parameter is all-reduced)."""
+        placements on the TP dims (a ``Partial()`` gradient of a ``Replicate()`` parameter is
+        all-reduced there); on an SPMD face's data-parallel dims the gradient's own placement
+        is kept, as FSDP2 keeps it: a ``Partial()`` there is this rank's share, which the dp
+        reduction then averages ([Note: SPMD parameters])."""
         if not isinstance(grad, DTensor):
             return grad  # user code assigned a local tensor: taken as the TP-local gradient
         mesh, placements = self._compute_spec()
+        if self.dp_dims:
+            placements = tuple(grad.placements[i] if i in self.dp_dims else p
+                               for i, p in enumerate(placements))
         if tuple(grad.placements) != placements:
             grad = grad.redistribute(mesh, placements)
         return grad._local_tensor
@@ -219,9 +228,15 @@ def _refuse_meta(what: str, param: torch.Tensor) -> None:
 # placements: ``Shard(0)`` (``_StridedShard`` where TP shards dim 0 too) on the shard dim,
 # ``Replicate()`` on the replicate dim, the TP placements on the rest. A mesh of data-parallel
 # dims only leaves no TP part (``tp_mesh`` None): the optimizer-facing DTensor is the plain
-# one's. One difference from FSDP2: a gradient that arrives ``Partial()`` over a dp dim
-# (inputs sharded over it as DTensors) is made ``Replicate()`` there, as over the TP dims,
-# before the dp average (FSDP2 averages the partial sums as they are).
+# one's. A gradient that arrives ``Partial()`` over a dp dim (inputs sharded over it as
+# DTensors) keeps that placement: its local tensor is this rank's share of the dp reduction,
+# which averages it, as FSDP2 does (``_get_grad_inner_tensor`` redistributes the non-dp dims
+# only). Made ``Replicate()`` first, it was summed over dp and then averaged: dp times FSDP2's
+# gradient (DTensor's backward of a loss that is ``Partial()`` over dp seeds every rank with
+# one, which FSDP2's average compensates; FSDP2's result is the one process's on the global
+# batch). The alias ``+=`` of [Note: gradients in place] would make it ``Replicate()``
+# (DTensor redistributes the operand to the alias' placement), so groups with such faces
+# stage their gradients, as FSDP2 does (``GroupGrads.stages_spmd_grads``).
 
 
 def _spmd_face(what: str, param: DTensor, dp_mesh: DeviceMesh, spmd: SpmdMesh) -> TPFace:
@@ -246,7 +261,8 @@ def _spmd_face(what: str, param: DTensor, dp_mesh: DeviceMesh, spmd: SpmdMesh) -
     dist_mesh = dp_mesh if tp_mesh is None else DeviceMesh._concatenate([dp_mesh, tp_mesh])
     shape = param.shape
     return TPFace(tp_mesh, tp_placements, shape, _contiguous_stride(shape), dist_mesh,
-                  compute_mesh=mesh, compute_placements=placements)
+                  compute_mesh=mesh, compute_placements=placements,
+                  dp_dims=tuple(names.index(n) for n in spmd.dp_names))
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:

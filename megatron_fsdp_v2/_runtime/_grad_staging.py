@@ -88,6 +88,7 @@ class GradStaging:
     _aliases: list[torch.Tensor]
     _grad_aliases: list[torch.Tensor]
     _armed: list[int | None] | None
+    stages_spmd_grads: bool
 
     if TYPE_CHECKING:  # defined by GroupGrads or its other part
         def ensure_main_grad(self) -> torch.Tensor: ...
@@ -188,7 +189,8 @@ class GradStaging:
         pre-backward, an activation-checkpoint recompute): preset the compute parameters'
         ``.grad`` to aliases of the plan's in-place buffer. Idempotent until :meth:`reduce`."""
         group = self.group
-        if not group.plan.grads_in_place or not group.requires_grad or self._armed is not None:
+        if (not group.plan.grads_in_place or not group.requires_grad or self._armed is not None
+                or self.stages_spmd_grads):
             return
         # What the optimizer cleared since the install must not be added to (as in reduce).
         self.sweep()

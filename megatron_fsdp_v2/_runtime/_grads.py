@@ -98,6 +98,10 @@ class GroupGrads(GradStaging, OptimizerGrads):
         self._aliases: list[torch.Tensor] = []
         self._grad_aliases: list[torch.Tensor] = []  # what .grad is set to (TP: DTensors)
         self._armed: list[int | None] | None = None
+        # [Note: SPMD parameters] (_tp_params.py): DTensors on an SPMD mesh take their
+        # gradients' local tensors as they arrive on the dp dims (a Partial() there is not
+        # all-reduced), which an in-place alias cannot: such groups stage.
+        self.stages_spmd_grads = any(f is not None and f.dp_dims for f in group.tp_faces)
         # [Note: the all-reduce hook] FSDP2's hook on the window's reduced shard, its stream.
         self.all_reduce_hook: AllReduceHook | None = None
         self.all_reduce_hook_stream: torch.cuda.Stream | None = None

@@ -90,3 +90,110 @@ def test_unsharded_parameters_registered_after_forward(ranks: RankPools, strateg
             "optimizer_error"], r["optimizer_error"]
         assert not r["errors"], r["errors"][:3]
         torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- (ii) Partial over dp
+
+# (mesh shape, dim names, DataParallelMeshDims kwargs): a dp dim, and HSDP's replicate and
+# shard dims. Not with a TP dim: inputs sharded over dp there take an implicit
+# redistribution over two mesh dims, which fully_shard refuses (design.md, "2-D parameters",
+# Not covered).
+PARTIAL_MESHES = {
+    "dp_only": ((2,), ("dp",), dict(shard="dp")),
+    "hsdp": ((2, 2), ("rep", "dp"), dict(shard="dp", replicate="rep")),
+}
+
+
+def _sgd_steps(model: torch.nn.Module, mesh: Any, dp_rank: int, dp: int, lr: float,
+               steps: int = 2) -> list[float]:
+    """SGD steps on a global batch of ``2 * dp`` rows: this dp rank's rows as a DTensor
+    *sharded* over the dp dims (``Shard(0)``), replicated over the others, so the loss is the
+    global mean and each dp rank's weight gradient arrives ``Partial()`` over dp; or all rows
+    (``mesh`` None: one process). Returns the global mean loss per step."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(3)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(2 * dp, 5, generator=g), torch.randn(2 * dp, 3, generator=g)
+        if mesh is not None:
+            names = mesh.mesh_dim_names
+            placements = [Replicate() if n == "tp" else Shard(0) for n in names]
+            # Shard(0) over several dp dims: rows split over them in row-major order.
+            rows = slice(2 * dp_rank, 2 * dp_rank + 2)
+            x = DTensor.from_local(x[rows], mesh, placements, shape=x.shape, stride=x.stride())
+            y = DTensor.from_local(y[rows], mesh, placements, shape=y.shape, stride=y.stride())
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss.full_tensor() if isinstance(loss, DTensor) else loss))
+    return losses
+
+
+def _partial_over_dp(rank: int, world: int, case: str, strategy: str) -> list[str]:
+    import torch.distributed.fsdp as torch_fsdp
+    from test_dp_mesh_dims import Mlp
+    from test_dp_mesh_dims_tp import _distribute
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from megatron_fsdp_v2 import fully_shard
+
+    shape, names, dims = PARTIAL_MESHES[case]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    dp_rank, dp = 0, 1
+    for name in (n for n in names if n != "tp"):
+        dp_rank = dp_rank * mesh.size(names.index(name)) + mesh.get_local_rank(name)
+        dp *= mesh.size(names.index(name))
+    torch.manual_seed(0)
+    base = Mlp()
+    ref, ours, control = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    lr = 0.1
+    # FSDP2 averages the partial sums over dp. DTensor's backward of the loss (Partial() over
+    # dp) seeds every rank with one, which that average compensates: FSDP2 trains as one
+    # process on the global batch (measured, torch 2.14); summing the partials first gives dp
+    # times that gradient.
+    want_losses = _sgd_steps(ref, None, 0, dp, lr)
+    want = {n: p.detach() for n, p in ref.named_parameters()}
+    spmd = torch_fsdp.DataParallelMeshDims(**dims)
+    fully_shard(_distribute(ours, mesh), mesh=mesh, dp_mesh_dims=spmd,
+                sharding_strategy=strategy)
+    torch_fsdp.fully_shard(_distribute(control, mesh), mesh=control.a.weight.device_mesh,
+                           dp_mesh_dims=spmd)
+    errors = []
+    got: dict[str, dict[str, torch.Tensor]] = {}
+    for who, model in (("ours", ours), ("FSDP2", control)):
+        losses = _sgd_steps(model, mesh, dp_rank, dp, lr)
+        if not torch.allclose(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5):
+            errors.append(f"{who}: losses {losses} vs one process {want_losses}")
+        got[who] = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+        for name, value in got[who].items():
+            if not torch.allclose(value, want[name], rtol=1e-5, atol=1e-6):
+                diff = (value - want[name]).abs().max().item()
+                errors.append(f"{who}: {name} differs from one process by {diff:.3g}")
+    for name, value in got["ours"].items():
+        if not torch.allclose(value, got["FSDP2"][name], rtol=1e-5, atol=1e-6):
+            errors.append(f"ours vs FSDP2: {name} differs")
+    return [f"{case} {strategy} rank {rank}: {e}" for e in errors]
+
+
+@pytest.mark.parametrize("case,strategy", [
+    ("dp_only", "no_shard"), ("dp_only", "optim"), ("dp_only", "optim_grads"),
+    ("dp_only", "optim_grads_params"), ("hsdp", "optim_grads_params"), ("hsdp", "no_shard"),
+])
+def test_partial_over_dp_averaged_as_fsdp2(ranks: RankPools, case: str, strategy: str) -> None:
+    """Inputs sharded over the dp dims as DTensors: each dp rank's weight gradient arrives
+    ``Partial()`` over dp; FSDP2 averages those partial sums, which trains as one process on
+    the global batch. Ours equals FSDP2's and that one process (SGD, where a factor shows;
+    before, ours summed the partials first: dp times the gradient)."""
+    import torch.distributed.fsdp as torch_fsdp
+
+    if getattr(torch_fsdp, "DataParallelMeshDims", None) is None:
+        pytest.skip("torch.distributed.fsdp has no DataParallelMeshDims")
+    world = 1
+    for size in PARTIAL_MESHES[case][0]:
+        world *= size
+    failures = [e for r in ranks.run(_partial_over_dp, world, case, strategy,
+                                     timeout_s=TIMEOUT_S) for e in r]
+    assert not failures, "\n".join(failures[:12])

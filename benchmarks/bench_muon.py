@@ -151,6 +151,11 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
             if i >= args.warmup:
                 times.append(elapsed.item())
         comm = counter.reset()
+        if system == "muon":
+            from megatron_fsdp_v2 import _registry
+
+            plan = _registry.muon_plans[opt].whole
+            results["exchanged"] = (len(plan.exchanged), len(matrices))
         results[system] = {"ms": statistics.median(times) * 1e3,
                            "collectives": comm.total_calls,
                            "summary": comm.summary(), "bytes": comm.total_wire_bytes}
@@ -181,6 +186,10 @@ def main() -> None:
     print(f"Muon step, GPT {args.dim}x{args.layers} (vocab {args.vocab}), blocks' matrices, "
           f"{args.strategy}, {args.world} ranks, {backend}; momentum on rank 0: "
           f"{first['momentum_bytes'] / 2**20:.2f} MiB (fp32)")
+    if "exchanged" in first:
+        moved, total = first["exchanged"]
+        print(f"matrices split across ranks (exchanged): {moved} of {total}; the other "
+              f"{total - moved} sit whole in one rank's shard and are computed there")
     print("| step | ms (median, slowest rank) | x AdamW | collectives | bytes sent, rank 0 "
           "| x momentum |")
     print("|---|---|---|---|---|---|")

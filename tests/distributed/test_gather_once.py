@@ -175,9 +175,11 @@ def _errors(got: dict[str, Any], want: dict[str, Any], what: str) -> list[str]:
 
 def _compare(rank: int, world: int, build: Callable[[], nn.Module],
              wrap: Callable[[nn.Module, Callable[..., Any], dict[str, Any]], None],
-             loss_fn: Callable[..., torch.Tensor], strategy: str, what: str) -> list[int]:
-    """Ours and FSDP2 on the same model and data: equal to one process, ours gathering no
-    more often than FSDP2 in every step. Returns our per-step gathers."""
+             loss_fn: Callable[..., torch.Tensor], strategy: str, what: str,
+             check_counts: bool = True) -> tuple[list[int], list[int]]:
+    """Ours and FSDP2 on the same model and data: equal to one process and, with
+    ``check_counts``, ours gathering no more often than FSDP2 in every step. Returns the
+    per-step all-gathers of ours and FSDP2's."""
     want = _train(build(), loss_fn, 0, 1, sharded=False)
     runs = {}
     for name, fn, kw in [
@@ -190,13 +192,14 @@ def _compare(rank: int, world: int, build: Callable[[], nn.Module],
     errors = _errors(runs["megatron_fsdp_v2"], want, f"megatron_fsdp_v2 {what}")
     errors += _errors(runs["FSDP2"], want, f"FSDP2 {what} (control)")
     ours, fsdp2 = runs["megatron_fsdp_v2"]["gathers"], runs["FSDP2"]["gathers"]
-    if any(o > f for o, f in zip(ours, fsdp2)):
+    if check_counts and any(o > f for o, f in zip(ours, fsdp2)):
         errors.append(f"{what}: all-gathers per step {ours}, FSDP2's {fsdp2}")
     check_all_ranks(not errors, f"rank {rank}: " + "\n".join(errors))
-    return ours
+    return ours, fsdp2
 
 
-def _chunked_worker(rank: int, world: int, loss: str, policy: str, strategy: str) -> list[int]:
+def _chunked_worker(rank: int, world: int, loss: str, policy: str,
+                    strategy: str) -> tuple[list[int], list[int]]:
     return _compare(rank, world, make_model,
                     lambda m, fn, kw: wrap_decoder(m, fn, policy, **kw),  # type: ignore[arg-type]
                     LOSSES[loss], strategy, f"{loss} loss, policy {policy}, {strategy}")
@@ -219,12 +222,14 @@ def test_chunked_loss_replicated_strategies(ranks: RankPools, strategy: str) -> 
     first refreshes each of the 4 groups once (embedding, 2 blocks, ``[norm, output]``), the
     head's window ending at its last chunk's backward included. Before this item, 20 and 24
     per step; before the head's window end was no longer marked at once, 6 and 10."""
-    ours = ranks.run(_chunked_worker, WORLD, "chunk_backward", "never", strategy,
-                     timeout_s=TIMEOUT_S)[0]
+    ours, _ = ranks.run(_chunked_worker, WORLD, "chunk_backward", "never", strategy,
+                        timeout_s=TIMEOUT_S)[0]
     assert ours == [4 * (MICRO - 1)] + [4 * MICRO] * (STEPS - 1), ours
 
 
-def _shared_worker(rank: int, world: int, reshard: bool, root_reshard: bool | None) -> list[int]:
+def _shared_worker(rank: int, world: int, reshard: bool, root_reshard: bool | None,
+                   model_class: type[Decoder] = SharedBlockDecoder,
+                   check_counts: bool = True) -> tuple[list[int], list[int]]:
     def wrap(model: nn.Module, fn: Callable[..., Any], kw: dict[str, Any]) -> None:
         for layer in model.layers:  # type: ignore[union-attr]
             fn(layer, reshard_after_forward=reshard, **kw)
@@ -232,10 +237,11 @@ def _shared_worker(rank: int, world: int, reshard: bool, root_reshard: bool | No
 
     def build() -> nn.Module:
         torch.manual_seed(0)
-        return SharedBlockDecoder()
+        return model_class()
 
     return _compare(rank, world, build, wrap, logits_loss, "optim_grads_params",
-                    f"shared block, reshard_after_forward={reshard}, root's {root_reshard}")
+                    f"{model_class.__name__}, reshard_after_forward={reshard}, root's "
+                    f"{root_reshard}", check_counts)
 
 
 @pytest.mark.timeout(TIMEOUT_S + 60)
@@ -243,7 +249,7 @@ def _shared_worker(rank: int, world: int, reshard: bool, root_reshard: bool | No
 @pytest.mark.parametrize("reshard", [True, False], ids=lambda r: f"blocks-{r}")
 def test_shared_block_gathers_no_more_than_fsdp2(ranks: RankPools, reshard: bool,
                                                  root_reshard: bool | None) -> None:
-    ours = ranks.run(_shared_worker, WORLD, reshard, root_reshard, timeout_s=TIMEOUT_S)[0]
+    ours, _ = ranks.run(_shared_worker, WORLD, reshard, root_reshard, timeout_s=TIMEOUT_S)[0]
     # Per micro-batch: the root twice (forward, backward) unless it keeps its weights; the shared
     # block once per forward call and once for its two backward calls (kept between them,
     # FSDP2 gathers it again) when it reshards, else once; the other block likewise, with
@@ -251,3 +257,26 @@ def test_shared_block_gathers_no_more_than_fsdp2(ranks: RankPools, reshard: bool
     root = 1 if root_reshard is False else 2
     blocks = 3 + 2 if reshard else 1 + 1
     assert ours == [MICRO * (root + blocks)] * STEPS, ours
+
+
+class LogitsDecoder(Decoder):
+    """Each block once; the forward returns the logits (the head is the root's)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "not done: the root reshards after forward whatever reshard_after_forward=None says (the "
+    "strategy contract's 2N all-gathers per group); FSDP2 keeps the root gathered from forward "
+    "to backward, one all-gather fewer per micro-batch for a root with weights of its own "
+    "(README, reshard_after_forward=None row)"))
+@pytest.mark.timeout(TIMEOUT_S + 60)
+def test_root_with_weights_kept_after_forward_like_fsdp2(ranks: RankPools) -> None:
+    ours, fsdp2 = ranks.run(_shared_worker, WORLD, True, None, LogitsDecoder, False,
+                            timeout_s=TIMEOUT_S)[0]
+    assert ours == [MICRO * 6] * STEPS, ours  # root 2, each block 2 per micro-batch
+    assert all(o <= f for o, f in zip(ours, fsdp2)), (ours, fsdp2)

@@ -22,7 +22,9 @@ on every rank (the assembly copies it). A bucket holds at most ``bucket_size`` b
 gather region (holders x the largest holder's rows: uneven shards pad the smaller slots) and
 in the assembly region; a parameter that alone exceeds it forms a bucket of its own and grows
 the buffer to fit it. The buffer (gather region + assembly region, one byte tensor per device)
-is allocated once, at the largest bucket's need, and reused.
+is allocated once, at the largest bucket's need, and reused. (gloo's all-gather allocates its
+own output, the size of the gather, and copies it into ours: one more bucket at the peak there;
+NCCL gathers in place.)
 
 *Values.* The main weights (fp32 when a separate main buffer exists), as torch's full state
 dict gives them: an FP8 parameter's main weight is plain main-dtype rows (the float8 bytes are
@@ -294,7 +296,8 @@ def iter_full_weights(
     """Yield ``(name, full tensor)`` for every entry of ``model.state_dict()``, in its order and
     under its names (tied parameters under each of theirs), with the values torch's
     ``get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))`` gives,
-    bitwise, while holding at most two buckets of ``bucket_size_mb`` MiB at a time.
+    bitwise, while holding at most two buckets of ``bucket_size_mb`` MiB at a time (on gloo, its
+    all-gather's own temporary output adds one more).
 
     Managed parameters are gathered a bucket at a time: one ``all_gather_into_tensor`` per
     bucket of consecutive parameters (same gather group and dtype) on the units' process group

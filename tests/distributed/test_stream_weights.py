@@ -411,6 +411,7 @@ def test_early_stop(ranks: RankPools) -> None:
 def _tp(rank: int, world: int) -> None:
     from _tp_common import STRATEGIES as TP_STRATEGIES
     from _tp_common import apply_tp, batches, build_model, dp_tp_mesh, train, wrap_ours
+    from torch.distributed.tensor import Shard
 
     ref = build_model()
     unwrapped = [(k, v.detach()) for k, v in ref.state_dict().items()]
@@ -421,9 +422,16 @@ def _tp(rank: int, world: int) -> None:
                  _stream(model, bucket_size_mb=1e-3), unwrapped)
         train(model, batches(1, 1, 2), mesh["dp"].get_local_rank())
         want = _torch_full(model)
+        # One TP all-gather per parameter TP shards (its last placement), besides the buckets'.
+        tp_sharded = sum(1 for p in model.parameters() if isinstance(p.placements[-1], Shard))
         for mb in (1e-9, 1e-3, 64):
             got, comm = _counted(model, bucket_size_mb=mb)
             _bitwise(f"dp x tp {strategy}, {mb} MiB buckets", got, want)
+            if mb == 64:  # one bucket: one dp all-gather (none under no_shard)
+                expected = tp_sharded + (strategy != "no_shard")
+                agree(f"dp x tp {strategy}: all-gathers", lambda: _check(
+                    len(comm.gather_bytes) == expected,
+                    f"{len(comm.gather_bytes)}, expected {expected}"))
 
 
 def test_tensor_parallel(ranks: RankPools) -> None:

@@ -1,7 +1,7 @@
 """Coalescing of the refresh all-gathers (``fully_shard(..., refresh_bucket_size_mb=...)``):
 after an optimizer step, ``optim`` and ``optim_grads`` rebuild each group's replicated compute
 weights with one in-place all-gather of every rank's updated shard (see [Note: replicated-buffer
-refresh] in ``_flat_param_group.py``); with a bucket size, consecutive groups share one.
+refresh] in ``_gather.py``); with a bucket size, consecutive groups share one.
 
 [Note: refresh buckets]
 A model of many small units pays one all-gather launch per group after every step, which on

@@ -1,5 +1,5 @@
 """Gradients written by autograd straight into the flat buffers (``BufferPlan.grads_in_place``;
-see [Note: gradients in place] in ``megatron_fsdp_v2/_grads.py``).
+see [Note: gradients in place] in ``megatron_fsdp_v2/_runtime/_grad_staging.py``).
 
 Each case trains three copies of one small model from one seed on the same data: ``fully_shard``
 as configured (gradients in place where the plan allows), ``fully_shard`` with the plan's

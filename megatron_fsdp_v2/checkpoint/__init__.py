@@ -33,9 +33,10 @@ commit, ``[Note: atomic saves and checksums]``), ``_checksums.py`` (per-item CRC
 (checks against the model and DCP metadata), ``_full_state_dict.py`` (full-state-dict gather and
 broadcast), ``_group.py`` (the process group every checkpoint collective runs on,
 ``[Note: checkpoint collectives]``), ``_experts.py`` (expert parallelism: experts under global
-names, see :func:`register_experts`), ``_staging.py`` (the copy a load reads into); outside the package, ``_dtensor/_chunk_metadata.py`` (chunk
-metadata at the true row offsets, ``[Note: uneven shards in state dicts]``) and
-``_runtime/_state_dict_hooks.py`` (the units' and optimizers' state-dict hooks).
+names, see :func:`register_experts`), ``_staging.py`` (the copy a load reads into); outside the
+package, ``_dtensor/_chunk_metadata.py`` (chunk metadata at the true row offsets, ``[Note: uneven
+shards in state dicts]``), ``_runtime/_state_dict_hooks.py`` (the units' and optimizers'
+state-dict hooks) and ``_runtime/_expert_names.py`` (``[Note: expert names in checkpoints]``).
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ def set_state_dict(
     error = first_mismatch(expected_entries(model), found, strict=options.strict)
     if error is None and optims and optim_state_dict:
         error = check_optim_state_dict(model, optim_state_dict)
-    _group.raise_if_any_rank(error, _group.model_group(model))
+    _group.raise_if_any_rank(error, _group.model_group(model, experts=True))
     if optims and optim_state_dict:
         # The optimizers' load_state_dict post-hook unmarks the tensors they adopt.
         _hook_optimizers(optims)
@@ -447,7 +448,7 @@ def get_full_state_dict(
     # Every rank of each gather's group must be here: name the one that is not, instead of
     # waiting in the transport (see [Note: arrival check]).
     await_every_rank("checkpoint.get_full_state_dict", _first_unit_group(model))
-    group = _group.model_group(model)
+    group = _group.model_group(model, experts=True)
     keep = not rank0_only or _group.rank_and_size(group)[0] == 0
     experts = ExpertNames(model)
     if not experts:
@@ -499,7 +500,7 @@ def load_full_state_dict(
     is broadcast.
     """
     expected = expected_entries(model)
-    group = _group.model_group(model)
+    group = _group.model_group(model, experts=True)
     experts = ExpertNames(model)
     rank, size = _group.rank_and_size(group)
     distributed = size > 1

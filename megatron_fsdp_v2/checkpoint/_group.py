@@ -18,7 +18,9 @@ timeout, not the default group's:
   group is then the dense units' (the world's). Any other unit on a part of the ranks, or units
   none of which covers the others' ranks, is rejected with a ``ValueError`` before any
   collective (:func:`widest_unit`, which ``save`` and ``load`` also run with a caller's
-  ``process_group``). A model with no unit (nothing wrapped) has
+  ``process_group``). Only callers that store experts under global names accept expert units
+  (``model_group(model, experts=True)``); others (``iter_full_weights``) keep the
+  ``ValueError`` for units over different ranks. A model with no unit (nothing wrapped) has
   no group: ``None``, the default group. ``set_state_dict``'s agreement, ``load_full_state_dict``'s
   agreement and broadcast, and ``get_full_state_dict``'s choice of the receiving rank use it;
   "rank 0" there is the group's first rank (global rank 0 when the mesh spans the job).
@@ -112,15 +114,18 @@ def mesh_group(group: Any) -> dist.ProcessGroup:
     return whole_mesh_group(group.mesh, timeout)
 
 
-def model_group(model: nn.Module) -> dist.ProcessGroup | None:
+def model_group(model: nn.Module, *, experts: bool = False) -> dist.ProcessGroup | None:
     """The communication group of ``model``'s units (see the note at the top), ``None`` when
     it has none or ``torch.distributed`` is not initialized. For units on a 2-D (HSDP) mesh:
     the group over the whole mesh (:func:`mesh_group`), not the inner group. With expert
     parallelism (units whose meshes cover a part of the model's ranks, each holding registered
-    experts only): the group of the first unit over all of the model's ranks."""
+    experts only): the group of the first unit over all of the model's ranks, for callers that
+    store experts under their global names (``experts=True``); other callers (e.g.
+    ``iter_full_weights``, which would stream one EP rank's experts under local names) get the
+    ``ValueError`` for units over different ranks."""
     if not _distributed():
         return None
-    chosen = widest_unit(model)
+    chosen = widest_unit(model, experts=experts)
     if chosen is None:
         return None
     if chosen.mesh.ndim > 1:
@@ -128,7 +133,7 @@ def model_group(model: nn.Module) -> dist.ProcessGroup | None:
     return chosen.process_group
 
 
-def widest_unit(model: nn.Module) -> Any:
+def widest_unit(model: nn.Module, *, experts: bool = True) -> Any:
     """The first parameter group (in module order) whose mesh covers all of the model's ranks
     (``None`` without units), after checking the layout a checkpoint accepts: every unit on
     meshes of one dimension, every unit's ranks a part of the chosen one's, and units on a
@@ -159,6 +164,15 @@ def widest_unit(model: nn.Module) -> Any:
             "model on the same mesh, or expert units on a part of the ranks of the others"
         )
     narrow = {id(g): (ranks[id(g)], name) for name, g in units if ranks[id(g)] < wider}
+    if narrow and not experts:
+        unit_ranks_, unit = next(iter(narrow.values()))
+        raise ValueError(
+            f"the units of this model communicate over different ranks (unit '{unit}': "
+            f"{sorted(unit_ranks_)}, the model: {sorted(wider)}); this function needs every "
+            "unit of a model on the same mesh. Expert-parallel models go through "
+            "megatron_fsdp_v2.checkpoint's save/load, get_state_dict/set_state_dict and the "
+            "full-state-dict functions, after checkpoint.register_experts"
+        )
     error = narrow_unit_error(model, narrow, wider)
     if error is not None:
         raise ValueError(error)
@@ -172,7 +186,7 @@ def dcp_group(model: nn.Module, process_group: dist.ProcessGroup | None
     ``None`` (DCP's default group)."""
     if process_group is not None:
         return process_group
-    group = model_group(model)
+    group = model_group(model, experts=True)
     if group is not None and dist.get_world_size(group) == dist.get_world_size():
         return group
     return None

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import checkpoint as mckpt
+from megatron_fsdp_v2 import iter_full_weights
 from megatron_fsdp_v2._registry import record_of
 
 from _models import agree
@@ -485,6 +486,13 @@ def _bad_layout_worker(rank: int, world: int, root: str) -> dict[str, Any]:
         except ValueError as exc:
             out[case] = str(exc)
         out[f"{case}: written"] = os.path.exists(path)
+    # Streaming full weights does not rename experts: it still refuses the EP model.
+    try:
+        for _ in iter_full_weights(model, bucket_size_mb=1):
+            pass
+        out["iter_full_weights"] = None
+    except ValueError as exc:
+        out["iter_full_weights"] = str(exc)
     local = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
     for name, bad, kind in (("count", [0], ValueError), ("repeat", [1, 1], ValueError),
                             ("negative", [0, -1], ValueError), ("type", ["a", "b"], TypeError),
@@ -515,6 +523,8 @@ def test_bad_expert_declarations_fail_clearly(ranks: RankPools) -> None:
         assert "global expert index 0" in error and "[0, 1]" in error and "[2, 3]" in error, (
             rank, error)
         assert not out["unregistered: written"] and not out["same indices: written"], out
+        error = out["iter_full_weights"]
+        assert error is not None and "communicate over different ranks" in error, (rank, error)
         for name in ("count", "repeat", "negative", "type", "no children"):
             verdict = out[f"register {name}"]
             assert verdict is not None and verdict[0], (rank, name, verdict)

@@ -15,8 +15,11 @@ single-process training on the global batch.
   backward. Wrapped as torchtitan's ``apply_fsdp_to_decoder`` does under its three
   ``reshard_after_forward`` policies. Before this item, every per-chunk backward finished every
   unit (freeing the weights ``never`` keeps and the gathers prefetched for the decoder's
-  backward): 14 all-gathers per step where FSDP2 issues 9, 13 where it issues 6 (``never``).
-* The same head called per chunk inside one graph (one backward per step; ``_titan.py``).
+  backward): 28 all-gathers in a step of 2 micro-batches where FSDP2 issues 18, and 26 where
+  it issues 12 (``never``); now FSDP2's counts.
+* The same head called per chunk inside one graph (one backward per micro-batch;
+  ``_titan.py``): under ``always`` 26 where FSDP2 issues 18 (each call gathered the head
+  again); now 16.
 * A block called twice in one forward (a shared block), ``reshard_after_forward`` True and
   False, the root holding parameters of its own, with each ``reshard_after_forward`` of it.
 """

@@ -35,8 +35,8 @@ TP parameter, a fresh tensor of the global size). Entries ``fully_shard`` does n
 yielded as ``model.state_dict()`` holds them: plain tensors detached (views of the model's own
 buffers), other DTensors through their own ``full_tensor()``, other objects as they are.
 
-*Early stop.* A rank whose iterator is closed before the end (``break`` out of a ``for`` loop
-that owns it, an exception in the loop body, ``close()``) runs the remaining collectives
+*Early stop.* A rank whose iterator is closed before the end (``break`` or an exception out of
+a ``for`` loop over it, ``close()``, its garbage collection) runs the remaining collectives
 without yielding, so the other ranks finish with the right values. A rank that keeps the
 iterator alive and stops calling ``next`` leaves its peers at the next bucket's arrival check
 (``[Note: arrival check]`` in ``_comm/_arrival.py``), which raises a ``RuntimeError`` naming it
@@ -322,8 +322,9 @@ def iter_full_weights(
 
     **Every rank must iterate to the end**, with the same ``bucket_size_mb`` and ``to_rank``
     (checked: a mismatch raises ``ValueError`` on every rank before the first gather). A rank
-    whose iterator is closed early (``break`` out of the loop that owns it, an exception in the
-    loop body, ``close()``) runs the remaining gathers without yielding, so the others finish
+    whose iterator is closed early (``break`` or an exception out of a ``for`` loop over it,
+    ``close()``, its garbage collection) runs the remaining gathers without yielding, so the
+    others finish
     with the right values; a rank that keeps the iterator and stops calling ``next`` makes the
     others raise a ``RuntimeError`` naming it at the next bucket, after the group's collective
     timeout (``fully_shard``'s ``timeout``; ``MFSDP_ARRIVAL_TIMEOUT_S``). Arguments are checked

@@ -372,6 +372,23 @@ def _early_stop(rank: int, world: int) -> None:
         if rank == 1:
             break
     _bitwise("rank 1 broke out early", got, want if rank == 0 else want[:1])
+    # Rank 1's loop body raises at the third entry: the loop's iterator is closed as the
+    # exception leaves it, and joins the remaining gathers.
+    got = []
+
+    def consume() -> None:
+        for name, value in iter_full_weights(model, bucket_size_mb=1e-3):
+            if rank == 1 and len(got) == 2:
+                raise KeyError("the consumer failed")
+            got.append((name, value.clone()))
+
+    try:
+        consume()
+        raised = False
+    except KeyError:
+        raised = True
+    agree("the consumer's exception", lambda: _check(raised == (rank == 1), f"{raised}"))
+    _bitwise("rank 1 raised in its loop", got, want if rank == 0 else want[:2])
     # Rank 1 keeps its iterator and stops calling next: rank 0 is told which rank stopped at
     # its next bucket, after the group's collective timeout (3 s here), instead of waiting in
     # the transport; rank 1, closing its iterator after that, is told rank 0 left.

@@ -232,3 +232,67 @@ def test_requires_all_reduce_hsdp(ranks: RankPools, outer: str, reenable: str) -
     for rank, r in enumerate(results):
         for name, errors in r.items():
             assert not errors, f"rank {rank} {name}: " + "\n".join(errors[:4])
+
+
+class _Branches(nn.Module):
+    """Rank ``r`` runs branch ``r`` only (conditional control flow inside one unit: multi-modal,
+    MoE), so each rank leaves the other's parameters without a gradient. (Branches wrapped as
+    units of their own would make the ranks run different units: a misuse, see README.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, branch: int) -> torch.Tensor:
+        return self.out(torch.tanh(self.branches[branch](x)))
+
+
+def _unused_params_worker(rank: int, world: int) -> dict[str, float]:
+    """FSDP2 needs ``set_reduce_scatter_unused_params(True)`` for this model (its collectives
+    would not match); ours reduces every parameter of a unit always, zeros for unused ones: the
+        setting is accepted and the gradients equal FSDP2's with it, and one process's."""
+    import copy
+
+    torch.manual_seed(0)
+    base = _Branches()
+    ref, ours, theirs = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    for model, shard in ((ours, fully_shard), (theirs, torch_fully_shard)):
+        shard(model)
+        model.set_reduce_scatter_unused_params(True)
+    xs = torch.randn(world, 3, 4, generator=torch.Generator().manual_seed(1))
+    for model in (ours, theirs):
+        model(xs[rank], rank).square().mean().backward()
+    sum(ref(xs[r], r).square().mean() for r in range(world)).div(world).backward()
+    from megatron_fsdp_v2._registry import record_of
+
+    def rows(model: nn.Module, p: Any) -> tuple[int, int]:
+        if model is ours:
+            return record_of(p).local_rows
+        chunk = -(-p.shape[0] // world)  # FSDP2: torch.chunk rows
+        return min(rank * chunk, p.shape[0]), min((rank + 1) * chunk, p.shape[0])
+
+    distance = {}
+    for name, model in (("ours", ours), ("fsdp2", theirs)):
+        worst = 0.0
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            # Both leave a parameter this rank did not use and holds no rows of without a
+            # gradient here (see [Note: gradients the optimizer sees]).
+            local = None if p.grad is None else p.grad.to_local()
+            assert local is not None or p.to_local().numel() == 0, \
+                f"{name}: a parameter with rows here got no gradient"
+            pieces: list[Any] = [None] * world
+            torch.distributed.all_gather_object(pieces, (rows(model, p), local))
+            full = torch.zeros_like(q.grad)
+            for (lo, hi), held in pieces:
+                if held is not None:
+                    full[lo:hi] = held
+            worst = max(worst, (full - q.grad).abs().max().item())
+        distance[name] = worst
+    return distance
+
+
+def test_reduce_scatter_unused_params_matches_fsdp2(ranks: RankPools) -> None:
+    for distance in ranks.run(_unused_params_worker, 2, timeout_s=TIMEOUT_S):
+        assert distance["fsdp2"] < 1e-6, distance  # the control ran as FSDP2 documents it
+        assert distance["ours"] < 1e-6, distance

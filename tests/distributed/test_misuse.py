@@ -65,22 +65,52 @@ def test_debug_check_names_mismatched_collectives(strategy: str) -> None:
         ), message
 
 
-def _agreeing_control_flow(rank: int, world: int) -> None:
-    os.environ["MFSDP_DEBUG_COLLECTIVES"] = "1"
-    torch.manual_seed(0)
-    model = Skippy(skip_rank=None)
-    for block in model.blocks:
-        fully_shard(block, sharding_strategy="optim_grads_params")
-    fully_shard(model, sharding_strategy="optim_grads_params")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for _ in range(2):
-        model(torch.randn(2, 4)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+def _agreeing_control_flow(rank: int, world: int) -> tuple[int, list[float]]:
+    """Trains with the debug check on: how many checks ran, and the losses (the check must not
+    change them: the same run without it is the reference)."""
+    from megatron_fsdp_v2._comm import _collectives
+
+    checks = [0]
+    original = _collectives.check_collective_order
+
+    def counted(*args: object, **kwargs: object) -> None:
+        checks[0] += 1
+        original(*args, **kwargs)  # type: ignore[arg-type]
+
+    losses: dict[str, list[float]] = {}
+    for debug in ("1", "0"):
+        os.environ["MFSDP_DEBUG_COLLECTIVES"] = debug
+        _collectives.check_collective_order = counted  # type: ignore[assignment]
+        try:
+            torch.manual_seed(0)
+            model = Skippy(skip_rank=None)
+            for block in model.blocks:
+                fully_shard(block, sharding_strategy="optim_grads_params")
+            fully_shard(model, sharding_strategy="optim_grads_params")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            losses[debug] = []
+            for step in range(2):
+                loss = model(torch.randn(2, 4, generator=torch.Generator().manual_seed(step)))
+                loss = loss.square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses[debug].append(loss.item())
+        finally:
+            _collectives.check_collective_order = original  # type: ignore[assignment]
+            os.environ.pop("MFSDP_DEBUG_COLLECTIVES")
+        if debug == "1":
+            checked = checks[0]
+    assert losses["1"] == losses["0"], losses
+    return checked, losses["1"]
 
 
 def test_debug_check_passes_when_ranks_agree() -> None:
-    run_distributed(_agreeing_control_flow, 2, timeout_s=60)
+    """The check runs before every collective (gathers, reductions, refreshes) and passes,
+    changing no number."""
+    results = run_distributed(_agreeing_control_flow, 2, timeout_s=60)
+    for checked, losses in results:
+        assert checked >= 2 * 3 * 2, (checked, losses)  # >= a gather per unit per pass
 
 
 def _padding_warning(rank: int, world: int) -> list[str]:

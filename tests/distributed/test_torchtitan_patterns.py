@@ -23,7 +23,6 @@ from _titan import apply_fsdp, batches, compare, empty_shards, make_model, refer
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-from megatron_fsdp_v2 import FSDPModule as OurFSDPModule
 from megatron_fsdp_v2 import fully_shard
 
 from _models import all_ranks_ok
@@ -33,13 +32,6 @@ TIMEOUT_S = 300
 WORLD = 3
 STEPS, MICRO = 3, 2
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
-
-_NO_DIVIDE_FACTOR = pytest.mark.xfail(
-    not hasattr(OurFSDPModule, "set_gradient_divide_factor"), strict=False,
-    reason="set_gradient_divide_factor and isinstance(m, torch.distributed.fsdp.FSDPModule) "
-    "land with another part of issue 24",
-)
-
 
 def _disable_division(model: torch.nn.Module) -> int:
     """torchtitan's ``disable_fsdp_gradient_division``: how many modules it reached."""
@@ -92,8 +84,7 @@ def _worker(rank: int, world: int, strategy: str, summed: bool) -> list[str]:
     return errors
 
 
-@pytest.mark.parametrize("summed", [pytest.param(True, marks=_NO_DIVIDE_FACTOR, id="sum"),
-                                    pytest.param(False, id="mean")])
+@pytest.mark.parametrize("summed", [pytest.param(True, id="sum"), pytest.param(False, id="mean")])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_torchtitan_patterns_match_single_process(ranks: RankPools, strategy: str,
                                                   summed: bool) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +21,7 @@ from .._init import _conversions, _materialize
 from .._runtime._context import TrainingState
 from .._runtime._state import FSDPState
 from ..api import ShardingStrategy
-from . import _fsdp2_compat
+from . import _fsdp2_compat, _pipelining
 from ._fsdp2_surface import FSDP2Surface
 
 __all__ = ["FSDPModule", "UnshardHandle", "fsdp_class"]
@@ -64,6 +65,8 @@ class FSDPModule(FSDP2Surface):
         DTensor of a tensor-parallel one) and submodules may be called directly. The
         optimizer's DTensor parameters are unchanged. With ``async_op=True`` returns a handle
         whose ``wait()`` does the registering; the next forward waits on it anyway."""
+        # Before anything runs: torch's zero-bubble pipeline schedules cannot train our units.
+        _pipelining.refuse_split_backward(sys._getframe(1))
         state = _registry.state_of(self)  # type: ignore[arg-type]
         assert state is not None
         # A meta-built unit gets its values first, as at the first forward or state_dict().

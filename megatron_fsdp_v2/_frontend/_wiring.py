@@ -28,6 +28,7 @@ from .._runtime._param_record import mesh_device
 from .._runtime._state import FSDPState
 from .._runtime._subclass_gather import has_all_gather_extensions
 from ._fsdp_module import fsdp_class
+from ._pipelining import attach as _pipelining_attach
 from ._wrap_checks import warn_if_padded
 from ._wrap_options import Axes, LocalUnit, WrapOptions
 
@@ -209,6 +210,7 @@ def install_unit(
             target.register_state_dict_pre_hook(_materialize.materialize_hook)
             target.register_load_state_dict_pre_hook(_materialize.materialize_hook)
         target.__class__ = fsdp_class(type(target))
+        _pipelining_attach(target)  # torch's pipeline schedules end a step through it
     note_wrap()  # optimizer step hooks (first wrap); optimizers cached before are checked again
     return state
 

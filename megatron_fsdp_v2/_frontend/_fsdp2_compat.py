@@ -13,7 +13,8 @@ Each FSDP2 argument either maps onto this library with FSDP2's semantics or is r
   backward (N all-gathers); only ``optim_grads_params`` shards model weights, so ``True`` with
   another strategy is a contradiction (``ValueError``) and ``False`` there changes nothing. An
   ``int`` (reshard to a smaller group) is not supported.
-* ``offload_policy``: only the default ``OffloadPolicy()`` (no offload).
+* ``offload_policy``: ``OffloadPolicy()`` (no offload), or ``CPUOffloadPolicy(pin_memory=...)``
+  with ``optim_grads_params`` on a CPU mesh; see [Note: CPU offload] below.
 * ``dp_mesh_dims``: the data-parallel dims of one SPMD mesh, resolved in ``_mesh.py`` (see
   [Note: SPMD meshes and dp_mesh_dims] there).
 * ``shard_placement_fn``: called once per managed parameter, as FSDP2 does; ``None`` or
@@ -35,9 +36,10 @@ from .. import _registry
 from ..api import MixedPrecisionPolicy, ShardingStrategy
 
 __all__ = [
-    "check_offload_policy",
+    "check_offload_device",
     "check_shard_placements",
     "convert_mp_policy",
+    "parse_offload_policy",
     "parse_reshard_after_forward",
     "routed_clip_grad_norm_",
     "routed_get_total_norm",
@@ -70,22 +72,70 @@ def convert_mp_policy(mp_policy: object) -> MixedPrecisionPolicy:
     )
 
 
-def check_offload_policy(offload_policy: object) -> None:
-    """Only "no offload" is supported."""
+# [Note: CPU offload]
+# FSDP2's ``CPUOffloadPolicy`` keeps the sharded parameters (here: the main weights), their
+# gradients and hence the optimizer state in host memory, runs the optimizer step there, and
+# copies this rank's shard to the device for each all-gather (and the reduced gradient shard
+# back after each reduce-scatter). Which strategies: only ``optim_grads_params``, the one that
+# shards the model weights, as FSDP2 (which always does); ``optim``/``optim_grads`` hold full
+# model weights on every rank's device, so offloading their shards would leave the larger part
+# on the device, and ``no_shard`` has nothing sharded. These are refused (``NotImplementedError``)
+# whatever the device, so a configuration that runs on a CPU machine also runs on a GPU one or
+# fails there for the device alone.
+#
+# Which devices: on a CPU mesh (gloo) every flat buffer already is host memory, so the policy
+# is accepted and changes nothing: no copy, no extra buffer, the same collectives and the same
+# bits as without it (``tests/distributed/test_cpu_offload.py`` checks the data pointers, the
+# memory report and the losses against FSDP2 with the same policy and one process).
+# ``pin_memory`` is checked (a bool) and otherwise unused there: pinning only speeds host-device
+# copies, and there are none (FSDP2 pins anyway, and fails without a CUDA driver). On a CUDA
+# mesh the host copies around the gathers and reductions are not implemented: refused with
+# ``NotImplementedError`` before any collective. ``memory_report(...).host_bytes`` says which
+# bytes live in host memory.
+
+def parse_offload_policy(offload_policy: object, strategy: ShardingStrategy) -> bool:
+    """Whether ``offload_policy`` asks for CPU offload (see [Note: CPU offload]); ``TypeError``
+    for anything but FSDP2's policies, ``NotImplementedError`` for a strategy without it."""
     if offload_policy is None:
-        return
-    if _is_torch_class(offload_policy, "OffloadPolicy"):  # FSDP2's default: no offload
-        return
+        return False
     if _is_torch_class(offload_policy, "CPUOffloadPolicy"):
-        raise NotImplementedError(
-            "offload_policy=CPUOffloadPolicy(): CPU offload of parameters, gradients and "
-            "optimizer state is not supported by megatron_fsdp_v2.fully_shard. Leave "
-            "offload_policy unset; to save device memory, use sharding_strategy="
-            "'optim_grads_params' (everything sharded) and activation checkpointing"
-        )
+        pin_memory = getattr(offload_policy, "pin_memory", True)
+        if not isinstance(pin_memory, bool):
+            raise TypeError(
+                f"CPUOffloadPolicy(pin_memory=...) must be a bool, got "
+                f"{type(pin_memory).__name__} ({pin_memory!r})"
+            )
+        if strategy is not ShardingStrategy.OPTIM_GRADS_PARAMS:
+            raise NotImplementedError(
+                f"offload_policy=CPUOffloadPolicy() with sharding_strategy={strategy.value!r}: "
+                "CPU offload keeps the sharded parameters, their gradients and the optimizer "
+                "state in host memory, as FSDP2 (which always shards parameters); only "
+                "sharding_strategy='optim_grads_params' shards the model weights ("
+                f"{strategy.value!r} keeps full weights on every rank's device). Use "
+                "sharding_strategy='optim_grads_params', or leave offload_policy unset"
+            )
+        return True
+    if _is_torch_class(offload_policy, "OffloadPolicy"):  # FSDP2's default: no offload
+        return False
     raise TypeError(
-        "offload_policy must be None or torch.distributed.fsdp.OffloadPolicy() (no offload), "
-        f"got {type(offload_policy).__name__}"
+        "offload_policy must be None, torch.distributed.fsdp.OffloadPolicy() (no offload) or "
+        f"torch.distributed.fsdp.CPUOffloadPolicy(), got {type(offload_policy).__name__}"
+    )
+
+
+def check_offload_device(device_type: str) -> None:
+    """CPU offload on a mesh of ``device_type`` (see [Note: CPU offload]): accepted on ``cpu``,
+    where the buffers already are host memory; ``NotImplementedError`` elsewhere."""
+    if device_type == "cpu":
+        return
+    raise NotImplementedError(
+        f"offload_policy=CPUOffloadPolicy() on a {device_type!r} mesh: keeping the main "
+        "weights, gradients and optimizer state in host memory, with a copy of this rank's "
+        "shard to the device before each all-gather and of the reduced gradient shard back "
+        "after each reduce-scatter, is not implemented. It is accepted on CPU meshes (gloo), "
+        "where every buffer already is host memory. Leave offload_policy unset; to save "
+        f"{device_type} memory use sharding_strategy='optim_grads_params' (everything sharded), "
+        "more ranks, and activation checkpointing"
     )
 
 

@@ -93,8 +93,11 @@ def fully_shard(
             ``torch.distributed.fsdp.MixedPrecisionPolicy`` (converted with
             ``MixedPrecisionPolicy.from_fsdp2``: FSDP2 reduces in ``param_dtype`` when
             ``reduce_dtype`` is unset).
-        offload_policy: FSDP2's argument; only ``None`` or ``OffloadPolicy()`` (no offload).
-            ``CPUOffloadPolicy`` raises ``NotImplementedError``: CPU offload is not supported.
+        offload_policy: FSDP2's argument: ``None`` or ``OffloadPolicy()`` (no offload), or
+            ``CPUOffloadPolicy(pin_memory=...)`` with ``sharding_strategy=
+            "optim_grads_params"`` on a CPU mesh, where every buffer already is host memory
+            (accepted, no copy made). Other strategies, and CUDA meshes (host copies around
+            the collectives not implemented), raise ``NotImplementedError``.
         ignored_params: parameters left as plain, unmanaged ``nn.Parameter`` s.
         gradient_scaling_factor: ``None`` averages gradients over the mesh (DDP/FSDP2); a number
             sums them and multiplies by it (Megatron-FSDP). FSDP2's
@@ -186,7 +189,7 @@ def fully_shard(
             placement raises ``NotImplementedError`` naming the parameter.
 
     Coming from FSDP2: ``reshard_after_forward``, FSDP2's ``MixedPrecisionPolicy`` (with
-    ``output_dtype``) and ``offload_policy=OffloadPolicy()`` are accepted; FSDP2's methods
+    ``output_dtype``) and ``offload_policy`` (see above) are accepted; FSDP2's methods
     ``set_reshard_after_forward``, ``set_reshard_after_backward``,
     ``set_modules_to_forward_prefetch``, ``set_modules_to_backward_prefetch`` and
     ``set_requires_gradient_sync`` are on :class:`FSDPModule`; after the first call,

@@ -282,9 +282,9 @@ def unit_signature(
     what it resolves to: the mesh (its shape on a 2-D mesh; ``dp_mesh_dims`` resolves to it),
     both strategies, ``reshard_after_forward``, the dtypes, the scaling, the padding (the
     layouts), ``timeout``, ``overlap``, ``sync_module_states``, ``collective_impl``, the bucket
-    sizes, meta initialization, and the managed parameters (``ignored_params``,
-    ``shard_placement_fn``). Not here: ``enable_trace_pool`` (where scratch buffers live, not
-    which collectives run), ``offload_policy`` (only no offload is accepted) and
+    sizes, meta initialization, ``offload_policy=CPUOffloadPolicy()`` (in ``extra``), and the
+    managed parameters (``ignored_params``, ``shard_placement_fn``). Not here:
+    ``enable_trace_pool`` (where scratch buffers live, not which collectives run) and
     ``check_ranks`` itself (a rank that skips the check cannot report that it skipped it).
     Groups that only some values create (HSDP outer ``optim``'s whole-mesh group) are created
     after this check, so a disagreement on them is reported, not waited out."""

@@ -69,6 +69,9 @@ class WrapOptions:
     collective_impl: str
     reduce_bucket_size_mb: float | None
     refresh_bucket_size_mb: float | None
+    # CPUOffloadPolicy given: accepted on CPU meshes only, where it changes no buffer
+    # ([Note: CPU offload] in _fsdp2_compat.py); kept for the cross-rank check.
+    cpu_offload: bool = False
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -121,7 +124,7 @@ def parse_options(
     strategy = ShardingStrategy.parse(sharding_strategy)
     outer_strategy = parse_outer_strategy(outer_dp_sharding_strategy)
     mp_policy = _fsdp2_compat.convert_mp_policy(mp_policy)
-    _fsdp2_compat.check_offload_policy(offload_policy)
+    cpu_offload = _fsdp2_compat.parse_offload_policy(offload_policy, strategy)
     reshard = _fsdp2_compat.parse_reshard_after_forward(reshard_after_forward, strategy)
     checked_timeout = validate_options(gradient_scaling_factor, max_padding_ratio, timeout)
     if not isinstance(enable_trace_pool, bool):
@@ -135,6 +138,8 @@ def parse_options(
                                                   "refresh_bucket_size_mb")
     axes = validate_mesh(resolve_dp_mesh(mesh, dp_mesh_dims, strategy), outer_strategy, strategy)
     axes = dataclasses.replace(axes, spmd=spmd_mesh_of(mesh, dp_mesh_dims))
+    if cpu_offload:
+        _fsdp2_compat.check_offload_device(axes.mesh.device_type)
     if reduce_bucket_size_mb is not None and axes.outer is not None:
         raise NotImplementedError(
             "reduce_bucket_size_mb with a 2-D (HSDP) mesh is not supported: the window's outer "
@@ -152,7 +157,7 @@ def parse_options(
         timeout=checked_timeout, sync_module_states=sync_module_states,
         param_init_fn=param_init_fn, enable_trace_pool=enable_trace_pool,
         collective_impl=collective_impl, reduce_bucket_size_mb=reduce_bucket_size_mb,
-        refresh_bucket_size_mb=refresh_bucket_size_mb,
+        refresh_bucket_size_mb=refresh_bucket_size_mb, cpu_offload=cpu_offload,
     )
 
 
@@ -214,6 +219,8 @@ def check_same_unit_everywhere(
         extra["reduce_bucket_size_mb"] = options.reduce_bucket_size_mb
     if options.refresh_bucket_size_mb is not None:  # likewise
         extra["refresh_bucket_size_mb"] = options.refresh_bucket_size_mb
+    if options.cpu_offload:  # signatures without offload stay as they were
+        extra["offload_policy"] = "CPUOffloadPolicy"
     signature = unit_signature(
         module, unit.managed, options.strategy, options.mp_policy,
         options.gradient_scaling_factor, timeout=options.timeout,

@@ -46,6 +46,11 @@ class MemoryReport:
     # the flat buffers (torchao's per-weight scales), each storage once.
     fp8_weights: int = 0
     fp8_scales: int = 0
+    def __post_init__(self) -> None:
+        # Where the bytes live (``host_bytes``, set by memory_report) is not a field: it depends
+        # on the mesh's device, not on the plan, so the fields (which the estimator reproduces
+        # on meta buffers, compared with asdict against real runs) leave it out.
+        self._host_bytes = 0
 
     @property
     def total(self) -> int:
@@ -54,6 +59,20 @@ class MemoryReport:
         return (self.model_weights + self.main_weights + self.main_grads
                 + max(self.temporary_peak, self.trace_pool_arena) + self.optimizer_state
                 + self.fp8_scales)
+
+    @property
+    def host_bytes(self) -> int:
+        """The part of ``total`` in host (CPU) memory: every byte of a unit on a CPU mesh (with
+        or without ``CPUOffloadPolicy``, which changes no buffer there: [Note: CPU offload] in
+        ``_frontend/_fsdp2_compat.py``), and optimizer state kept on the CPU (AdamW's ``step``
+        scalars, for one). 0 in an estimate (meta buffers; it models accelerator runs, where
+        every buffer is on the device)."""
+        return self._host_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """The part of ``total`` in accelerator memory (``total - host_bytes``)."""
+        return self.total - self.host_bytes
 
     def __str__(self) -> str:
         mib = 1 << 20
@@ -97,9 +116,12 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
         )
     report = MemoryReport()
     allocators: dict[int, ScratchAllocator] = {}
+    host_allocators: set[int] = set()  # those of units on a CPU mesh (their scratch is host)
+    host = 0  # bytes in host memory (MemoryReport.host_bytes)
     content = padded = 0
     managed: list[torch.Tensor] = []
     scale_storages: dict[int, int] = {}  # storage -> bytes: torchao stacks all scales in one
+    host_scale_storages: set[int] = set()
     for _, state in _registry.unit_states(module):
         allocators[id(state.allocator)] = state.allocator
         for group in state.groups:
@@ -108,6 +130,10 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
             report.main_weights += sizes["main_weights"]
             report.main_grads += sizes["main_grads"]
             report.padding += sizes["padding"]
+            if group.main_weight.device.type == "cpu":  # a group's buffers share its device
+                host += (sizes["model_weights"] + sizes["main_weights"]
+                                      + sizes["main_grads"])
+                host_allocators.add(id(state.allocator))
             report.num_groups += 1
             if not group.plan.main_weight_separate:
                 report.main_weights_aliased += (
@@ -121,22 +147,38 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
                 for t in group.extension.side_tensors():
                     storage = t.untyped_storage()
                     scale_storages[storage._cdata] = storage.nbytes()
+                    if t.device.type == "cpu":
+                        host_scale_storages.add(storage._cdata)
     report.fp8_scales = sum(scale_storages.values())
+    host += sum(scale_storages[k] for k in host_scale_storages)
     report.temporary_peak = sum(a.peak_bytes for a in allocators.values())
     report.trace_pool_arena = sum(a.arena_bytes for a in allocators.values())
+    # ``total`` counts the larger of the two per report; per allocator is at most that.
+    host += min(
+        sum(max(a.peak_bytes, a.arena_bytes) for k, a in allocators.items()
+            if k in host_allocators),
+        max(report.temporary_peak, report.trace_pool_arena),
+    )
     report.padding_ratio = padded / max(content, 1)
     if optimizer is not None:
-        report.optimizer_state = _optimizer_state_bytes(optimizer, managed)
+        report.optimizer_state, host_state = _optimizer_state_bytes(optimizer, managed)
+        host += host_state
+    report._host_bytes = host  # not a field (see MemoryReport.__post_init__)
     return report
 
 
-def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> int:
+def _optimizer_state_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]
+                           ) -> tuple[int, int]:
     """Bytes of the state tensors ``optimizer`` keeps for ``params`` on this rank (DTensor
-    state: its local shard; scalars such as AdamW's ``step`` included)."""
-    total = 0
+    state: its local shard; scalars such as AdamW's ``step`` included), and how many of them
+    are in host memory."""
+    total = host = 0
     for param in params:
         for value in optimizer.state.get(param, {}).values():
             if isinstance(value, torch.Tensor):
                 local = value.to_local() if isinstance(value, DTensor) else value
-                total += local.numel() * local.element_size()
-    return total
+                nbytes = local.numel() * local.element_size()
+                total += nbytes
+                if local.device.type == "cpu":
+                    host += nbytes
+    return total, host

@@ -16,8 +16,8 @@ from ._backends import backend_impl, collective_device, collective_device_type, 
 
 __all__ = [
     "DEFAULT_TIMEOUT", "LAUNCH_HINT", "clear_comm_groups", "comm_group", "default_mesh",
-    "group_alive", "library_comm_groups", "mesh_comm_group", "timeout_group",
-    "whole_mesh_group",
+    "group_alive", "library_comm_groups", "mesh_comm_group", "post_forward_group",
+    "timeout_group", "whole_mesh_group",
 ]
 
 LAUNCH_HINT = (
@@ -175,6 +175,37 @@ def whole_mesh_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.Proces
     config = str(dist.get_backend_config(mesh.get_group(0)))
     return _cached(_key(ranks, timeout, config, "mesh"), lambda: _members_group(
         ranks, config, timeout, "mesh", [mesh.get_group(dim) for dim in range(mesh.ndim)]))
+
+
+def post_forward_group(
+    parent: dist.ProcessGroup, size: int, timeout: timedelta | None
+) -> dist.ProcessGroup:
+    """The group of ``size`` consecutive ranks of ``parent`` (a unit's shard axis) that this
+    rank belongs to, axis ``"post_forward"``: where ``reshard_after_forward=<size>`` gathers
+    before backward (FSDP2's post-forward mesh: ``parent``'s ranks viewed as ``(-1, size)``).
+    Cached per (ranks, timeout); on its first call collective over ``parent``'s ranks (split
+    from its communicator where torch splits, see the note above) or over the members only."""
+    ranks = tuple(dist.get_process_group_ranks(parent))
+    if size < 1 or len(ranks) % size != 0:
+        raise ValueError(f"post-forward groups of {size} ranks cannot tile {len(ranks)} ranks")
+    local = dist.get_rank(parent)
+    first = local - local % size
+    members = ranks[first : first + size]
+    config = str(dist.get_backend_config(parent))
+
+    def create() -> dist.ProcessGroup:
+        if _splits_communicators(parent):
+            # Every rank of parent takes part once and lands in its own subgroup.
+            _level_group_names([parent])
+            process_group = dist.split_group(
+                parent, split_ranks=[list(range(g, g + size)) for g in range(0, len(ranks), size)],
+                timeout=timeout, group_desc=_describe("post_forward", timeout),
+            )
+            assert isinstance(process_group, dist.ProcessGroup)  # every rank is in one subgroup
+            return process_group
+        return _members_group(members, config, timeout, "post_forward", [parent])
+
+    return _cached(_key(members, timeout, config, "post_forward"), create)
 
 
 def timeout_group(

@@ -12,7 +12,10 @@ Each FSDP2 argument either maps onto this library with FSDP2's semantics or is r
   of N micro-batches); ``False`` keeps a ZeRO-3 unit's gathered weights from its forward to its
   backward (N all-gathers); only ``optim_grads_params`` shards model weights, so ``True`` with
   another strategy is a contradiction (``ValueError``) and ``False`` there changes nothing. An
-  ``int`` (reshard to a smaller group) is not supported.
+  ``int`` ``n`` reshards to groups of ``n`` consecutive ranks after forward (ZeRO++'s hpZ; see
+  [Note: resharding to a smaller group] in ``_runtime/_compute_weights.py``), validated as FSDP2
+  does (:func:`post_forward_group_size`): a factor of the shard axis' size; ``1`` means
+  ``False`` (with FSDP2's warning) and the axis' size means ``True``. ZeRO-3 on a 1-D mesh only.
 * ``offload_policy``: ``OffloadPolicy()`` (no offload), or ``CPUOffloadPolicy(pin_memory=...)``
   with ``optim_grads_params`` on a CPU mesh; see [Note: CPU offload] below.
 * ``dp_mesh_dims``: the data-parallel dims of one SPMD mesh, resolved in ``_mesh.py`` (see
@@ -27,6 +30,7 @@ Each FSDP2 argument either maps onto this library with FSDP2's semantics or is r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -41,6 +45,7 @@ __all__ = [
     "convert_mp_policy",
     "parse_offload_policy",
     "parse_reshard_after_forward",
+    "post_forward_group_size",
     "routed_clip_grad_norm_",
     "routed_get_total_norm",
 ]
@@ -139,19 +144,26 @@ def check_offload_device(device_type: str) -> None:
     )
 
 
-def parse_reshard_after_forward(value: object, strategy: ShardingStrategy) -> bool:
-    """Whether a unit frees its gathered weights after forward (see [Note: FSDP2 arguments])."""
+def parse_reshard_after_forward(value: object, strategy: ShardingStrategy) -> bool | int:
+    """Whether a unit frees its gathered weights after forward, or the size of the group it
+    reshards them to (an ``int``, checked against the mesh by :func:`post_forward_group_size`);
+    see [Note: FSDP2 arguments]."""
     if value is None:
         return True
     if not isinstance(value, bool):
         if isinstance(value, int):
-            raise NotImplementedError(
-                f"reshard_after_forward={value}: resharding to a smaller group after forward "
-                "is not supported. Use True (free after forward, gather again in backward) or "
-                "False (keep the gathered weights until backward); for a smaller all-gather "
-                "group, shard over fewer ranks with a 2-D (replicate, shard) mesh (HSDP)"
-            )
-        raise TypeError(f"reshard_after_forward must be a bool or None, got {value!r}")
+            if value != 1 and not strategy.shards_model_weights:
+                raise ValueError(
+                    f"reshard_after_forward={value} reshards model weights to groups of {value} "
+                    "ranks after forward, which only sharding_strategy='optim_grads_params' "
+                    f"does; {strategy.value!r} keeps them replicated. Drop "
+                    "reshard_after_forward, or use sharding_strategy='optim_grads_params'"
+                )
+            return value
+        raise TypeError(
+            "reshard_after_forward must be a bool, an int (the size of the group to reshard "
+            f"to) or None, got {value!r}"
+        )
     if value and not strategy.shards_model_weights:
         raise ValueError(
             f"reshard_after_forward=True shards model weights between uses, which only "
@@ -160,6 +172,47 @@ def parse_reshard_after_forward(value: object, strategy: ShardingStrategy) -> bo
             "'optim_grads_params'"
         )
     return value
+
+
+def post_forward_group_size(
+    value: bool | int, shard_size: int, two_d: bool, trace_pool: bool
+) -> tuple[bool, int]:
+    """``(reshard_after_forward, post-forward group size)`` for ``parse_reshard_after_forward``'s
+    result on a mesh whose shard axis has ``shard_size`` ranks; the size is 0 where weights
+    are freed whole (``True``) or kept (``False``). FSDP2's rules: an ``int`` must be a factor
+    of ``shard_size`` (``ValueError``); ``1`` is ``False`` (warned, as FSDP2 does) and
+    ``shard_size`` is ``True``."""
+    if isinstance(value, bool):
+        return value, 0
+    if value < 1 or value > shard_size or shard_size % value != 0:
+        raise ValueError(
+            f"reshard_after_forward={value}: an int is the size of the group each rank "
+            f"reshards to after forward, so it must be a factor of the shard axis' size "
+            f"{shard_size} (1..{shard_size}, dividing it). Pass one of "
+            f"{[d for d in range(1, shard_size + 1) if shard_size % d == 0]}, or a bool"
+        )
+    if value == 1:
+        warnings.warn(
+            "reshard_after_forward=1 (int) means resharding parameters to world size 1, "
+            "instead of reshard_after_forward=True (bool): the gathered weights are kept until "
+            "backward, as with reshard_after_forward=False", stacklevel=4,
+        )
+        return False, 0
+    if value == shard_size:
+        return True, 0
+    if two_d:
+        raise NotImplementedError(
+            f"reshard_after_forward={value} on a 2-D (HSDP) mesh is not supported: the "
+            "post-forward groups are built over a 1-D mesh. Use a 1-D mesh, or "
+            "reshard_after_forward=True/False"
+        )
+    if trace_pool:
+        raise NotImplementedError(
+            f"reshard_after_forward={value} with enable_trace_pool=True is not supported: "
+            "the post-forward shards are not planned in the trace pool's arena. Pass "
+            "enable_trace_pool=False, or reshard_after_forward=True/False"
+        )
+    return True, value
 
 
 def check_shard_placements(fn: object, managed: Iterable[tuple[str, nn.Parameter]]) -> None:

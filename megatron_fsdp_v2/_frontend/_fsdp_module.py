@@ -20,8 +20,7 @@ from .._comm._collective_impl import CollectiveCount, merge_counts
 from .._init import _conversions, _materialize
 from .._runtime._context import TrainingState
 from .._runtime._state import FSDPState
-from ..api import ShardingStrategy
-from . import _fsdp2_compat, _pipelining
+from . import _pipelining
 from ._fsdp2_surface import FSDP2Surface
 
 __all__ = ["FSDPModule", "UnshardHandle", "fsdp_class"]
@@ -122,8 +121,11 @@ class FSDPModule(FSDP2Surface):
         (``False``: keep them until the unit's backward, which then gathers nothing). Units of
         other strategies never reshard and ignore it. See ``fully_shard``'s argument."""
         if not isinstance(reshard_after_forward, bool):
-            _fsdp2_compat.parse_reshard_after_forward(
-                reshard_after_forward, ShardingStrategy.OPTIM_GRADS_PARAMS
+            # FSDP2's rule: the group size of an int is fixed at wrap time (its groups).
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {reshard_after_forward!r}: "
+                "resharding to a smaller group (an int) is chosen in fully_shard("
+                "reshard_after_forward=<int>), where its process groups are created"
             )
         for state in self._unit_states(recurse):
             state.reshard_after_forward = reshard_after_forward

@@ -17,7 +17,12 @@ from .. import _registry, _torch_patches
 from .._buffers._allocator import ScratchAllocator
 from .._buffers._layout import build_layout, split_for_padding
 from .._comm._collectives import broadcast_from_first
-from .._comm._comm_groups import comm_group, mesh_comm_group, whole_mesh_group
+from .._comm._comm_groups import (
+    comm_group,
+    mesh_comm_group,
+    post_forward_group,
+    whole_mesh_group,
+)
 from .._dtensor._tp_params import TPFace
 from .._dtensor._uneven_meshes import register_mesh
 from .._init import _materialize
@@ -90,6 +95,18 @@ def build_groups(
     ``max_padding_ratio``. Buffers are allocated; the module is not changed yet."""
     managed = unit.managed
     world_size = options.layout_world_size
+    post_forward = None
+    if options.post_forward_group_size:
+        extended = next((m.fqn for m in managed if has_all_gather_extensions(m.param)), None)
+        if extended is not None:  # the same on every rank: the same module is wrapped
+            raise NotImplementedError(
+                f"reshard_after_forward={options.post_forward_group_size} with parameter "
+                f"{extended!r}, gathered through all-gather extensions (FP8): resharding their "
+                "gathered inputs to a smaller group is not supported. Use reshard_after_forward"
+                "=True/False for this unit"
+            )
+        post_forward = post_forward_group(groups.inner, options.post_forward_group_size,
+                                          options.timeout)
     by_kind: dict[tuple[Any, ...], list[int]] = {}
     for i, m in enumerate(managed):
         # Parameters gathered through all-gather extensions (FP8) form groups of their own.
@@ -125,6 +142,8 @@ def build_groups(
                     collective_impl=options.collective_impl,
                 )
             )
+            if post_forward is not None:
+                flat_groups[-1].use_post_forward_group(post_forward)
             flat_groups[-1].tp_norm_groups = [
                 None if face is None else tp_norm_group(face, flat_groups[-1], options.timeout)
                 for face in flat_groups[-1].tp_faces

@@ -69,6 +69,9 @@ class WrapOptions:
     collective_impl: str
     reduce_bucket_size_mb: float | None
     refresh_bucket_size_mb: float | None
+    # reshard_after_forward=<int>: the size of the groups weights are resharded to after
+    # forward (0: none; see [Note: resharding to a smaller group] in _compute_weights.py).
+    post_forward_group_size: int = 0
     # CPUOffloadPolicy given: accepted on CPU meshes only, where it changes no buffer
     # ([Note: CPU offload] in _fsdp2_compat.py); kept for the cross-rank check.
     cpu_offload: bool = False
@@ -138,6 +141,8 @@ def parse_options(
                                                   "refresh_bucket_size_mb")
     axes = validate_mesh(resolve_dp_mesh(mesh, dp_mesh_dims, strategy), outer_strategy, strategy)
     axes = dataclasses.replace(axes, spmd=spmd_mesh_of(mesh, dp_mesh_dims))
+    reshard, post_forward_group_size = _fsdp2_compat.post_forward_group_size(
+        reshard, axes.inner.size(), axes.outer is not None, enable_trace_pool)
     if cpu_offload:
         _fsdp2_compat.check_offload_device(axes.mesh.device_type)
     if reduce_bucket_size_mb is not None and axes.outer is not None:
@@ -157,6 +162,7 @@ def parse_options(
         timeout=checked_timeout, sync_module_states=sync_module_states,
         param_init_fn=param_init_fn, enable_trace_pool=enable_trace_pool,
         collective_impl=collective_impl, reduce_bucket_size_mb=reduce_bucket_size_mb,
+        post_forward_group_size=post_forward_group_size,
         refresh_bucket_size_mb=refresh_bucket_size_mb, cpu_offload=cpu_offload,
     )
 
@@ -213,6 +219,8 @@ def check_same_unit_everywhere(
         extra["meta_init"] = "param_init_fn" if options.param_init_fn is not None else "reset"
     if not options.reshard_after_forward:  # signatures of the default schedule stay as they were
         extra["reshard_after_forward"] = options.reshard_after_forward
+    if options.post_forward_group_size:  # likewise
+        extra["reshard_after_forward"] = options.post_forward_group_size
     if options.collective_impl != "native":  # ranks must pair the same calls
         extra["collective_impl"] = options.collective_impl
     if options.reduce_bucket_size_mb is not None:  # likewise

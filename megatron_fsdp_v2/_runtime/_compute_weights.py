@@ -15,6 +15,21 @@ of the parameters' version counters call) and records the count its weights were
 a unit's pre-forward frees gathered weights whose count is behind
 (:meth:`ComputeWeights.drop_stale_gathered`) and gathers them again. One integer comparison per
 group and forward; nothing is read from the device.
+
+[Note: resharding to a smaller group]
+``reshard_after_forward=n`` (FSDP2's int, ZeRO++'s hpZ): after forward a ZeRO-3 group keeps a
+``1/n`` slice of its gathered weights instead of freeing them all, so that the backward gather
+runs only among ``n`` consecutive ranks (node-local on GPUs). Layout: the unsharded buffer
+(``layout.total_numel``, a multiple of the shard axis' size ``S``, and ``n`` divides ``S``) is
+cut into ``n`` equal slots; the rank ``k``-th in its group of ``n`` keeps slot ``k`` in the
+scratch buffer ``post_forward_model_weight`` (a copy, after which the unsharded buffer is freed:
+the peak is ``T + T/n`` for the moment of the copy, as FSDP2's). Before backward (or any other
+use: a recompute, a second forward) one ``all_gather_into_tensor`` over the group of ``n`` fills
+the whole unsharded buffer from the slots, in place of the world gather, and frees the slice
+when it completes. The slice is current for the main weights it was gathered from: a change of
+the main weights (``main_generation``) frees it, and the next use gathers over the world. Per
+micro-batch: the forward gather over the ``S`` ranks, the backward one over ``n``; memory
+between forward and backward: ``T/n`` per unit instead of nothing (or ``T`` with ``False``).
 """
 
 from __future__ import annotations
@@ -22,6 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed
 
 from .._buffers._allocator import ScratchAllocator
 from .._buffers._layout import BufferLayout
@@ -75,6 +91,12 @@ class ComputeWeights:
     _main_version: int
     main_generation: int
     _gathered_generation: int
+    # [Note: resharding to a smaller group]: the size of the group of n ranks (0: none),
+    # this rank's place in it, and the main generation the slice kept after forward is
+    # current for (None: no slice held).
+    post_forward_size: int = 0
+    post_forward_rank: int = 0
+    _post_forward_generation: int | None = None
 
     if TYPE_CHECKING:  # defined by FlatParamGroup
         def temporary_key(self, role: str) -> tuple[tuple[int, int], str]: ...
@@ -145,15 +167,54 @@ class ComputeWeights:
         where compute weights are the main weights), and gather again weights gathered before
         (see [Note: gathered weights never older than the main weights])."""
         self.main_generation += 1
+        self.drop_post_forward_slice()  # stale now: free its memory at once
         if self.plan.refresh is not Refresh.NONE:
             self._weights_stale = True
 
     def drop_stale_gathered(self) -> bool:
         """Before a forward: free gathered weights gathered before the main weights last
         changed, so the forward gathers them again; returns whether it freed them."""
+        if self._post_forward_generation not in (None, self.main_generation):
+            self.drop_post_forward_slice()
         if self._gathered and self._gathered_generation != self.main_generation:
             return self.free_gathered_weights()
         return False
+
+    def use_post_forward_group(self, process_group: torch.distributed.ProcessGroup) -> None:
+        """Reshard to ``process_group`` (this rank's group of ``n`` consecutive ranks of the
+        shard axis) after forward: see [Note: resharding to a smaller group]."""
+        size = torch.distributed.get_world_size(process_group)
+        assert self.plan.gathers_weights and self.layout.total_numel % size == 0, (
+            self.layout.total_numel, size)
+        self.issuer.axis_groups["post_forward"] = process_group
+        self.post_forward_size = size
+        self.post_forward_rank = torch.distributed.get_rank(process_group)
+
+    def reshard_after_forward(self) -> bool:
+        """After forward: free the gathered weights, keeping this rank's slot of them for the
+        group of ``n`` where the unit reshards to one (see [Note: resharding to a smaller
+        group]). Returns whether gathered weights were freed."""
+        if not self.post_forward_size:
+            return self.free_gathered_weights()
+        self.wait_for_compute_weights()
+        key = self.temporary_key("unsharded_model_weight")
+        unsharded = self.allocator.get(key)
+        if not self._gathered or unsharded is None or not self.allocator.is_allocated(key):
+            return self.free_gathered_weights()
+        slot_numel = self.layout.total_numel // self.post_forward_size
+        start = self.post_forward_rank * slot_numel
+        with torch.no_grad(), torch.inference_mode(False):
+            kept = self.allocator.allocate(self.temporary_key("post_forward_model_weight"),
+                                           slot_numel, unsharded.dtype, unsharded.device)
+            kept.copy_(unsharded[start : start + slot_numel])
+        self._post_forward_generation = self._gathered_generation
+        return self.free_gathered_weights()
+
+    def drop_post_forward_slice(self) -> None:
+        """Free the slice kept after forward (see [Note: resharding to a smaller group])."""
+        if self._post_forward_generation is not None:
+            self._post_forward_generation = None
+            self.allocator.free(self.temporary_key("post_forward_model_weight"))
 
     def dist_param_version(self) -> int:
         """The sum of the optimizer-facing parameters' version counters: changes with every
@@ -195,6 +256,10 @@ class ComputeWeights:
             self._pending_weights = self.extension.gather_scratch(async_op, after=outer)
             self._gathered = True
             return True
+        if self._post_forward_generation is not None:
+            if self._post_forward_generation == self.main_generation:
+                return self._gather_from_post_forward_slice(async_op)
+            self.drop_post_forward_slice()
         refresh: Pending | None = None
         cast_at_gather = self.plan.refresh is Refresh.CAST_AT_GATHER
         if self._weights_stale:
@@ -221,6 +286,26 @@ class ComputeWeights:
             self._pending_weights = gather_weights(
                 output, self.model_weight, self.issuer, async_op, after=refresh,
             )
+        self._gathered = True
+        return True
+
+    def _gather_from_post_forward_slice(self, async_op: bool) -> bool:
+        """The gather within the group of ``n`` (see [Note: resharding to a smaller group]):
+        every member's slice into the unsharded buffer; the slice is freed when it is done."""
+        output = self.allocator.allocate(
+            self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
+            self.dtypes.model, self.device,
+        )
+        if not self._views_bound or output is not self._bound_to:
+            self._bind_compute_views(output)
+        key = self.temporary_key("post_forward_model_weight")
+        kept = self.allocator.get(key)
+        assert kept is not None
+        self._post_forward_generation = None
+        self._pending_weights = gather_weights(
+            output, kept, self.issuer, async_op, axis="post_forward",
+            complete=lambda: self.allocator.free(key),
+        )
         self._gathered = True
         return True
 

@@ -17,6 +17,8 @@ the strategy's single all-gather (:func:`refresh_weights`). Writes through
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import ops
@@ -30,15 +32,20 @@ __all__ = ["cast_and_gather_weights", "gather_weights", "refresh_weights"]
 @traced("mfsdp::gather")
 def gather_weights(
     unsharded_model_weight: torch.Tensor, model_weight_shard: torch.Tensor,
-    issuer: GroupIssuer, async_op: bool, after: Pending | None = None,
+    issuer: GroupIssuer, async_op: bool, after: Pending | None = None, axis: str = "shard",
+    complete: Callable[[], None] | None = None,
 ) -> Pending:
     """ZeRO-3: gather every rank's model-weight shard into the temporary unsharded scratch buffer.
     ``after``: a refresh that rebuilds the shard first (HSDP outer ``optim``: the outer
     all-gather), waited on where the gather launches (on CUDA: by the side stream, in stream
-    order; on gloo: the work, before the gather is issued)."""
+    order; on gloo: the work, before the gather is issued). ``axis="post_forward"``: the
+    gather within the group of ``reshard_after_forward=n`` from the slices kept after forward
+    (see [Note: resharding to a smaller group] in ``_compute_weights.py``), ``complete``
+    freeing them."""
+    what = "all-gather" if axis == "shard" else f"{axis} all-gather"
     return issuer.launch(CollectiveLaunch(
-        Collective.ALL_GATHER, unsharded_model_weight, model_weight_shard, what="all-gather",
-        after=after,
+        Collective.ALL_GATHER, unsharded_model_weight, model_weight_shard, what=what,
+        axis=axis, after=after, complete=complete,
     ), async_op)
 
 

@@ -309,7 +309,7 @@ class FSDPState(UnitState):
             or (not in_root_graph and ctx.root_graph_pending and self.needs_post_backward)
         ):
             self.keep_gathered()  # for the backward (and the next such call)
-        elif self.reshard():
+        elif self.reshard(after_forward=True):
             ctx.log("reshard", self)
         self.training_state = TrainingState.IDLE
         if self.is_root:

@@ -158,11 +158,15 @@ class UnitState:
         for group in self.groups:
             group.wait_for_compute_weights()
 
-    def reshard(self) -> bool:
+    def reshard(self, after_forward: bool = False) -> bool:
+        """Free the gathered weights; ``after_forward``: a unit's own post-forward, where a
+        group with ``reshard_after_forward=<int>`` keeps its slice for the smaller group
+        (see [Note: resharding to a smaller group] in ``_compute_weights.py``)."""
         freed = False
         for group in self.groups:
             if group.holds_weight_work:
-                freed |= group.free_gathered_weights()
+                freed |= (group.reshard_after_forward() if after_forward
+                          else group.free_gathered_weights())
         self._kept_version = None
         return freed
 

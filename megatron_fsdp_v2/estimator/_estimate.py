@@ -207,6 +207,7 @@ def estimate(
     tp: int = 1,
     tp_plan: Mapping[str, Any] | None = None,
     float8: bool = False,
+    reshard_after_forward: bool | int = True,
 ) -> Estimate:
     """Estimate ``rank``'s memory and the collectives of one training iteration when the model
     ``model_fn()`` builds is wrapped with ``fully_shard`` (each module ``wrap`` selects, then the
@@ -237,8 +238,19 @@ def estimate(
     converts its model itself is estimated the same way. Assumed: ``precompute_float8_dynamic_
     scale_for_fsdp(model)`` after every optimizer step (its all-reduce is counted). Needs
     torchao.
+
+    ``reshard_after_forward``: ``fully_shard``'s, for every unit; an ``int`` ``n`` (ZeRO-3)
+    counts each micro-batch's backward all-gather over the groups of ``n`` ranks (its wire
+    bytes with their size) and the ``1/n`` slices kept from forward to backward in the
+    temporary peak (see [Note: resharding to a smaller group] in
+    ``_runtime/_compute_weights.py``). ``False`` is not modelled (``NotImplementedError``).
     """
     _check_args(world_size, rank, micro_batches, optimizer, mesh_shape, tp)
+    if reshard_after_forward is False:
+        raise NotImplementedError(
+            "estimate(reshard_after_forward=False): the kept weights' schedule is not modelled;"
+            " estimate with True (the default) or an int"
+        )
     _check_tp(tp, tp_plan, world_size)
     selects = _unit_selector(wrap)
     from torch.distributed.device_mesh import init_device_mesh
@@ -287,6 +299,7 @@ def estimate(
             mesh=mesh, sharding_strategy=sharding_strategy, mp_policy=mp_policy,
             check_ranks=False, sync_module_states=False, max_padding_ratio=max_padding_ratio,
             outer_dp_sharding_strategy=outer_dp_sharding_strategy,
+            reshard_after_forward=reshard_after_forward,
         )
         with meta_buffers():
             for unit in reversed(units):  # children before their parents
@@ -407,7 +420,11 @@ def _collectives(groups: list[FlatParamGroup], micro_batches: int,
         # One all-gather per gathered dtype: the compute dtype, or an FP8 group's input buffers.
         for step in plan.gather_steps:  # before forward and before backward, each micro-batch
             for dtype in gathered_dtypes(group):
-                add(step.op, 2 * micro_batches, full, dtype)
+                if group.post_forward_size:  # the backward's within the group of n ranks
+                    add(step.op, micro_batches, full, dtype)
+                    add(step.op, micro_batches, full, dtype, "post_forward")
+                else:
+                    add(step.op, 2 * micro_batches, full, dtype)
         for step in plan.refresh_steps:  # once, after the optimizer step
             for dtype in gathered_dtypes(group):
                 add(step.op, 1, full if step.axis == "shard" else inner_shard, dtype, step.axis)

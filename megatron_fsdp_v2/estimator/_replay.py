@@ -28,7 +28,9 @@ def replay_temporaries(states: list[Any], micro_batches: int) -> int:
 
     * forward, units in module order: a unit's pre-forward gathers its weights
       (``unsharded_model_weight``) and prefetches the next unit's; its post-forward frees its
-      own; the root's post-forward frees every unit's;
+      own (with ``reshard_after_forward=<n>`` after copying out its ``1/n`` slice,
+      ``post_forward_model_weight``, which its pre-backward's gather frees); the root's
+      post-forward frees every unit's;
     * backward, in reverse: a unit's pre-backward gathers its weights, prefetches the
       previous unit's and, where gradients go in place on the reduce-each path (a unit with no
       unit below it), allocates its ``reduce_scatter_input`` (see [Note: gradients in place]
@@ -78,10 +80,22 @@ class _Replay:
                 for j, dtype in enumerate(gathered_dtypes(g)):
                     self.alloc.allocate((i, k, f"w{j}"), g.layout.total_numel, dtype, _META)
 
-    def reshard(self, i: int) -> None:
+    def reshard(self, i: int, after_forward: bool = False) -> None:
         for k, g in enumerate(self.states[i].groups):
+            if after_forward and g.post_forward_size and self.alloc.is_allocated((i, k, "w0")):
+                # reshard_after_forward=<n>: the slice for the group of n is copied out of the
+                # gathered weights before they are freed (see [Note: resharding to a smaller
+                # group] in _runtime/_compute_weights.py).
+                self.alloc.allocate((i, k, "pf"), g.layout.total_numel // g.post_forward_size,
+                                    g.dtypes.model, _META)
             for j in range(len(gathered_dtypes(g))):
                 self.alloc.free((i, k, f"w{j}"))
+
+    def take_slices(self, i: int) -> None:
+        """A unit's pre-backward waits for its gather, which frees the slices it gathered
+        from (the prefetched previous unit's are freed at that unit's own wait)."""
+        for k in range(len(self.states[i].groups)):
+            self.alloc.free((i, k, "pf"))
 
     def forward(self, i: int) -> None:
         self.gather(i)
@@ -89,13 +103,14 @@ class _Replay:
             self.gather(i + 1)  # prefetch the next unit
         for child in self.children.get(i, []):
             self.forward(child)
-        self.reshard(i)
+        self.reshard(i, after_forward=True)
         if i == self.root:
             for j in range(len(self.states)):
                 self.reshard(j)
 
     def backward(self, i: int) -> None:
         self.gather(i)
+        self.take_slices(i)
         if i > 0 and i - 1 not in self.done:
             self.gather(i - 1)  # prefetch the previous unit
         for k, g in enumerate(self.states[i].groups):

@@ -34,7 +34,8 @@ def _untouched(model: nn.Module) -> bool:
 
 
 @pytest.mark.parametrize("kwargs, error, needles", [
-    ({"reshard_after_forward": 2}, NotImplementedError, ["reshard_after_forward=2", "HSDP"]),
+    ({"reshard_after_forward": 2, "sharding_strategy": "optim_grads"}, ValueError,
+     ["reshard_after_forward=2", "only sharding_strategy='optim_grads_params'"]),
     ({"reshard_after_forward": "yes"}, TypeError, ["reshard_after_forward must be a bool"]),
     ({"reshard_after_forward": True, "sharding_strategy": "optim_grads"}, ValueError,
      ["only sharding_strategy='optim_grads_params'", "'optim_grads'"]),
@@ -45,8 +46,8 @@ def _untouched(model: nn.Module) -> bool:
      TypeError, ["megatron_fsdp_v2.MixedPrecisionPolicy", "FSDP1"]),
     ({"mp_policy": {"param_dtype": torch.bfloat16}}, TypeError,
      ["torch.distributed.fsdp.MixedPrecisionPolicy", "dict"]),
-], ids=["int", "not-bool", "true-without-zero3", "cpu-offload", "offload-type", "fsdp1-mp",
-        "mp-dict"])
+], ids=["int-without-zero3", "not-bool", "true-without-zero3", "cpu-offload", "offload-type",
+        "fsdp1-mp", "mp-dict"])
 def test_argument_errors(kwargs: dict[str, Any], error: type[Exception],
                          needles: list[str]) -> None:
     """Raised before any collective (no process group exists here), module untouched."""
@@ -73,8 +74,8 @@ def _method_errors_worker(rank: int, world: int) -> list[str]:
     for call, error, needle in [
         (lambda: model.set_reshard_after_backward(1), TypeError,
          "reshard_after_backward must be a bool"),
-        (lambda: model.set_reshard_after_forward(2), NotImplementedError,
-         "reshard_after_forward=2"),
+        (lambda: model.set_reshard_after_forward(2), ValueError,
+         "reshard_after_forward should be a bool"),
         (lambda: model.set_modules_to_forward_prefetch(model.blocks[0]), TypeError,
          "expects a list"),
         (lambda: model.set_modules_to_backward_prefetch([model.out]), TypeError,

@@ -12,7 +12,9 @@ not-last and ends the window once per step (``perform_reduce_grad``), so per fla
 step ``no_shard`` 1 all-reduce, ``optim`` 1 all-gather + 1 reduce-scatter, ``optim_grads`` 1
 all-gather + N reduce-scatters, ``optim_grads_params`` N + 1 all-gathers + N reduce-scatters
 (weights kept from one backward to the next: torch sets ``reshard_after_backward=False``) or,
-with ``reshard_after_forward=False``, 1 all-gather + N reduce-scatters. FSDP2 reduce-scatters
+with ``reshard_after_forward=False``, 1 all-gather + N reduce-scatters. With the blocks wrapped
+but not the stage root, torch's schedule sees no ``FSDPModule`` and marks nothing: every
+backward ends a window (``no_shard``: N all-reduces), still exact. FSDP2 reduce-scatters
 once per step (it keeps unsharded gradients across the micro-batches; ours keep them sharded).
 
 Zero-bubble schedules (a backward split into input and weight passes) are refused with a
@@ -92,7 +94,13 @@ def _stage_ids(pp_rank: int, per_rank: int, v_layout: bool) -> list[int]:
 
 
 def _wrap(sub: nn.Sequential, mesh: DeviceMesh, variant: str) -> None:
-    """``variant``: a strategy, ``optim_grads_params/raf=False``, or ``fsdp2``."""
+    """``variant``: a strategy, ``optim_grads_params/raf=False``, ``no_shard/blocks`` (the
+    blocks only, not the stage root: torch's schedule then treats the stage as plain), or
+    ``fsdp2``."""
+    if variant == "no_shard/blocks":
+        for block in sub:
+            fully_shard(block, mesh=mesh, sharding_strategy="no_shard")
+        return
     for module in [*sub, sub]:
         if variant == "fsdp2":
             torch_fully_shard(module, mesh=mesh, reshard_after_forward=False)
@@ -112,6 +120,8 @@ def _expected(variant: str, groups: int) -> Counter:
         "optim_grads": {"AG": 1, "RS": n},
         "optim_grads_params": {"AG": n + 1, "RS": n},
         "optim_grads_params/raf=False": {"AG": 1, "RS": n},
+        # Stage root not wrapped: the schedule marks nothing, every backward ends a window.
+        "no_shard/blocks": {"AR": n},
         "fsdp2": {"AG": 1, "RS": 1},  # the control: one reduce-scatter per step
     }[variant]
     return Counter({op: k * groups for op, k in per_group.items()})
@@ -188,7 +198,7 @@ def _parity_worker(rank: int, world: int, schedule: str) -> None:
     want_losses = _reference_run(_reference(), data)
     want = _reference()
     _reference_run(want, data)  # ``want`` holds the trained reference parameters
-    for variant in ("fsdp2", *STRATEGIES, "optim_grads_params/raf=False"):
+    for variant in ("fsdp2", *STRATEGIES, "optim_grads_params/raf=False", "no_shard/blocks"):
         losses, subs, ids, counts = _train(mesh, schedule, variant, _reference(), data)
         per_stage = BLOCKS // (len(ids) * 2)
 

@@ -220,3 +220,47 @@ def test_no_copy_on_cpu_meshes(ranks: RankPools) -> None:
             assert run["device_bytes"] == 0, (rank, run)
         assert offload["counts"] == plain["counts"], (rank, offload["counts"], plain["counts"])
         assert offload["counts"][0] > 0, (rank, offload["counts"])
+
+
+# ---------------------------------------------------------------------- HSDP, and ranks that differ
+
+def _hsdp_worker(rank: int, world: int) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    runs = {}
+    for name, wrap, kw in [
+        ("offload", fully_shard, {"offload_policy": CPUOffloadPolicy()}),
+        ("plain", fully_shard, {}),
+        ("fsdp2", torch_fully_shard, {"offload_policy": CPUOffloadPolicy(pin_memory=False)}),
+    ]:
+        model, ref = _net()
+        _wrap(model, wrap, mesh=mesh, **kw)
+        runs[name] = _train(model, ref, steps=2, micro=2)
+    return runs
+
+
+def test_hsdp_parity_with_fsdp2_and_one_process(ranks: RankPools) -> None:
+    """A (2, 2) HSDP mesh, inner optim_grads_params: the same checks as on a 1-D mesh."""
+    for rank, runs in enumerate(ranks.run(_hsdp_worker, 4, timeout_s=TIMEOUT_S)):
+        offload, plain, fsdp2 = runs["offload"], runs["plain"], runs["fsdp2"]
+        assert offload["losses"] == plain["losses"], (rank, offload["losses"], plain["losses"])
+        torch.testing.assert_close(offload["losses"], fsdp2["losses"], rtol=1e-5, atol=1e-6)
+        assert not offload["errors"], (rank, offload["errors"][:3])
+        assert not fsdp2["errors"], (rank, fsdp2["errors"][:3])
+
+
+def _differing_ranks_worker(rank: int, world: int) -> str:
+    model = Net()
+    try:
+        fully_shard(model, offload_policy=CPUOffloadPolicy() if rank == 0 else None)
+    except ValueError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_ranks_that_differ_fail_together(ranks: RankPools) -> None:
+    """The policy is part of what every rank must agree on: one rank offloading and the other
+    not is an error on both (the cross-rank check), not a silent difference."""
+    for rank, message in enumerate(ranks.run(_differing_ranks_worker, 2, timeout_s=TIMEOUT_S)):
+        assert "offload_policy" in message, (rank, message)

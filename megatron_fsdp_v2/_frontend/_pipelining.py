@@ -108,7 +108,7 @@ def _has_split_backward(schedule: Any, schedules: Any) -> bool:
         action = pending.pop()
         if action.computation_type in split_backward:
             return True
-        pending.extend(action.sub_actions or ())
+        pending.extend(getattr(action, "sub_actions", None) or ())  # not on every release
     return False
 
 

@@ -89,6 +89,20 @@ def _training_worker(rank: int, world: int, micro: int) -> dict[str, Any]:
     result["after_forward"] = after_forward
     result["held_after_backward"] = held_after_backward
     result["by_size"] = _step_counts(model, micro)
+    # A forward no backward follows keeps the slices; an edit of the main weights (the DTensor
+    # parameters, as an optimizer holds them) frees them, so the next forward gathers the
+    # edited weights over the world, not the stale slices within the group.
+    batch = _batches(1, 1)[0][0]
+    _loss(model, batch)
+    with torch.no_grad():
+        for p in (*model.parameters(), *ref.parameters()):
+            p.mul_(0.5)
+    with CountsByGroupSize() as mode:
+        edited = _loss(model, batch)
+    ref_edited = _loss(ref, batch)
+    result["edited"] = (edited.item(), ref_edited.item(), dict(mode.counts))
+    edited.backward()
+    ref_edited.backward()
     # FSDP2 on the same input and setting, in the same worker.
     fsdp2, ref2 = _net()
     _wrap(fsdp2, torch_fully_shard, reshard_after_forward=GROUP)
@@ -107,7 +121,8 @@ def _training_worker(rank: int, world: int, micro: int) -> dict[str, Any]:
 def test_reshard_to_2_equals_one_process_and_fsdp2(ranks: RankPools, micro: int) -> None:
     """World 4, ``reshard_after_forward=2``: the reference's losses and parameters, FSDP2's
     losses; per unit and micro-batch one all-gather over 4 ranks (forward) and one over 2
-    (backward), as FSDP2 issues them, and ZeRO-3's reduce-scatter over 4."""
+    (backward), as FSDP2 issues them, and ZeRO-3's reduce-scatter over 4. An edit of the
+    main weights after a forward frees the slices it kept: the next forward sees the edit."""
     results = ranks.run(_training_worker, WORLD, micro, timeout_s=TIMEOUT_S)
     _check_training(results)
     for rank, r in enumerate(results):
@@ -124,6 +139,9 @@ def test_reshard_to_2_equals_one_process_and_fsdp2(ranks: RankPools, micro: int)
         want_fsdp2 = {**gathers, ("reduce_scatter", WORLD): groups}
         assert r["fsdp2_by_size"] == want_fsdp2, (rank, "FSDP2", r["fsdp2_by_size"])
         torch.testing.assert_close(r["losses"], r["fsdp2_losses"], rtol=1e-5, atol=1e-7)
+        edited, ref_edited, counts = r["edited"]
+        assert edited == pytest.approx(ref_edited, rel=1e-5), (rank, "edit missed")
+        assert counts == {("all_gather", WORLD): groups}, (rank, counts)
 
 
 # ---------------------------------------------------------------------- the estimator

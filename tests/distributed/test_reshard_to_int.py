@@ -28,7 +28,15 @@ from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import RankPools
 
 from _comm_counts import COLLECTIVE_KINDS
-from _models import TinyGPT, lm_loss, make_batches
+from _models import (
+    TinyGPT,
+    assert_close_to_reference,
+    cat_batch,
+    lm_loss,
+    make_batches,
+    reference_copy,
+    wrap_blocks,
+)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 from comm_counter import CommCounter  # noqa: E402
@@ -142,6 +150,50 @@ def test_reshard_to_2_equals_one_process_and_fsdp2(ranks: RankPools, micro: int)
         edited, ref_edited, counts = r["edited"]
         assert edited == pytest.approx(ref_edited, rel=1e-5), (rank, "edit missed")
         assert counts == {("all_gather", WORLD): groups}, (rank, counts)
+
+
+def _checkpointed_worker(rank: int, world: int, where: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyGPT(vocab=37, dim=16, layers=2, heads=2, checkpoint=where)
+    ref = reference_copy(model)
+    wrap_blocks(model, "optim_grads_params", reshard_after_forward=GROUP)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses, ref_losses, counts = [], [], {}
+    for parts in make_batches("lm", 2, 1, world, per_rank=2):
+        tokens = cat_batch("lm", parts[0])  # every rank the global batch: the reference's grads
+        with CountsByGroupSize() as mode:
+            loss = lm_loss(model, tokens)
+            loss.backward()
+        counts = dict(mode.counts)
+        ref_loss = lm_loss(ref, tokens)
+        ref_loss.backward()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    errors = []
+    try:
+        assert_close_to_reference(model, ref, rtol=1e-5, atol=1e-6)
+    except AssertionError as e:
+        errors.append(str(e))
+    groups = sum(len(s.groups) for m in model.modules() if (s := state_of(m)) is not None)
+    return {"losses": losses, "ref_losses": ref_losses, "counts": counts, "errors": errors,
+            "groups": groups}
+
+
+@pytest.mark.parametrize("where", ["inner", "outer"])
+def test_activation_checkpointing_gathers_within_the_group(ranks: RankPools, where: str) -> None:
+    """Activation checkpointing inside and around each block: the recompute finds the weights
+    its pre-backward gathered within the group of 2 (no world gather in backward), and training
+    equals one process."""
+    for rank, r in enumerate(ranks.run(_checkpointed_worker, WORLD, where, timeout_s=TIMEOUT_S)):
+        assert not r["errors"], (rank, r["errors"][:1])
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-7)
+        groups = r["groups"]
+        assert r["counts"] == {("all_gather", WORLD): groups, ("all_gather", GROUP): groups,
+                               ("reduce_scatter", WORLD): groups}, (rank, r["counts"])
 
 
 # ---------------------------------------------------------------------- the estimator

@@ -210,6 +210,14 @@ class ComputeWeights:
         self._post_forward_generation = self._gathered_generation
         return self.free_gathered_weights()
 
+    def stop_post_forward_resharding(self) -> None:
+        """``set_reshard_after_forward(<bool>)`` replaces the int, as FSDP2's does: from now on
+        weights are freed whole after forward (or kept), and a slice held now is dropped (its
+        unit's next use gathers over the world)."""
+        self.drop_post_forward_slice()
+        self.issuer.axis_groups.pop("post_forward", None)
+        self.post_forward_size = 0
+
     def drop_post_forward_slice(self) -> None:
         """Free the slice kept after forward (see [Note: resharding to a smaller group])."""
         if self._post_forward_generation is not None:

@@ -111,6 +111,10 @@ def _training_worker(rank: int, world: int, micro: int) -> dict[str, Any]:
     result["edited"] = (edited.item(), ref_edited.item(), dict(mode.counts))
     edited.backward()
     ref_edited.backward()
+    model.zero_grad()  # type: ignore[operator]
+    # set_reshard_after_forward(True) replaces the int: the default schedule, as in FSDP2.
+    model.set_reshard_after_forward(True)  # type: ignore[operator]
+    result["after_set_true"] = _step_counts(model, 1)
     # FSDP2 on the same input and setting, in the same worker.
     fsdp2, ref2 = _net()
     _wrap(fsdp2, torch_fully_shard, reshard_after_forward=GROUP)
@@ -122,6 +126,8 @@ def _training_worker(rank: int, world: int, micro: int) -> dict[str, Any]:
     result["fsdp2_losses"] = fsdp2_result["losses"]
     result["fsdp2_errors"] = fsdp2_result["errors"]
     result["fsdp2_by_size"] = _step_counts(fsdp2, micro)
+    fsdp2.set_reshard_after_forward(True)  # type: ignore[operator]
+    result["fsdp2_after_set_true"] = _step_counts(fsdp2, 1)
     return result
 
 
@@ -130,7 +136,9 @@ def test_reshard_to_2_equals_one_process_and_fsdp2(ranks: RankPools, micro: int)
     """World 4, ``reshard_after_forward=2``: the reference's losses and parameters, FSDP2's
     losses; per unit and micro-batch one all-gather over 4 ranks (forward) and one over 2
     (backward), as FSDP2 issues them, and ZeRO-3's reduce-scatter over 4. An edit of the
-    main weights after a forward frees the slices it kept: the next forward sees the edit."""
+    main weights after a forward frees the slices it kept: the next forward sees the edit.
+    ``set_reshard_after_forward(True)`` then replaces the int (the default schedule), as in
+    FSDP2."""
     results = ranks.run(_training_worker, WORLD, micro, timeout_s=TIMEOUT_S)
     _check_training(results)
     for rank, r in enumerate(results):
@@ -150,6 +158,9 @@ def test_reshard_to_2_equals_one_process_and_fsdp2(ranks: RankPools, micro: int)
         edited, ref_edited, counts = r["edited"]
         assert edited == pytest.approx(ref_edited, rel=1e-5), (rank, "edit missed")
         assert counts == {("all_gather", WORLD): groups}, (rank, counts)
+        default = {("all_gather", WORLD): 2 * groups, ("reduce_scatter", WORLD): groups}
+        assert r["after_set_true"] == default, (rank, r["after_set_true"])
+        assert r["fsdp2_after_set_true"] == default, (rank, "FSDP2", r["fsdp2_after_set_true"])
 
 
 def _checkpointed_worker(rank: int, world: int, where: str) -> dict[str, Any]:

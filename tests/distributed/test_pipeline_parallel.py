@@ -17,6 +17,9 @@ but not the stage root, torch's schedule sees no ``FSDPModule`` and marks nothin
 backward ends a window (``no_shard``: N all-reduces), still exact. FSDP2 reduce-scatters
 once per step (it keeps unsharded gradients across the micro-batches; ours keep them sharded).
 
+HSDP inside the stages (pp 2 x replicate 2 x shard 2, 8 ranks, FSDP2's HSDP as the control)
+checks the values under 1F1B.
+
 Zero-bubble schedules (a backward split into input and weight passes) are refused with a
 ``NotImplementedError`` naming the schedule, on every rank, before the step's pipeline
 communication (see [Note: pipeline schedules over fully_shard units]).
@@ -75,10 +78,10 @@ def _reference() -> nn.Sequential:
     return nn.Sequential(*[Block(DIM, HEADS) for _ in range(BLOCKS)])
 
 
-def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _data(dp: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per step: inputs and targets ``[dp, MICRO * MICRO_ROWS, SEQ, DIM]`` (same on all ranks)."""
     g = torch.Generator().manual_seed(1)
-    shape = (2, MICRO * MICRO_ROWS, SEQ, DIM)
+    shape = (dp, MICRO * MICRO_ROWS, SEQ, DIM)
     return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g))
             for _ in range(STEPS)]
 
@@ -95,8 +98,8 @@ def _stage_ids(pp_rank: int, per_rank: int, v_layout: bool) -> list[int]:
 
 def _wrap(sub: nn.Sequential, mesh: DeviceMesh, variant: str) -> None:
     """``variant``: a strategy, ``optim_grads_params/raf=False``, ``no_shard/blocks`` (the
-    blocks only, not the stage root: torch's schedule then treats the stage as plain), or
-    ``fsdp2``."""
+    blocks only, not the stage root: torch's schedule then treats the stage as plain),
+    ``hsdp`` (``mesh`` 2-D: inner ``optim_grads_params``, outer ``no_shard``) or ``fsdp2``."""
     if variant == "no_shard/blocks":
         for block in sub:
             fully_shard(block, mesh=mesh, sharding_strategy="no_shard")
@@ -104,6 +107,9 @@ def _wrap(sub: nn.Sequential, mesh: DeviceMesh, variant: str) -> None:
     for module in [*sub, sub]:
         if variant == "fsdp2":
             torch_fully_shard(module, mesh=mesh, reshard_after_forward=False)
+        elif variant == "hsdp":
+            fully_shard(module, mesh=mesh, sharding_strategy="optim_grads_params",
+                        outer_dp_sharding_strategy="no_shard")
         elif variant.endswith("/raf=False"):
             fully_shard(module, mesh=mesh, sharding_strategy="optim_grads_params",
                         reshard_after_forward=False)
@@ -129,21 +135,24 @@ def _expected(variant: str, groups: int) -> Counter:
 
 def _train(mesh: DeviceMesh, schedule: str, variant: str, ref: nn.Sequential,
            data: list[tuple[torch.Tensor, torch.Tensor]], v_layout: bool = False,
+           dp_mesh: DeviceMesh | None = None, dp_rank: int | None = None,
            ) -> tuple[list[list[float]], list[nn.Sequential], list[int], list[Counter]]:
     """Train ``STEPS`` steps on a fresh split of ``ref``'s (untrained) blocks: per step the last
     stage's micro-batch losses (empty elsewhere), the stage modules, their stage ids, and the
-    collectives each step issued over the dp group."""
+    collectives each step issued over the ``"dp"`` group. ``dp_mesh``/``dp_rank``: the mesh the
+    stages are wrapped on and this rank's data slice (default ``mesh["dp"]``, its rank)."""
     cls, per_rank = SCHEDULES[schedule] if schedule in SCHEDULES else (ScheduleZBVZeroBubble, 2)
     if schedule == "interleaved_zero_bubble":
         cls, per_rank = ScheduleInterleavedZeroBubble, 2
-    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    pp_rank = mesh.get_local_rank("pp")
+    dp_rank = mesh.get_local_rank("dp") if dp_rank is None else dp_rank
     num_stages = 2 * per_rank
     per_stage = BLOCKS // num_stages
     ids = _stage_ids(pp_rank, per_rank, v_layout)
     subs, stages = [], []
     for s in ids:
         sub = nn.Sequential(*copy.deepcopy(list(ref[s * per_stage:(s + 1) * per_stage])))
-        _wrap(sub, mesh["dp"], variant)
+        _wrap(sub, mesh["dp"] if dp_mesh is None else dp_mesh, variant)
         subs.append(sub)
         stages.append(PipelineStage(sub, s, num_stages, torch.device("cpu"),
                                     group=mesh.get_group("pp")))
@@ -180,7 +189,7 @@ def _reference_run(ref: nn.Sequential, data: list[tuple[torch.Tensor, torch.Tens
         rows = out.detach().view(x.shape).split(MICRO_ROWS, dim=1)
         targets = y.split(MICRO_ROWS, dim=1)
         per_step.append([[_loss(rows[m][d], targets[m][d]).item() for m in range(MICRO)]
-                         for d in range(2)])
+                         for d in range(x.shape[0])])
     return per_step
 
 
@@ -191,15 +200,23 @@ def _groups(subs: list[nn.Sequential], variant: str) -> int:
                if (s := state_of(m)) is not None)
 
 
-def _parity_worker(rank: int, world: int, schedule: str) -> None:
-    mesh = _mesh()
-    dp_rank = mesh.get_local_rank("dp")
-    data = _data()
+def _parity_worker(rank: int, world: int, schedule: str, hsdp: bool = False) -> None:
+    if hsdp:  # pp 2 x (replicate 2 x shard 2): 8 ranks, 4 data-parallel slices
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "replicate", "dp"))
+        dp_mesh: DeviceMesh | None = mesh["replicate", "dp"]
+        dp_rank = mesh.get_local_rank("replicate") * 2 + mesh.get_local_rank("dp")
+        variants: tuple[str, ...] = ("fsdp2", "hsdp")
+    else:
+        mesh, dp_mesh = _mesh(), None
+        dp_rank = mesh.get_local_rank("dp")
+        variants = ("fsdp2", *STRATEGIES, "optim_grads_params/raf=False", "no_shard/blocks")
+    data = _data(dp=4 if hsdp else 2)
     want_losses = _reference_run(_reference(), data)
     want = _reference()
     _reference_run(want, data)  # ``want`` holds the trained reference parameters
-    for variant in ("fsdp2", *STRATEGIES, "optim_grads_params/raf=False", "no_shard/blocks"):
-        losses, subs, ids, counts = _train(mesh, schedule, variant, _reference(), data)
+    for variant in variants:
+        losses, subs, ids, counts = _train(mesh, schedule, variant, _reference(), data,
+                                           dp_mesh=dp_mesh, dp_rank=dp_rank)
         per_stage = BLOCKS // (len(ids) * 2)
 
         def check(losses: Any = losses, subs: Any = subs, ids: Any = ids,
@@ -219,6 +236,8 @@ def _parity_worker(rank: int, world: int, schedule: str) -> None:
                     torch.testing.assert_close(
                         full.detach(), expected.detach(), rtol=1e-5, atol=1e-6,
                         msg=lambda m: f"{variant} stage {s} {name} after {STEPS} steps: {m}")
+            if hsdp:
+                return  # counts: the 1-D cases; here the values
             expected_counts = _expected(variant, _groups(subs, variant))
             for step in range(1, STEPS):  # step 0 adds torch's metadata-inference pass
                 assert counts[step] == expected_counts, (
@@ -233,6 +252,13 @@ def test_schedule_matches_one_process_and_fsdp2(ranks: RankPools, schedule: str)
     """Losses and parameters equal one process on the global batch (FSDP2 in the same run as
     the control), every strategy, and the dp collectives of each step are the contract's."""
     ranks.run(_parity_worker, 4, schedule, timeout_s=TIMEOUT_S)
+
+
+def test_hsdp_stages_match_one_process_and_fsdp2(ranks: RankPools) -> None:
+    """HSDP inside each stage (inner ``optim_grads_params``, outer ``no_shard``) under 1F1B on
+    pp 2 x replicate 2 x shard 2, FSDP2's HSDP as the control: the window's end at the step's
+    end runs the outer reduction too."""
+    ranks.run(_parity_worker, 8, "1f1b", True, timeout_s=TIMEOUT_S)
 
 
 def _zero_bubble_worker(rank: int, world: int, schedule: str) -> None:

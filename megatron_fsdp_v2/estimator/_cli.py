@@ -93,6 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mesh", type=_parse_mesh, action="append", default=[],
                         help="also estimate HSDP on an RxS mesh (repeatable; with --tp, "
                              "HSDP x TP: R*S = world-size/tp)")
+    parser.add_argument("--reshard-to", type=int, action="append", default=[],
+                        help="also estimate optim_grads_params with reshard_after_forward=N "
+                             "(backward all-gathers within groups of N ranks; repeatable)")
     parser.add_argument("--budget-gib", type=float, default=None)
     args = parser.parse_args(argv)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
@@ -107,18 +110,20 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--param-dtype fp8 with --tp: fully_shard gathers FP8 weights on a "
                          "data-parallel mesh only (FSDP x TP refuses them)")
         common.update(tp=args.tp, tp_plan=tp_plan(args.model))
-    configs: list[tuple[str, tuple[int, int] | None, str]] = [
-        (s, None, "no_shard") for s in STRATEGIES
+    configs: list[tuple[str, tuple[int, int] | None, str, bool | int]] = [
+        (s, None, "no_shard", True) for s in STRATEGIES
     ]
+    configs += [("optim_grads_params", None, "no_shard", n) for n in args.reshard_to]
     for mesh in args.mesh:  # outer no_shard under each inner strategy, then outer optim
-        configs += [(s, mesh, "no_shard") for s in STRATEGIES]
-        configs.append(("optim_grads_params", mesh, "optim"))
+        configs += [(s, mesh, "no_shard", True) for s in STRATEGIES]
+        configs.append(("optim_grads_params", mesh, "optim", True))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # fully_shard's padding warnings: summarized below
-        for strategy, mesh, outer in configs:
+        for strategy, mesh, outer, reshard in configs:
             est = estimate(model_fn, sharding_strategy=strategy, mesh_shape=mesh,
-                           outer_dp_sharding_strategy=outer, **common)
-            label = strategy
+                           outer_dp_sharding_strategy=outer, reshard_after_forward=reshard,
+                           **common)
+            label = strategy if reshard is True else f"{strategy} reshard to {reshard}"
             if mesh is not None:
                 label = f"hsdp {mesh[0]}x{mesh[1]} {strategy}"
                 label += " +outer optim" if outer == "optim" else ""

@@ -299,7 +299,8 @@ def estimate(
             mesh=mesh, sharding_strategy=sharding_strategy, mp_policy=mp_policy,
             check_ranks=False, sync_module_states=False, max_padding_ratio=max_padding_ratio,
             outer_dp_sharding_strategy=outer_dp_sharding_strategy,
-            reshard_after_forward=reshard_after_forward,
+            # None: each strategy's default (True would be refused by the others than ZeRO-3).
+            reshard_after_forward=None if reshard_after_forward is True else reshard_after_forward,
         )
         with meta_buffers():
             for unit in reversed(units):  # children before their parents

@@ -155,6 +155,12 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
           "--heads", "4", "--world-size", "8", "--budget-gib", "0.0000001"])
     out = capsys.readouterr().out
     assert "nothing fits" in out and "\n* " not in out
+    # --reshard-to: ZeRO-3 with reshard_after_forward=N as a row of its own (wire bytes below
+    # the default schedule's; exactness: tests/distributed/test_reshard_to_int.py).
+    main(["--model", "gpt", "--layers", "2", "--dim", "64", "--ffn", "256", "--vocab", "300",
+          "--heads", "4", "--world-size", "8", "--reshard-to", "2"])
+    out = capsys.readouterr().out
+    assert "optim_grads_params reshard to 2" in out, out
 
 
 def test_fp8_parameters(capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,10 +5,12 @@ Before a step they catch an optimizer built before wrapping (it holds the comput
 which would be updated as stale copies that never see a gradient), reduce gradients of a window
 no backward marked last, and mark the groups the optimizer holds for the refresh of their
 compute weights (see [Note: replicated-buffer refresh]), and let an elementwise optimizer step on
-the local tensors (see [Note: local optimizer step]); after it, swap the DTensors back and mark
-the groups again. ``optimizer.zero_grad`` needs nothing from here: however the gradients were
-cleared, the next window takes it in without reading a value (see [Note: gradients known
-without a host read] in ``_zeroed_grads.py``).
+the local tensors (see [Note: local optimizer step]), or hand ``torch.optim.Muon`` its step on
+whole matrices as a closure (see [Note: distributed Muon] in ``_muon.py``); after it, swap the
+DTensors back, give back the gradients the Muon step hid, and mark the groups again.
+``optimizer.zero_grad`` needs nothing from here: however the gradients were cleared, the next
+window takes it in without reading a value (see [Note: gradients known without a host read] in
+``_zeroed_grads.py``).
 
 The first time they see an optimizer that holds managed parameters they also give it
 ``state_dict`` / ``load_state_dict`` post-hooks (``_state_dict_hooks.optimizer_*``), so that

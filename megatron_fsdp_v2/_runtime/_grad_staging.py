@@ -19,7 +19,8 @@ until the unit's post-backward.
   Micro-batches staged on this path (below) are therefore staged unscaled too. A window that
   starts on REDUCED values (gradients zeroed in place or not cleared, a second backward over a
   retained graph) sets them aside first ([Note: HSDP window carry] in ``_grads.py``) and arms
-  as from EMPTY; they go back if the backward brings this group nothing. A group that reduced
+  as from EMPTY (they go back if the backward brings this group nothing), or, under
+  ``no_shard``, arms over them and adds onto them. A group that reduced
   in this window and has not installed yet sets no alias: those micro-batches take the staging
   path.
 * Reduce-each path (``optim_grads``): the aliases view the unit's ``reduce_scatter_input``
@@ -93,7 +94,7 @@ class GradStaging:
     if TYPE_CHECKING:  # defined by GroupGrads or its other part
         def ensure_main_grad(self) -> torch.Tensor: ...
         def sweep(self) -> None: ...
-        def _carry_over(self) -> None: ...
+        def start_window_on_reduced_values(self) -> None: ...
         def _return_unused_carry(self) -> None: ...
         @property
         def window_starts_on_reduced_values(self) -> bool: ...
@@ -139,7 +140,7 @@ class GradStaging:
             if self.state is GradState.REDUCED:
                 if not self.window_starts_on_reduced_values:
                     return None  # reduced in this window: later micro-batches reduce, then add
-                self._carry_over()  # set aside, added back after the window's collective
+                self.start_window_on_reduced_values()  # carried, or accumulated onto
             buffer = self.ensure_main_grad()
             if self.state is GradState.EMPTY:
                 buffer.zero_()

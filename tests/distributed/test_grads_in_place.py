@@ -200,6 +200,10 @@ def _case(rank: int, world: int, strategy: str, mp: str, micro: int, variant: st
     # Bitwise where the math is the same: N=1, or a power-of-two scale. bf16: rounding of the
     # compute dtype dominates the reference comparison.
     bitwise = micro == 1 or world & (world - 1) == 0
+    # A second backward over a retained graph finds installed values: no_shard in place adds
+    # onto them before its all-reduce (1/D * sum of (V + local)), staged it sets them aside
+    # (V + 1/D * sum of local): the same to rounding, not the same arithmetic.
+    bitwise = bitwise and not (variant == "retain_graph" and strategy == "no_shard")
     ref_tol = (1e-5, 1e-6) if mp == "fp32" else (5e-2, 2e-2)
     calls: list[str] = []
     for step, batches in enumerate(_batches(world, micro, seed=world)):

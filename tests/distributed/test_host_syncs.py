@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_fsdp_v2
 from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2._registry import state_of
 
 from _pool import RankPools
 
@@ -122,7 +123,7 @@ def _reductions(model: nn.Module) -> int:
 
 
 def _train(rank: int, world: int, strategy: str, variant: str, unused: bool
-           ) -> tuple[list[list[str]], list[int], list[str]]:
+           ) -> tuple[list[list[str]], list[int], list[str], bool]:
     """Trains ``fully_shard`` next to single-process torch on the global batch. ``variant``
     says how gradients are cleared after each step:
 
@@ -134,7 +135,8 @@ def _train(rank: int, world: int, strategy: str, variant: str, unused: bool
       to ``inp.weight``'s gradient through ``to_local()`` / a DTensor op, as torch adds it.
 
     Returns, per steady-state step, the host reads of library code and the reduction
-    collectives issued, and the mismatches against torch."""
+    collectives issued, the mismatches against torch, and whether a group set installed
+    gradients aside (a ``window_carry`` scratch buffer)."""
     torch.manual_seed(0)
     model = Net(unused)
     ref = copy.deepcopy(model)
@@ -176,7 +178,10 @@ def _train(rank: int, world: int, strategy: str, variant: str, unused: bool
             if not torch.allclose(full, dict(ref.named_parameters())[name], rtol=1e-5,
                                   atol=1e-6):
                 mismatches.append(f"step {step}: {name}")
-    return reads, reductions, mismatches
+    carried = any(g.allocator.get(g.temporary_key("window_carry")) is not None
+                  for unit in (model, model.block)
+                  for g in state_of(unit).groups)  # type: ignore[union-attr]
+    return reads, reductions, mismatches, carried
 
 
 def _clear(model: nn.Module, opts: list[torch.optim.Optimizer], variant: str) -> None:
@@ -206,7 +211,7 @@ def test_no_host_reads_in_steady_state(ranks: RankPools, strategy: str, variant:
     per group and window that decides its ``.grad=None`` (see [Note: gradients known without a
     host read]): the root's group holds it, so one read per step, not one per parameter."""
     results = ranks.run(_train, 2, strategy, variant, unused, timeout_s=TIMEOUT_S)
-    for rank, (reads, _, mismatches) in enumerate(results):
+    for rank, (reads, _, mismatches, _) in enumerate(results):
         assert not mismatches, f"rank {rank}: differs from torch: {mismatches}"
         for step, seen in enumerate(reads):
             where = f"rank {rank}, steady step {step}"
@@ -236,10 +241,13 @@ def test_in_place_writes_need_no_read(ranks: RankPools, strategy: str, variant: 
     and still one collective per group and window (no per-micro-batch fallback, no agreement
     all-reduce)."""
     results = ranks.run(_train, 2, strategy, variant, False, timeout_s=TIMEOUT_S)
-    for rank, (seen, issued, mismatches) in enumerate(results):
+    for rank, (seen, issued, mismatches, carried) in enumerate(results):
         assert not mismatches, f"rank {rank}: differs from torch: {mismatches}"
         assert not any(seen), f"rank {rank}: host reads {seen}"
         assert issued == [REDUCTIONS_PER_STEP] * len(issued), f"rank {rank}: reductions {issued}"
+        # no_shard adds onto the installed values (the all-reduce's 1/D keeps them, DDP's
+        # arithmetic); sharded gradients are set aside, this rank's shard only.
+        assert carried == (strategy == "optim"), f"rank {rank}: window_carry used: {carried}"
 
 
 def _backward_to_inputs(rank: int, world: int, strategy: str) -> list[str]:

@@ -13,7 +13,8 @@ steady-state step reads no value, for every strategy, however the gradients were
   (``p.grad.zero_()`` in a loop, clipping, an add through ``to_local()`` or a DTensor op): the
   library does not ask what they hold. On the reduce-each path the next window's reductions
   add onto them; on the accumulate path the window sets them aside before its first write and
-  adds them back after its one collective ([Note: HSDP window carry] in ``_grads.py``). Both
+  adds them back after its one collective, or, under ``no_shard``, adds onto them, which the
+  all-reduce's ``1/D`` gives back unchanged ([Note: HSDP window carry] in ``_grads.py``). All
   are right for any values, zeros included, so nothing is read, nothing has to be detected,
   and ``torch.optim.Optimizer.zero_grad`` is not wrapped (torch has no hook there). The
   decision depends on the gradient state machine only, which every rank runs alike, so the

@@ -167,7 +167,7 @@ class _Run:
                  outer: str | None = None, nesterov: bool = True, fsdp2: bool = True,
                  closure: bool = False) -> None:
         self.rank, self.world, self.strategy = rank, world, strategy
-        self.micro, self.closure = micro, closure
+        self.micro, self.closure, self.mp = micro, closure, mp
         self.dims = (12, 5) if model_cls is MuonNet else (8, 8)
         torch.manual_seed(0)
         base = model_cls()
@@ -206,6 +206,18 @@ class _Run:
             loss = F.mse_loss(self.ours(x).float(), y) / self.micro
             loss.backward()
             total += loss.detach()
+        # The forward ran on the weights the last step left (refreshed or gathered from the
+        # updated main weights): its loss is one process's on the global batch.
+        mean = total.clone()
+        dist.all_reduce(mean)
+        mean /= self.world
+        with torch.no_grad():
+            ref_loss = sum(F.mse_loss(self.ref(torch.cat([b[0] for b in batches[m]])),
+                                      torch.cat([b[1] for b in batches[m]]))
+                           for m in range(self.micro)) / self.micro
+        tolerance = 2e-2 if self.mp else 1e-5
+        agree("loss vs one process", lambda: torch.testing.assert_close(
+            mean, ref_loss, rtol=tolerance, atol=tolerance))
         return total
 
     def step(self, step: int) -> dict[str, int]:

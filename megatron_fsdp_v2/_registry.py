@@ -84,6 +84,9 @@ muon_plans: weakref.WeakKeyDictionary[torch.optim.Optimizer, MuonPlan] = weakref
 muon_hidden_grads: weakref.WeakKeyDictionary[torch.optim.Optimizer, list[Any]] = (
     weakref.WeakKeyDictionary()
 )
+# _frontend/_pipelining.py: per torch.distributed.pipelining schedule object, whether it splits
+# backwards into input and weight passes (read once per schedule, not at every step).
+pipeline_schedule_splits: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 # Wrapped modules whose meta parameters or buffers have no values yet (see [Note: meta
 # materialization] in _materialize.py).
 pending_meta_units: weakref.WeakKeyDictionary[nn.Module, PendingUnit] = weakref.WeakKeyDictionary()
@@ -160,6 +163,7 @@ def reset() -> None:
     optimizer_state_dict_hooked.clear()
     local_step_positions.clear()
     muon_plans.clear()
+    pipeline_schedule_splits.clear()
     expert_names.clear()
     muon_hidden_grads.clear()
     pending_meta_units.clear()

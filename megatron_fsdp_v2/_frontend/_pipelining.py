@@ -95,10 +95,6 @@ def attach(module: nn.Module) -> None:
     module.__dict__.setdefault(STATE_KEY, {})[key] = PipelineStepEnd(module)
 
 
-# Per schedule object: whether it splits backwards (read once, not at every step).
-_splits: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
-
-
 def _has_split_backward(schedule: Any, schedules: Any) -> bool:
     split_backward = (schedules.BACKWARD_INPUT, schedules.BACKWARD_WEIGHT)  # zero-bubble I, W
     orders = getattr(schedule, "pipeline_order_with_comms", None) or getattr(
@@ -123,9 +119,11 @@ def refuse_split_backward(caller: FrameType | None) -> None:
     schedule = caller.f_locals.get("self")
     if not isinstance(schedule, schedules._PipelineSchedule):
         return
-    splits = _splits.get(schedule)
+    # Read once per schedule object, not at every step.
+    splits = _registry.pipeline_schedule_splits.get(schedule)
     if splits is None:
-        splits = _splits[schedule] = _has_split_backward(schedule, schedules)
+        splits = _has_split_backward(schedule, schedules)
+        _registry.pipeline_schedule_splits[schedule] = splits
     if splits:
         raise NotImplementedError(
             f"{type(schedule).__name__} splits each backward into an input-gradient pass and a "

@@ -118,7 +118,6 @@ def plan_of(optimizer: torch.optim.Optimizer) -> MuonPlan:
                 f"{tuple(p.shape)}; Muon takes 2-D parameters only (give the others to AdamW). "
                 "Nothing was changed"
             )
-    _check_agreement(params, group_of)  # before the plan: its TP blocks are gathered
     modes = [group.get("tp_mode", "whole") for group in group_of]
     for mode in modes:
         if mode not in TP_MODES:
@@ -127,6 +126,9 @@ def plan_of(optimizer: torch.optim.Optimizer) -> MuonPlan:
                 "parallel matrix orthogonalized as the global matrix, the default) or "
                 "'per_shard' (each TP rank's shard on its own). Nothing was changed"
             )
+    # The first collective: every local check has passed. Before the plan, whose TP blocks
+    # are gathered.
+    _check_agreement(params, group_of)
     whole = WholeMatrices(params, cost=newton_schulz_flops,
                           per_tp_shard=[mode == "per_shard" for mode in modes])
     plan = MuonPlan(signature, params, group_of, whole)

@@ -61,7 +61,7 @@ from torch.optim.optimizer import _to_scalar
 from .. import _registry
 from .._comm._backends import group_timeout
 from .._comm._comm_groups import whole_mesh_group
-from ._whole_matrices import WholeMatrices, newton_schulz_flops
+from ._whole_matrices import WholeMatrices, local_tensor, newton_schulz_flops
 
 __all__ = ["MuonPlan", "is_distributed_muon", "muon_closure", "restore_hidden_grads"]
 
@@ -221,13 +221,13 @@ def _step(optimizer: torch.optim.Optimizer, plan: MuonPlan) -> None:
             if buf is None:  # torch: zeros_like(p.grad), created at the first gradient
                 buf = torch.zeros_like(grad, memory_format=torch.preserve_format)
                 optimizer.state[p]["momentum_buffer"] = buf
-            buf_rows, grad_rows = _local(buf), _local(grad)
+            buf_rows, grad_rows = local_tensor(buf), local_tensor(grad)
             buf_rows.lerp_(grad_rows, 1 - momentum)
             update = grad_rows.lerp(buf_rows, momentum) if group["nesterov"] else buf_rows
         else:
-            dtype = _local(buf).dtype if buf is not None else p.dtype
-            zeros = torch.zeros_like(_local(p), dtype=dtype)
-            buf_rows = (_local(buf) if buf is not None else zeros).lerp(zeros, 1 - momentum)
+            dtype = local_tensor(buf).dtype if buf is not None else p.dtype
+            zeros = torch.zeros_like(local_tensor(p), dtype=dtype)
+            buf_rows = (local_tensor(buf) if buf is not None else zeros).lerp(zeros, 1 - momentum)
             update = zeros.lerp(buf_rows, momentum) if group["nesterov"] else buf_rows
             aside[i] = buf_rows
         updates.append(update)
@@ -246,7 +246,7 @@ def _step(optimizer: torch.optim.Optimizer, plan: MuonPlan) -> None:
             _keep_momentum(optimizer, p, aside[i])
         lr = _to_scalar(group["lr"])
         adjusted_lr = torch_muon._adjust_lr(lr, group["adjust_lr_fn"], p.shape)
-        param_rows = _local(p)
+        param_rows = local_tensor(p)
         param_rows.mul_(1 - lr * group["weight_decay"])
         param_rows.add_(update_rows, alpha=-adjusted_lr)
 
@@ -255,12 +255,8 @@ def _keep_momentum(optimizer: torch.optim.Optimizer, p: torch.Tensor,
                    buf_rows: torch.Tensor) -> None:
     buf = optimizer.state[p].get("momentum_buffer")
     if buf is not None:
-        _local(buf).copy_(buf_rows)
+        local_tensor(buf).copy_(buf_rows)
         return
     assert isinstance(p, DTensor)
     optimizer.state[p]["momentum_buffer"] = DTensor.from_local(
         buf_rows, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t

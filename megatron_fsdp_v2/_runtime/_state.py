@@ -186,8 +186,7 @@ class FSDPState(UnitState):
             group.sync_requires_grad()
         if self._graph_backwarded:
             self.forget_graph()
-        # Inside the root's forward (else called directly, e.g. a head called by the loss).
-        in_root_graph = self.is_root or ctx.root.training_state is TrainingState.FORWARD
+        in_root_graph = self._in_root_forward()
         if in_root_graph:
             self.forward_pass = ctx.forward_pass
         ctx.record_forward(self)
@@ -214,6 +213,13 @@ class FSDPState(UnitState):
             self.needs_post_backward = True
             args, kwargs = self._register_post_backward(args, kwargs, in_root_graph)
         return args, kwargs
+
+    def _in_root_forward(self) -> bool:
+        """Whether this call runs inside the root's forward (else it is called directly, e.g. a
+        head called by the loss: see [Note: backward over part of the graph] in
+        ``_context.py``)."""
+        assert self.ctx is not None
+        return self.is_root or self.ctx.root.training_state is TrainingState.FORWARD
 
     def _root_pre_forward(self) -> None:
         assert self.ctx is not None
@@ -298,7 +304,7 @@ class FSDPState(UnitState):
             return output
         ctx = self.ctx
         assert ctx is not None
-        in_root_graph = self.is_root or ctx.root.training_state is TrainingState.FORWARD
+        in_root_graph = self._in_root_forward()
         if torch.is_grad_enabled() and (
             self._keeps_weights_for_backward()
             # [Note: calls after the root's forward] A unit called outside the root's forward

@@ -51,7 +51,7 @@ from .._comm._collectives import all_to_all_uneven
 from .._comm._comm_groups import whole_mesh_group
 from ._param_record import ParamRecord
 
-__all__ = ["WholeMatrices", "newton_schulz_flops"]
+__all__ = ["WholeMatrices", "local_tensor", "newton_schulz_flops"]
 
 Block = tuple[int, int, int, int]
 
@@ -251,10 +251,10 @@ class WholeMatrices:
             exchange = by_group[id(process_group)]
             shape = record.item.shape if self.per_tp_shard[i] else self.params[i].shape
             held = blocks[exchange.rank]
-            if (held[1] - held[0], held[3] - held[2]) != tuple(_local(self.params[i]).shape):
+            if (held[1] - held[0], held[3] - held[2]) != tuple(local_tensor(self.params[i]).shape):
                 raise AssertionError(  # the layout math and the local tensor disagree
                     f"'{record.fqn}': block {held} from the layout, local shape "
-                    f"{tuple(_local(self.params[i]).shape)}"
+                    f"{tuple(local_tensor(self.params[i]).shape)}"
                 )
             exchange.matrices.append(_Matrix(i, shape, blocks))
         for exchange in self._exchanges:
@@ -305,25 +305,26 @@ class WholeMatrices:
         for e in self._exchanges:
             for m in e.matrices:
                 if not m.exchanged and m.whole_on(e.rank):
-                    piece = _local(local_pieces[m.index])
+                    piece = local_tensor(local_pieces[m.index])
                     whole = piece if dtype is None else piece.to(dtype)
                     wholes[m.index] = whole if present[m.index] else None
             if not e.issues:
                 continue
-            first = _local(local_pieces[e.matrices[0].index])
+            first = local_tensor(local_pieces[e.matrices[0].index])
             wire, device = dtype or first.dtype, first.device
             e.wire_dtype = wire
             send = torch.empty(sum(e.send_splits), dtype=wire, device=device)
             for m, offset in e.out_pieces:
                 n = m.numel_on(e.rank)
-                send[offset + 1 : offset + 1 + n].copy_(_local(local_pieces[m.index]).reshape(-1))
+                piece = local_tensor(local_pieces[m.index])
+                send[offset + 1 : offset + 1 + n].copy_(piece.reshape(-1))
             _write_flags(send, [offset for _, offset in e.out_pieces],
                          [present[m.index] for m, _ in e.out_pieces])
             received = self._all_to_all(e, send, e.recv_splits, e.send_splits)
             owned = [m for m in e.matrices if m.owner == e.rank and m.exchanged]
             whole_of = {m.index: torch.empty(m.shape, dtype=wire, device=device) for m in owned}
             for m in owned:
-                m.block_of(whole_of[m.index], e.rank).copy_(_local(local_pieces[m.index]))
+                m.block_of(whole_of[m.index], e.rank).copy_(local_tensor(local_pieces[m.index]))
             for m, source, offset in e.in_pieces:
                 block = m.block_of(whole_of[m.index], source)
                 block.copy_(received[offset + 1 : offset + 1 + m.numel_on(source)].view(
@@ -351,8 +352,8 @@ class WholeMatrices:
             if not e.issues:
                 continue
             # Every rank must put the same dtype on the wire, owners of nothing included.
-            wire = dtype or e.wire_dtype or _local(self.params[e.matrices[0].index]).dtype
-            device = _local(self.params[e.matrices[0].index]).device
+            wire = dtype or e.wire_dtype or local_tensor(self.params[e.matrices[0].index]).dtype
+            device = local_tensor(self.params[e.matrices[0].index]).device
             # to_owners mirrored: the pieces that came in go back, at the same offsets.
             send = torch.empty(sum(e.recv_splits), dtype=wire, device=device)
             for m, dest, offset in e.in_pieces:
@@ -396,7 +397,8 @@ def _read_flags(buffer: torch.Tensor, pieces: Sequence[tuple]) -> list[bool]:
     return [v != 0 for v in buffer.index_select(0, index).tolist()]
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (this rank's piece), a plain tensor itself."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 

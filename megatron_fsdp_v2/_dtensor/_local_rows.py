@@ -19,17 +19,17 @@ from ._chunk_metadata import ROWS_ATTR, is_row_sharded, mark_rows
 if TYPE_CHECKING:
     from .._runtime._flat_param_group import FlatParamGroup
 
-__all__ = ["convert_for_load", "dist_param_slots", "local_rows_dtensor", "param_slot"]
+__all__ = ["convert_for_load", "managed_dist_params", "local_rows_dtensor", "flat_position"]
 
 
-def param_slot(param: nn.Parameter) -> tuple[FlatParamGroup, int]:
-    """The parameter group and index behind a managed DTensor parameter."""
+def flat_position(param: nn.Parameter) -> tuple[FlatParamGroup, int]:
+    """The flat group and index behind a managed DTensor parameter."""
     record = _registry.record_of(param)
     assert record is not None
     return record.group, record.index
 
 
-def dist_param_slots(module: nn.Module) -> dict[str, nn.Parameter]:
+def managed_dist_params(module: nn.Module) -> dict[str, nn.Parameter]:
     """Every name (tied parameters under each of theirs) of a DTensor parameter managed by a
     unit, relative to ``module``. Outside forward/backward, where the DTensors are registered."""
     return {
@@ -43,7 +43,7 @@ def local_rows_dtensor(param: nn.Parameter, full: torch.Tensor, copy: bool = Fal
     """This rank's part of ``full`` (a whole, unsharded tensor shaped like ``param``) as a DTensor
     with ``param``'s placements and layout, ready for ``param.copy_``; ``copy``: own its rows
     instead of viewing ``full``."""
-    group, index = param_slot(param)
+    group, index = flat_position(param)
     dparam: DTensor = param  # type: ignore[assignment]
     local = dparam._local_tensor
     if is_row_sharded(group):
@@ -83,7 +83,7 @@ def _carries_rows(value: DTensor) -> bool:
 def convert_for_load(key: str, param: nn.Parameter, value: Any) -> Any:
     """Turn a full tensor, or a DTensor laid out differently but convertible without
     communication, into a DTensor with ``param``'s exact layout."""
-    group, index = param_slot(param)
+    group, index = flat_position(param)
     dparam: DTensor = param  # type: ignore[assignment]
     if not isinstance(value, DTensor):
         return local_rows_dtensor(param, value.detach())

@@ -121,7 +121,7 @@ def apply_to_units(
     # back in their slots' original order (parameters() order is the optimizer's).
     hidden: list[tuple[dict[str, Any], list[str], dict[str, Any]]] = []
     for state in states:
-        for parameters, mapping in state.slots.dist_registration:
+        for parameters, mapping in state.registered_params.dist_registration:
             order = list(parameters)
             popped = {name: parameters.pop(name) for name in mapping if name in parameters}
             if popped:

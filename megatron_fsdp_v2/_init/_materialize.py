@@ -104,7 +104,7 @@ def adopt_meta_unit(
     for group in meta_groups:
         for index, (record, original) in enumerate(zip(group.records, group.original_params)):
             replacement[id(original)] = record.compute_param
-            if group.extension is not None:  # the object the slot holds now (ParamSlots)
+            if group.extension is not None:  # the object the slot holds now (RegisteredParams)
                 group.extension.original_ids[index] = id(record.compute_param)
         group.original_params = []  # drop the meta parameters
     for _, submodule in _registry.owned_modules(module):

@@ -4,7 +4,7 @@
 ``block.compile()`` compiles the module's ``_call_impl``, so the module's forward hooks are traced
 along with its ``forward``; ``torch.compile(block)`` on a block already wrapped does the same
 through the ``OptimizedModule``. The hooks must not be traced: they issue collectives, swap the
-objects in ``module._parameters`` (``_slots.py``), rebind the compute parameters' ``.data`` to
+objects in ``module._parameters`` (``_registered_params.py``), rebind the compute parameters' ``.data`` to
 views of a gathered scratch buffer at the first ZeRO-3 gather (AOTAutograd rejects that: "set_ on a
 graph input") and free or re-grow scratch-buffer storage (``_allocator.py``). Every forward hook the
 library registers is therefore wrapped with :func:`eager_hook`: dynamo breaks the graph at the call

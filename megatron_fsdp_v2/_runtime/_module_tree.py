@@ -5,11 +5,11 @@ A unit manages the parameters its modules held when it was wrapped. A submodule 
 (``model.blocks[2] = nn.Linear(...)``, ``model.head = ...``, ``module.add_module``) brings
 parameters that no unit shards or reduces: each rank would train its own copy, unsynchronized
 (the ranks drift apart), where torch trains one. Such a change must raise at the next forward,
-as a replaced parameter does (``ParamSlots.check``), but walking every unit's modules at every
+as a replaced parameter does (``RegisteredParams.check``), but walking every unit's modules at every
 forward would cost the hot path a loop over the model. torch tells every submodule assignment
 to the global module-registration hooks (``register_module_module_registration_hook``, public;
 a call, no patch of torch): the hook installed at the first ``fully_shard`` counts them, and the
-root's pre-forward walks the module trees (``ParamSlots.check_tree``) only when the count moved
+root's pre-forward walks the module trees (``RegisteredParams.check_tree``) only when the count moved
 since its last look: one integer comparison per forward otherwise. Assignments anywhere in the
 process count (a reference model built next to the wrapped one): they cost one walk at the next
 forward, never an error, since a walk raises only for parameters no unit manages in modules

@@ -173,15 +173,15 @@ class FSDPState(UnitState):
             # registered since the last walk (see [Note: module tree changes after wrapping]).
             tree_generation = module_tree_generation()
             for state in ctx.states:
-                state.slots.check()
+                state.registered_params.check()
                 if tree_generation != ctx.checked_tree_generation:
-                    state.slots.check_tree()
+                    state.registered_params.check_tree()
             ctx.checked_tree_generation = tree_generation
             self._root_pre_forward()
         elif ctx.root.training_state is not TrainingState.FORWARD:
-            self.slots.check()  # called directly, not from the root's forward
+            self.registered_params.check()  # called directly, not from the root's forward
             if module_tree_generation() != ctx.checked_tree_generation:
-                self.slots.check_tree()
+                self.registered_params.check_tree()
         for group in self.groups:
             group.sync_requires_grad()
         if self._graph_backwarded:

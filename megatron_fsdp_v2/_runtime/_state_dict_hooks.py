@@ -25,7 +25,7 @@ from .._dtensor._chunk_metadata import (
     skip_on_save,
     strip_metadata,
 )
-from .._dtensor._local_rows import convert_for_load, dist_param_slots, param_slot
+from .._dtensor._local_rows import convert_for_load, managed_dist_params, flat_position
 from ._expert_names import lost_on_dcp, lost_on_dcp_params
 from ._flat_param_group import FlatParamGroup
 from ._state_dict_checks import expected_entries, first_mismatch, tensor_shape
@@ -50,8 +50,8 @@ def state_dict_post_hook(
     if state is None:
         return
     own = {id(g) for g in state.groups}
-    for name, param in dist_param_slots(module).items():
-        group, index = param_slot(param)
+    for name, param in managed_dist_params(module).items():
+        group, index = flat_position(param)
         value = state_dict.get(prefix + name)
         # keep_vars=True returns the live parameters: leave them alone (see strip_metadata).
         if id(group) in own and isinstance(value, DTensor) and not isinstance(value, nn.Parameter):
@@ -172,9 +172,9 @@ def load_state_dict_pre_hook(
     if state is None:
         return
     own = {id(g) for g in state.groups}
-    for name, param in dist_param_slots(module).items():
+    for name, param in managed_dist_params(module).items():
         key = prefix + name
-        if key in state_dict and id(param_slot(param)[0]) in own:
+        if key in state_dict and id(flat_position(param)[0]) in own:
             state_dict[key] = convert_for_load(key, param, state_dict[key])
 
 

@@ -92,7 +92,7 @@ class ExtensionGather:
                 rewrap(p, torch.empty(0, dtype=p.dtype, device=group.device), False)
                 for p in params
             ]
-        # ids of the parameter objects the module held at wrap time (ParamSlots maps them).
+        # ids of the parameter objects the module held at wrap time (RegisteredParams maps them).
         self.original_ids = [id(p) for p in params]
         self.owners: list[nn.Module | None] = [None] * len(params)  # set by fully_shard
         self.mp_policy: Any = None

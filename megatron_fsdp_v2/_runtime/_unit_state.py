@@ -17,7 +17,7 @@ from .._profiling import traced
 from ..api import MixedPrecisionPolicy
 from ._context import FSDPContext, TrainingState
 from ._flat_param_group import FlatParamGroup
-from ._slots import ParamSlots
+from ._registered_params import RegisteredParams
 
 if TYPE_CHECKING:
     from ._state import FSDPState
@@ -96,8 +96,8 @@ class UnitState:
         self.fqn = type(module).__name__
         self.owns_nested_units = False  # set by the root's lazy init
         # Which objects sit in the module's parameter slots, and checks that nobody else put
-        # another one there (see _slots.py).
-        self.slots = ParamSlots(self, module)
+        # another one there (see _registered_params.py).
+        self.registered_params = RegisteredParams(self, module)
         self._cast_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None
         self._output_dtype = mp_policy.output_dtype
 
@@ -122,10 +122,10 @@ class UnitState:
         self.backward_done = False
 
     def register_dist_params(self) -> None:
-        self.slots.register_dist_params()
+        self.registered_params.register_dist_params()
 
     def register_compute_params(self) -> None:
-        self.slots.register_compute_params()
+        self.registered_params.register_compute_params()
         for group in self.groups:
             group.note_views_exposed()  # see [Note: trace-planned pool]
 

@@ -13,8 +13,8 @@ op-table entries read on torch 2.14.x, so any other torch raises one ``RuntimeEr
 running and tested versions and the fix (pin torch, or opt in with
 ``MEGATRON_FSDP_ALLOW_UNTESTED_TORCH=1``).
 
-Dependency direction: this package holds only the mechanics (finding the slots, saving the
-originals, rebinding, restoring; ``_patch.py``, ``_slots.py``, ``_op_handlers.py``). What a
+Dependency direction: this package holds only the mechanics (finding the targets, saving the
+originals, rebinding, restoring; ``_patch.py``, ``_targets.py``, ``_op_handlers.py``). What a
 replacement does lives with the layer it belongs to (``_dtensor/`` for DTensor and state-dict
 paths, ``_frontend/_fsdp2_compat.py`` for the clipping route) as plain functions that take
 torch's original as their first argument. The patch modules import that logic (at install

@@ -9,7 +9,7 @@ from typing import Any
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad
 
-from ._patch import Patch, Plan, Slot
+from ._patch import Patch, Plan, PatchTarget
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]
 
@@ -27,7 +27,7 @@ def _plan() -> Plan:
         f"{torch_clip.__doc__ or ''}\n\n    megatron_fsdp_v2: a list holding fully_shard "
         "parameters is handled by megatron_fsdp_v2.clip_grad_norm_ (same arguments).\n"
     )
-    plan: Plan = [(Slot(module, "clip_grad_norm_"), clip_grad_norm_)
+    plan: Plan = [(PatchTarget(module, "clip_grad_norm_"), clip_grad_norm_)
                   for module in (clip_grad, nn_utils)
                   if vars(module).get("clip_grad_norm_") is torch_clip]
     torch_total = vars(nn_utils).get("get_total_norm")
@@ -40,7 +40,7 @@ def _plan() -> Plan:
             f"{torch_total.__doc__ or ''}\n\n    megatron_fsdp_v2: gradients of "
             "fully_shard parameters are handled by megatron_fsdp_v2.utils.get_total_norm.\n"
         )
-        plan.append((Slot(nn_utils, "get_total_norm"), get_total_norm))
+        plan.append((PatchTarget(nn_utils, "get_total_norm"), get_total_norm))
     return plan
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ._op_handlers import make_handler
-from ._patch import Patch, Plan, Slot
-from ._slots import op_table
+from ._patch import Patch, Plan, PatchTarget
+from ._targets import op_table
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]
 
@@ -18,7 +18,7 @@ def _plan() -> Plan:
     table, op = op_table(), torch.ops.aten.copy_.default
     if op in table:  # torch's own handler: not replaced
         return []
-    return [(Slot(table, op), make_handler(copy_rows))]
+    return [(PatchTarget(table, op), make_handler(copy_rows))]
 
 
 PATCH = Patch(

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from ._op_handlers import call_default, make_handler
-from ._patch import Patch, Plan, Slot
-from ._slots import op_table
+from ._patch import Patch, Plan, PatchTarget
+from ._targets import op_table
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]
 
@@ -29,7 +29,7 @@ def _plan() -> Plan:
             return NotImplemented
         return call_default(op_call, *replaced)
 
-    return [(Slot(table, op), make_handler(empty_shard_norms))]
+    return [(PatchTarget(table, op), make_handler(empty_shard_norms))]
 
 
 PATCH = Patch(

@@ -10,8 +10,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._patch import Patch, Plan, Slot
-from ._slots import modules_holding
+from ._patch import Patch, Plan, PatchTarget
+from ._targets import modules_holding
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]
 
@@ -47,12 +47,12 @@ def _plan() -> Plan:
         if torch_fn is None:
             continue
         wrapper = _wrap(torch_fn, replacement)
-        plan.extend((slot, wrapper) for slot in modules_holding(_HOLDERS, name, torch_fn))
+        plan.extend((target, wrapper) for target in modules_holding(_HOLDERS, name, torch_fn))
     from torch.distributed.checkpoint import state_dict as dsd
 
     load_model = vars(dsd).get("_load_model_state_dict")
     if load_model is not None:
-        plan.append((Slot(dsd, "_load_model_state_dict"),
+        plan.append((PatchTarget(dsd, "_load_model_state_dict"),
                      _wrap_returning(load_model, logic.load_model_state_dict)))
     return plan
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ._patch import Patch, Plan, Slot
+from ._patch import Patch, Plan, PatchTarget
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]
 
@@ -24,7 +24,7 @@ def _plan() -> Plan:
         check_full_optim_state_dict(optimizers, info)
         return torch_fn(model, optimizers, info)
 
-    return [(Slot(dsd, "_get_optim_state_dict"), _get_optim_state_dict)]
+    return [(PatchTarget(dsd, "_get_optim_state_dict"), _get_optim_state_dict)]
 
 
 PATCH = Patch(

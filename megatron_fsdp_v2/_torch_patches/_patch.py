@@ -1,11 +1,11 @@
 """The mechanics every patch of torch shares: find the places in torch that hold the objects to
 replace, save the originals, rebind, and put the exact originals back.
 
-A :class:`Slot` is one place: an attribute of a module or class (read from its ``__dict__``, so a
+A :class:`PatchTarget` is one place: an attribute of a module or class (read from its ``__dict__``, so a
 ``staticmethod`` comes back as the same ``staticmethod`` object), or one entry of a dict (DTensor's
-op table), possibly absent. A :class:`Patch` is a named set of slots with their replacements,
+op table), possibly absent. A :class:`Patch` is a named set of targets with their replacements,
 built by a ``plan`` function from the objects torch holds at install time; installing applies
-the plan once, uninstalling restores every slot whose value is still the replacement (a slot
+the plan once, uninstalling restores every target whose value is still the replacement (a target
 someone else rebound since keeps their object; torch's own entry of a table is never touched).
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from ._version_gate import check_torch_version
 
-__all__ = ["MISSING", "Patch", "Slot"]
+__all__ = ["MISSING", "Patch", "PatchTarget"]
 
 
 class _Missing:
@@ -29,7 +29,7 @@ MISSING: Any = _Missing()  # a table entry or attribute that did not exist befor
 
 
 @dataclass(frozen=True)
-class Slot:
+class PatchTarget:
     """One place holding an object: ``owner.<key>`` (module or class), or ``owner[key]``
     (``owner`` a dict)."""
 
@@ -53,8 +53,8 @@ class Slot:
             setattr(self.owner, self.key, value)
 
 
-# What a plan returns: each slot with the object to put there.
-Plan = list[tuple[Slot, Any]]
+# What a plan returns: each target with the object to put there.
+Plan = list[tuple[PatchTarget, Any]]
 
 
 class Patch:
@@ -63,7 +63,7 @@ class Patch:
 
     def __init__(self, name: str, reason: str, plan: Callable[[], Plan]) -> None:
         self.name, self.reason, self._plan = name, reason, plan
-        self._applied: list[tuple[Slot, Any, Any]] | None = None  # slot, original, replacement
+        self._applied: list[tuple[PatchTarget, Any, Any]] | None = None  # target, original, replacement
 
     def __repr__(self) -> str:
         return f"Patch({self.name!r}, installed={self.is_installed()})"
@@ -76,26 +76,26 @@ class Patch:
             return
         check_torch_version()
         plan = self._plan()  # reads torch's current objects; nothing is changed yet
-        applied = [(slot, slot.get(), replacement) for slot, replacement in plan]
-        done: list[tuple[Slot, Any, Any]] = []
+        applied = [(target, target.get(), replacement) for target, replacement in plan]
+        done: list[tuple[PatchTarget, Any, Any]] = []
         try:
-            for slot, original, replacement in applied:
-                slot.set(replacement)
-                done.append((slot, original, replacement))
+            for target, original, replacement in applied:
+                target.set(replacement)
+                done.append((target, original, replacement))
         except BaseException:
-            for slot, original, _ in reversed(done):  # all or nothing
-                slot.set(original)
+            for target, original, _ in reversed(done):  # all or nothing
+                target.set(original)
             raise
         self._applied = applied
 
     def uninstall(self) -> None:
         if self._applied is None:
             return
-        for slot, original, replacement in reversed(self._applied):
-            if slot.get() is replacement:
-                slot.set(original)
+        for target, original, replacement in reversed(self._applied):
+            if target.get() is replacement:
+                target.set(original)
         self._applied = None
 
-    def originals(self) -> list[tuple[Slot, Any]]:
-        """The slots this patch rebound and what they held before (empty when not installed)."""
-        return [(slot, original) for slot, original, _ in self._applied or []]
+    def originals(self) -> list[tuple[PatchTarget, Any]]:
+        """The targets this patch rebound and what they held before (empty when not installed)."""
+        return [(target, original) for target, original, _ in self._applied or []]

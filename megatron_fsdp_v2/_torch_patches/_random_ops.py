@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from ._op_handlers import make_handler
-from ._patch import Patch, Plan, Slot
-from ._slots import op_table
+from ._patch import Patch, Plan, PatchTarget
+from ._targets import op_table
 
 __all__ = ["PATCH", "RANDOM_INPLACE_OPS", "install", "is_installed", "uninstall"]
 
@@ -34,7 +34,7 @@ def _plan() -> Plan:
     table = op_table()
     handler = make_handler(random_op)
     # An op DTensor has a handler of its own for keeps it.
-    return [(Slot(table, op), handler) for op in RANDOM_INPLACE_OPS if op not in table]
+    return [(PatchTarget(table, op), handler) for op in RANDOM_INPLACE_OPS if op not in table]
 
 
 PATCH = Patch(

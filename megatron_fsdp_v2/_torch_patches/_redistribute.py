@@ -7,8 +7,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ._patch import Patch, Plan, Slot
-from ._slots import modules_holding
+from ._patch import Patch, Plan, PatchTarget
+from ._targets import modules_holding
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]
 
@@ -47,9 +47,9 @@ def _plan() -> Plan:
             use_val_from_redistribute_schema,
         )
 
-    plan: Plan = [(slot, redistribute_local_tensor)
-                  for slot in modules_holding(_HOLDERS, _NAME, torch_redistribute)]
-    plan.append((Slot(OpDispatcher, "redistribute_local_args"),
+    plan: Plan = [(target, redistribute_local_tensor)
+                  for target in modules_holding(_HOLDERS, _NAME, torch_redistribute)]
+    plan.append((PatchTarget(OpDispatcher, "redistribute_local_args"),
                  staticmethod(redistribute_local_args)))
     return plan
 

@@ -18,7 +18,7 @@ from .. import _registry
 from .._buffers._plan import Extent
 from .._comm._backends import collective_device
 from .._dtensor._chunk_metadata import is_row_sharded
-from .._dtensor._local_rows import dist_param_slots, local_rows_dtensor, param_slot
+from .._dtensor._local_rows import managed_dist_params, local_rows_dtensor, flat_position
 from .._init._materialize import materialize
 from .._runtime._flat_param_group import FlatParamGroup
 from ._experts import ExpertNames
@@ -84,12 +84,12 @@ def full_state_dict(model: nn.Module, *, keep: bool, cpu_offload: bool) -> dict[
     """``model.state_dict()`` with every managed parameter's full main weights in place of its
     DTensor (``{}`` unless ``keep``; every rank must call it)."""
     full = gather_full_params(model, keep=keep, cpu_offload=cpu_offload)
-    slots = dist_param_slots(model)
+    managed = managed_dist_params(model)
     out: dict[str, Any] = {}
     for key, value in model.state_dict().items():
-        param = slots.get(key)
+        param = managed.get(key)
         if param is not None:
-            group, index = param_slot(param)
+            group, index = flat_position(param)
             value = full.get((id(group), index))
         elif isinstance(value, DTensor):
             # A DTensor fully_shard does not manage (e.g. an ignored tensor-parallel weight):
@@ -185,7 +185,7 @@ def broadcast_rows(
             if local is not None:
                 shapes[local] = None if meta is None else torch.Size(meta[0])
         raise_if_any_rank(check(shapes), process_group)
-    slots = dist_param_slots(model)
+    managed = managed_dist_params(model)
     targets = model.state_dict(keep_vars=True)
     # The device the group's collectives move natively (CUDA under NCCL, however it was named).
     device = collective_device(process_group)
@@ -205,7 +205,7 @@ def broadcast_rows(
         dist.broadcast(tensor, src=src, group=process_group)
         if key is None:
             continue
-        param = slots.get(key)
+        param = managed.get(key)
         if param is not None:
             # Keep a copy of this rank's rows only, not the whole broadcast tensor.
             out[key] = local_rows_dtensor(param, tensor, copy=True)

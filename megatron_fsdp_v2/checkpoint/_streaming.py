@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 from .. import _registry, ops
 from .._buffers._plan import Extent
 from .._comm._arrival import await_every_rank
-from .._dtensor._local_rows import dist_param_slots, param_slot
+from .._dtensor._local_rows import managed_dist_params, flat_position
 from .._init._materialize import materialize
 from .._runtime._flat_param_group import FlatParamGroup
 from . import _group
@@ -136,7 +136,7 @@ class _Holders:
         self.slot = dist.get_rank(gather) if len(spans) > 1 else 0
 
 
-def _plan_buckets(entries: list[tuple[str, Any]], slots: dict[str, nn.Parameter],
+def _plan_buckets(entries: list[tuple[str, Any]], managed: dict[str, nn.Parameter],
                   bucket_bytes: int) -> tuple[dict[str, int], list[_Bucket]]:
     """Which bucket each managed entry is gathered in (name -> bucket index), and the buckets.
     The same on every rank: layouts, spans and ``bucket_bytes`` only."""
@@ -144,10 +144,10 @@ def _plan_buckets(entries: list[tuple[str, Any]], slots: dict[str, nn.Parameter]
     buckets: list[_Bucket] = []
     where: dict[str, int] = {}
     for name, _ in entries:
-        param = slots.get(name)
+        param = managed.get(name)
         if param is None:
             continue
-        group, index = param_slot(param)
+        group, index = flat_position(param)
         h = holders.get(id(group))
         if h is None:
             h = holders[id(group)] = _Holders(group)
@@ -352,14 +352,14 @@ def _stream(model: nn.Module, bucket_bytes: int, to_rank: int | None
         )
     keep = to_rank is None or not dist.is_initialized() or dist.get_rank() == to_rank
     materialize(model)  # a model built on the meta device: values first (no collective)
-    slots = dist_param_slots(model)
+    managed = managed_dist_params(model)
     entries = list(model.state_dict().items())
-    where, buckets = _plan_buckets(entries, slots, bucket_bytes)
+    where, buckets = _plan_buckets(entries, managed, bucket_bytes)
     buffers = {d: _Buffer(buckets, d, keep) for d in {b.device for b in buckets}}
     current, assembly = -1, None
     closed = False  # the consumer stopped early: finish the collectives without yielding
     for name, value in entries:
-        param = slots.get(name)
+        param = managed.get(name)
         if param is not None:
             b = where[name]
             bucket = buckets[b]

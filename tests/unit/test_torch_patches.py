@@ -25,7 +25,7 @@ _ABSENT = "<absent>"
 
 def _torch_objects() -> dict[str, Any]:
     """Every torch object the library patches, read straight from torch (not from the patch
-    modules, so a patch that forgets one of its slots still shows here)."""
+    modules, so a patch that forgets one of its targets still shows here)."""
     import torch.distributed.checkpoint.state_dict as dsd
     import torch.nn.utils as nn_utils
     import torch.nn.utils.clip_grad as clip_grad

@@ -4,8 +4,8 @@ parameters otherwise, and checks that nobody else put another one there.
 
 The parameter objects a unit was wrapped with are what its flat buffers hold: a parameter
 replaced, tied, added or removed after ``fully_shard`` would be silently put back at the next
-registration (or stay unsharded and unsynchronized), so :meth:`ParamSlots.check` raises first;
-a submodule assigned after wrapping is found by :meth:`ParamSlots.check_tree` (see [Note: module
+registration (or stay unsharded and unsynchronized), so :meth:`RegisteredParams.check` raises first;
+a submodule assigned after wrapping is found by :meth:`RegisteredParams.check_tree` (see [Note: module
 tree changes after wrapping] in ``_module_tree.py``), and ``p.data = x`` on a managed parameter
 by a watch on its storage ([Note: data assignments]).
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from ._param_record import ParamRecord
     from ._unit_state import UnitState
 
-__all__ = ["ParamSlots"]
+__all__ = ["RegisteredParams"]
 
 # (a module's ``_parameters`` dict, {slot name: parameter to put there})
 Registration = tuple[dict[str, Any], dict[str, Any]]
@@ -49,8 +49,8 @@ Registration = tuple[dict[str, Any], dict[str, Any]]
 
 
 
-class ParamSlots:
-    """The parameter slots of one unit's modules."""
+class RegisteredParams:
+    """The parameter objects registered in one unit's modules (``module._parameters``)."""
 
     def __init__(self, state: UnitState, module: nn.Module) -> None:
         self._state = state
@@ -213,7 +213,7 @@ class ParamSlots:
             )
 
 
-def _watch_storage(slots: weakref.ref[ParamSlots], record: ParamRecord) -> weakref.ref[Any]:
+def _watch_storage(slots: weakref.ref[RegisteredParams], record: ParamRecord) -> weakref.ref[Any]:
     """A weak reference to the storage of ``record``'s optimizer-facing parameter that records
     the parameter in ``slots.data_replaced`` when the storage is released while the parameter
     is alive and still the record's (see [Note: data assignments])."""

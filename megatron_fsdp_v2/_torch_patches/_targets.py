@@ -1,4 +1,4 @@
-"""Finding the slots of a patch: the modules that hold a torch function under its name (a module
+"""Finding the targets of a patch: the modules that hold a torch function under its name (a module
 that imported it by name holds its own reference, which a patch of the defining module alone
 would miss), and the entries of DTensor's op table."""
 
@@ -8,23 +8,23 @@ import importlib
 from collections.abc import Iterable
 from typing import Any
 
-from ._patch import Slot
+from ._patch import PatchTarget
 
 __all__ = ["modules_holding", "op_table"]
 
 
-def modules_holding(module_names: Iterable[str], name: str, original: Any) -> list[Slot]:
+def modules_holding(module_names: Iterable[str], name: str, original: Any) -> list[PatchTarget]:
     """``module.<name>`` of each named module whose attribute is ``original`` itself (a module
     missing from this torch is skipped; one holding something else is not ours to replace)."""
-    slots = []
+    targets = []
     for module_name in module_names:
         try:
             module = importlib.import_module(module_name)
         except ImportError:
             continue
         if vars(module).get(name) is original:
-            slots.append(Slot(module, name))
-    return slots
+            targets.append(PatchTarget(module, name))
+    return targets
 
 
 def op_table() -> dict[Any, Any]:

@@ -9,8 +9,8 @@ as a replaced parameter does (``RegisteredParams.check``), but walking every uni
 forward would cost the hot path a loop over the model. torch tells every submodule assignment
 to the global module-registration hooks (``register_module_module_registration_hook``, public;
 a call, no patch of torch): the hook installed at the first ``fully_shard`` counts them, and the
-root's pre-forward walks the module trees (``RegisteredParams.check_tree``) only when the count moved
-since its last look: one integer comparison per forward otherwise. Assignments anywhere in the
+root's pre-forward walks the module trees (``RegisteredParams.check_tree``) only when the count
+moved since its last look: one integer comparison per forward otherwise. Assignments anywhere in the
 process count (a reference model built next to the wrapped one): they cost one walk at the next
 forward, never an error, since a walk raises only for parameters no unit manages in modules
 that were not there at wrap time. A module that only wraps a unit without parameters of its own

@@ -4,10 +4,10 @@ parameters otherwise, and checks that nobody else put another one there.
 
 The parameter objects a unit was wrapped with are what its flat buffers hold: a parameter
 replaced, tied, added or removed after ``fully_shard`` would be silently put back at the next
-registration (or stay unsharded and unsynchronized), so :meth:`RegisteredParams.check` raises first;
-a submodule assigned after wrapping is found by :meth:`RegisteredParams.check_tree` (see [Note: module
-tree changes after wrapping] in ``_module_tree.py``), and ``p.data = x`` on a managed parameter
-by a watch on its storage ([Note: data assignments]).
+registration (or stay unsharded and unsynchronized), so :meth:`RegisteredParams.check` raises
+first; a submodule assigned after wrapping is found by :meth:`RegisteredParams.check_tree` (see
+[Note: module tree changes after wrapping] in ``_module_tree.py``), and ``p.data = x`` on a
+managed parameter by a watch on its storage ([Note: data assignments]).
 
 [Note: data assignments]
 ``p.data = x`` on an optimizer-facing DTensor parameter swaps the storage and metadata of the

@@ -25,7 +25,7 @@ from .._dtensor._chunk_metadata import (
     skip_on_save,
     strip_metadata,
 )
-from .._dtensor._local_rows import convert_for_load, managed_dist_params, flat_position
+from .._dtensor._local_rows import convert_for_load, flat_position, managed_dist_params
 from ._expert_names import lost_on_dcp, lost_on_dcp_params
 from ._flat_param_group import FlatParamGroup
 from ._state_dict_checks import expected_entries, first_mismatch, tensor_shape

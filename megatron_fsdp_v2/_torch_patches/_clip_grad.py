@@ -9,7 +9,7 @@ from typing import Any
 import torch.nn.utils as nn_utils
 import torch.nn.utils.clip_grad as clip_grad
 
-from ._patch import Patch, Plan, PatchTarget
+from ._patch import Patch, PatchTarget, Plan
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ._op_handlers import call_default, make_handler
-from ._patch import Patch, Plan, PatchTarget
+from ._patch import Patch, PatchTarget, Plan
 from ._targets import op_table
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]

@@ -10,7 +10,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from ._patch import Patch, Plan, PatchTarget
+from ._patch import Patch, PatchTarget, Plan
 from ._targets import modules_holding
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]

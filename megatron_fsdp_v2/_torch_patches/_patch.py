@@ -1,12 +1,13 @@
 """The mechanics every patch of torch shares: find the places in torch that hold the objects to
 replace, save the originals, rebind, and put the exact originals back.
 
-A :class:`PatchTarget` is one place: an attribute of a module or class (read from its ``__dict__``, so a
-``staticmethod`` comes back as the same ``staticmethod`` object), or one entry of a dict (DTensor's
-op table), possibly absent. A :class:`Patch` is a named set of targets with their replacements,
-built by a ``plan`` function from the objects torch holds at install time; installing applies
-the plan once, uninstalling restores every target whose value is still the replacement (a target
-someone else rebound since keeps their object; torch's own entry of a table is never touched).
+A :class:`PatchTarget` is one place: an attribute of a module or class (read from its ``__dict__``,
+so a ``staticmethod`` comes back as the same ``staticmethod`` object), or one entry of a dict
+(DTensor's op table), possibly absent. A :class:`Patch` is a named set of targets with their
+replacements, built by a ``plan`` function from the objects torch holds at install time; installing
+applies the plan once, uninstalling restores every target whose value is still the replacement (a
+target someone else rebound since keeps their object; torch's own entry of a table is never
+touched).
 """
 
 from __future__ import annotations
@@ -63,7 +64,8 @@ class Patch:
 
     def __init__(self, name: str, reason: str, plan: Callable[[], Plan]) -> None:
         self.name, self.reason, self._plan = name, reason, plan
-        self._applied: list[tuple[PatchTarget, Any, Any]] | None = None  # target, original, replacement
+        # (target, original, replacement) of each target rebound; None when not installed
+        self._applied: list[tuple[PatchTarget, Any, Any]] | None = None
 
     def __repr__(self) -> str:
         return f"Patch({self.name!r}, installed={self.is_installed()})"

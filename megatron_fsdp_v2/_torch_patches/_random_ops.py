@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from ._op_handlers import make_handler
-from ._patch import Patch, Plan, PatchTarget
+from ._patch import Patch, PatchTarget, Plan
 from ._targets import op_table
 
 __all__ = ["PATCH", "RANDOM_INPLACE_OPS", "install", "is_installed", "uninstall"]

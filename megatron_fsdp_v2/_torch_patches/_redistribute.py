@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from ._patch import Patch, Plan, PatchTarget
+from ._patch import Patch, PatchTarget, Plan
 from ._targets import modules_holding
 
 __all__ = ["PATCH", "install", "is_installed", "uninstall"]

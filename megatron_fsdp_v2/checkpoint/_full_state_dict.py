@@ -18,7 +18,7 @@ from .. import _registry
 from .._buffers._plan import Extent
 from .._comm._backends import collective_device
 from .._dtensor._chunk_metadata import is_row_sharded
-from .._dtensor._local_rows import managed_dist_params, local_rows_dtensor, flat_position
+from .._dtensor._local_rows import flat_position, local_rows_dtensor, managed_dist_params
 from .._init._materialize import materialize
 from .._runtime._flat_param_group import FlatParamGroup
 from ._experts import ExpertNames

@@ -58,7 +58,7 @@ from torch.distributed.tensor import DTensor
 from .. import _registry, ops
 from .._buffers._plan import Extent
 from .._comm._arrival import await_every_rank
-from .._dtensor._local_rows import managed_dist_params, flat_position
+from .._dtensor._local_rows import flat_position, managed_dist_params
 from .._init._materialize import materialize
 from .._runtime._flat_param_group import FlatParamGroup
 from . import _group

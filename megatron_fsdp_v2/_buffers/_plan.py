@@ -28,7 +28,7 @@ gathers; gradient norms are all-reduced over the whole mesh (``norm_axis = "mesh
 
 ``grads_in_place``: whether autograd writes gradients straight into the flat buffer the gradient
 path fills first (see [Note: gradients in place] in ``_grad_staging.py``): ``main_grad`` on the
-accumulate path when the gradient dtype is the compute dtype, the ``reduce_scatter_input``
+accumulate path when the gradient dtype is the compute dtype, the ``staged_grad``
 scratch buffer on the reduce-each path when the communication dtype is the compute dtype and weights
 are not gathered (``optim_grads``). Otherwise (a cast is needed; ZeRO-3, where the earlier
 scratch buffer costs peak memory) each micro-batch's ``param.grad`` is staged with the ``pack_``
@@ -64,7 +64,7 @@ class GradPath(enum.Enum):
     """Micro-batches add into a full-size ``main_grad``; one collective on the last one
     (``no_shard``, ``optim``)."""
     REDUCE_EACH_MICRO_BATCH = "reduce each"
-    """Every micro-batch is staged into a temporary ``reduce_scatter_input`` and reduced; the
+    """Every micro-batch is staged into a temporary ``staged_grad`` and reduced; the
     results add up in the ``main_grad`` shard (``optim_grads``, ``optim_grads_params``)."""
 
 
@@ -160,7 +160,7 @@ class BufferPlan:
     grads_in_place: bool = False
     """Compute parameters' ``.grad`` are preset to aliases of their regions of the buffer the
     gradient path writes first (``main_grad`` on the accumulate path, which then holds unscaled
-    local sums and is scaled once before its delayed collective; ``reduce_scatter_input`` on the
+    local sums and is scaled once before its delayed collective; ``staged_grad`` on the
     reduce-each path, allocated and zeroed at the unit's pre-backward), so autograd accumulates
     in place; see [Note: gradients in place] in ``_grad_staging.py``. False: staged by ``pack_``."""
 
@@ -243,14 +243,14 @@ def make_plan(
     if gathers:
         temporaries.append("unsharded_model_weight")
     if grad_path is GradPath.REDUCE_EACH_MICRO_BATCH:
-        temporaries.append("reduce_scatter_input")
+        temporaries.append("staged_grad")
     else:
         # The delayed collective runs in place unless the communication dtype differs; an
         # unmarked loop (every backward "last") reduces later micro-batches through a
-        # reduce_scatter_input too (see GroupGrads.reduce).
+        # staged_grad too (see GroupGrads.reduce).
         if dtypes.comm != dtypes.grad:
             temporaries.append("grad_comm")
-        temporaries.append("reduce_scatter_input")
+        temporaries.append("staged_grad")
     window_steps: tuple[CollectiveStep, ...] = ()
     if outer is not None:
         window_steps = (CollectiveStep(Collective.ALL_REDUCE, "outer"),)
@@ -318,7 +318,7 @@ def _outer_optim_plan(
     inner_start = rank * outer_size * sub
     shard = (inner_start, inner_start + outer_size * sub)  # the inner shard
     own = (inner_start + outer_rank * sub, inner_start + (outer_rank + 1) * sub)
-    temporaries = ["unsharded_model_weight", "reduce_scatter_input", "window_grad",
+    temporaries = ["unsharded_model_weight", "staged_grad", "window_grad",
                    "window_carry"]
     if dtypes.comm != dtypes.grad:
         temporaries.append("outer_comm")

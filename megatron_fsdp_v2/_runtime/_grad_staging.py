@@ -23,7 +23,7 @@ until the unit's post-backward.
   ``no_shard``, arms over them and adds onto them. A group that reduced
   in this window and has not installed yet sets no alias: those micro-batches take the staging
   path.
-* Reduce-each path (``optim_grads``): the aliases view the unit's ``reduce_scatter_input``
+* Reduce-each path (``optim_grads``): the aliases view the unit's ``staged_grad``
   scratch buffer, allocated and zeroed at the pre-backward instead of the post-backward (while its
   autograd gradients would otherwise be alive: the same bytes, held as one scratch buffer); the
   post-backward scales it in place and reduces it. Not under ZeRO-3 (``optim_grads_params``,
@@ -146,7 +146,7 @@ class GradStaging:
                 buffer.zero_()
             return buffer
         buffer = group.allocator.allocate(
-            group.temporary_key("reduce_scatter_input"), group.layout.total_numel,
+            group.temporary_key("staged_grad"), group.layout.total_numel,
             group.dtypes.comm, group.device,
         )
         buffer.zero_()
@@ -224,7 +224,7 @@ class GradStaging:
         for record in self.group.records:
             record.compute_param.grad = None
         if self.group.plan.grad_path is GradPath.REDUCE_EACH_MICRO_BATCH:
-            self.group.allocator.free(self.group.temporary_key("reduce_scatter_input"))
+            self.group.allocator.free(self.group.temporary_key("staged_grad"))
 
     def drop_compute_grads(self) -> None:
         """Forget this backward's compute-parameter gradients (recovery after a failure)."""

@@ -222,22 +222,22 @@ class GroupGrads(GradStaging, OptimizerGrads):
     def _reduce_micro_batch(self, grads: Sequence[torch.Tensor | None], async_op: bool,
                             in_place: bool = False) -> None:
         group = self.group
-        key = group.temporary_key("reduce_scatter_input")
+        key = group.temporary_key("staged_grad")
         scale = group.grad_pre_scale
         if in_place:  # autograd wrote into the scratch buffer (see [Note: gradients in place])
-            reduce_scatter_input = group.allocator.get(key)
-            assert reduce_scatter_input is not None and group.allocator.is_allocated(key)
+            staged_grad = group.allocator.get(key)
+            assert staged_grad is not None and group.allocator.is_allocated(key)
             if scale != 1.0:
-                reduce_scatter_input.mul_(scale)
-            self._stage_over(grads, reduce_scatter_input, scale)
+                staged_grad.mul_(scale)
+            self._stage_over(grads, staged_grad, scale)
         else:
-            reduce_scatter_input = group.allocator.allocate(
+            staged_grad = group.allocator.allocate(
                 key, group.layout.total_numel, group.dtypes.comm, group.device
             )
-            self._stage(grads, reduce_scatter_input, accumulate=False, scale=scale)
+            self._stage(grads, staged_grad, accumulate=False, scale=scale)
         accumulate = self.state is not GradState.EMPTY
         self._pending.append(_reduce.reduce_micro_batch(
-            group.plan, reduce_scatter_input, self._reduction_target(), accumulate,
+            group.plan, staged_grad, self._reduction_target(), accumulate,
             group.issuer, group.allocator, key, async_op,
         ))
         self.state = GradState.REDUCED

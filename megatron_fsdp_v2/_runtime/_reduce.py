@@ -22,15 +22,16 @@ __all__ = ["reduce_accumulated", "reduce_micro_batch", "reduce_window"]
 
 
 def _launch_reduction(
-    plan: BufferPlan, reduced: torch.Tensor, reduce_scatter_input: torch.Tensor,
+    plan: BufferPlan, reduced: torch.Tensor, reduction_input: torch.Tensor,
     issuer: GroupIssuer, async_op: bool, complete: Callable[[], None] | None = None,
 ) -> Pending:
-    """The plan's reduction of ``reduce_scatter_input``: an all-reduce in place, or a
-    reduce-scatter into ``reduced`` (this rank's slot of the input, or a persistent shard)."""
+    """The plan's reduction of ``reduction_input`` (a staged micro-batch, ``main_grad`` or its
+    workspace): an all-reduce in place, or a reduce-scatter into ``reduced`` (this rank's slot of
+    the input, or a persistent shard)."""
     (step,) = plan.reduce_steps  # one mesh axis today; see [Note: buffer plan]
     part = None if step.op is Collective.ALL_REDUCE else reduced
     return issuer.launch(CollectiveLaunch(
-        step.op, reduce_scatter_input, part, what=step.op.value, complete=complete,
+        step.op, reduction_input, part, what=step.op.value, complete=complete,
     ), async_op)
 
 
@@ -64,21 +65,21 @@ def reduce_accumulated(
 
 @traced("mfsdp::reduce")
 def reduce_micro_batch(
-    plan: BufferPlan, reduce_scatter_input: torch.Tensor, target: torch.Tensor, accumulate: bool,
+    plan: BufferPlan, staged_grad: torch.Tensor, target: torch.Tensor, accumulate: bool,
     issuer: GroupIssuer, allocator: ScratchAllocator, input_key: Hashable, async_op: bool,
 ) -> Pending:
-    """Reduce one micro-batch's staged ``reduce_scatter_input`` (a scratch buffer) and write
+    """Reduce one micro-batch's staged ``staged_grad`` (a scratch buffer) and write
     or add the result into ``target``, the optimizer-facing part of ``main_grad``."""
     whole = plan.reduce_steps[0].op is Collective.ALL_REDUCE
     reduced: torch.Tensor | None
     if whole:
-        reduced = reduce_scatter_input
-        output = reduce_scatter_input
-    elif not accumulate and reduce_scatter_input.dtype == target.dtype:
+        reduced = staged_grad
+        output = staged_grad
+    elif not accumulate and staged_grad.dtype == target.dtype:
         reduced = None  # first write, same dtype: reduce straight into the persistent shard
         output = target
     else:
-        reduced = reduce_scatter_input[slice(*plan.shard_span)]
+        reduced = staged_grad[slice(*plan.shard_span)]
         output = reduced
 
     def finish() -> None:
@@ -86,7 +87,7 @@ def reduce_micro_batch(
             ops.reduce_scatter_copy_out_(reduced, target, accumulate=accumulate)
         allocator.free(input_key)
 
-    return _launch_reduction(plan, output, reduce_scatter_input, issuer, async_op, finish)
+    return _launch_reduction(plan, output, staged_grad, issuer, async_op, finish)
 
 
 @traced("mfsdp::reduce")

@@ -33,11 +33,11 @@ def replay_temporaries(states: list[Any], micro_batches: int) -> int:
       post-forward frees every unit's;
     * backward, in reverse: a unit's pre-backward gathers its weights, prefetches the
       previous unit's and, where gradients go in place on the reduce-each path (a unit with no
-      unit below it), allocates its ``reduce_scatter_input`` (see [Note: gradients in place]
+      unit below it), allocates its ``staged_grad`` (see [Note: gradients in place]
       in ``_runtime/_grad_staging.py``); its post-backward frees its weights, finishes the
       reduction in flight
       (``max_inflight_reductions = 1``: its scratch buffer is freed) and stages its own
-      (``reduce_scatter_input`` each micro-batch, or on the last backward the accumulate path's
+      (``staged_grad`` each micro-batch, or on the last backward the accumulate path's
       ``grad_comm`` when the communication dtype differs); the root's post-backward runs at the
       end of backward, after which everything is freed;
     * HSDP, last backward: a unit's outer reductions are launched when the next post-backward
@@ -122,7 +122,7 @@ class _Replay:
             self.post_backward(i)
 
     def _in_place_scratch(self, i: int, g: Any) -> bool:
-        """A reduce-each group whose gradients autograd writes into ``reduce_scatter_input``
+        """A reduce-each group whose gradients autograd writes into ``staged_grad``
         (of a unit with no unit nested below it: ``FSDPState.prepare_gradients``)."""
         return (g.requires_grad and g.plan.grads_in_place and not self.children.get(i)
                 and g.plan.grad_path is GradPath.REDUCE_EACH_MICRO_BATCH)

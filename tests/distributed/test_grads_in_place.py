@@ -306,7 +306,7 @@ def test_activation_checkpointing(ranks: RankPools, strategy: str, ckpt: str) ->
 
 def _where_grads_live(rank: int, world: int, strategy: str) -> list[tuple[str, str]]:
     """During backward, where each compute ``.grad`` autograd wrote lives: in the plan's buffer
-    (``main_grad`` on the accumulate path, the unit's ``reduce_scatter_input`` bucket on the
+    (``main_grad`` on the accumulate path, the unit's ``staged_grad`` scratch buffer on the
     reduce-each path) or elsewhere (autograd's own tensor, staged at the post-backward)."""
     torch.manual_seed(0)
     model = _wrap(Net(), strategy, "fp32")
@@ -317,7 +317,7 @@ def _where_grads_live(rank: int, world: int, strategy: str) -> list[tuple[str, s
             if group.plan.grad_path.value == "accumulate":
                 buffer = group.grads.ensure_main_grad()
             else:
-                buffer = group.allocator.get(group.temporary_key("reduce_scatter_input"))
+                buffer = group.allocator.get(group.temporary_key("staged_grad"))
             ptr = param.grad.untyped_storage().data_ptr()
             same = buffer is not None and ptr == buffer.untyped_storage().data_ptr()
             seen.append((group.name.split("'")[1], "buffer" if same else "elsewhere"))

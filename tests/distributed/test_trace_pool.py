@@ -319,7 +319,7 @@ def test_trace_pool_errors(ranks: RankPools) -> None:
 def _arena_freed(rank: int, world: int, strategy: str) -> bool:
     """Whether the arena's storage is free after ``release_memory_pool()``, before the next
     forward: compute views and the gradient aliases cached over a bucket in it must let go
-    (``optim_grads``: autograd writes gradients into the ``reduce_scatter_input`` bucket through
+    (``optim_grads``: autograd writes gradients into the ``staged_grad`` scratch buffer through
     cached aliases)."""
     model = _wrap(world, True, strategy, "fp32", None, False)
     for step in range(3):  # record, plan, run on the plan

@@ -70,8 +70,8 @@ def test_temporaries() -> None:
     def temporaries(strategy: str, dtypes=SAME) -> tuple[str, ...]:
         return make_plan(ShardingStrategy.parse(strategy), dtypes, LAYOUT, 0).temporaries
 
-    assert temporaries("optim_grads_params") == ("unsharded_model_weight", "reduce_scatter_input")
-    assert temporaries("optim_grads") == ("reduce_scatter_input",)
+    assert temporaries("optim_grads_params") == ("unsharded_model_weight", "staged_grad")
+    assert temporaries("optim_grads") == ("staged_grad",)
     # The accumulate path reduces in place unless the reduction dtype differs.
     assert "grad_comm" not in temporaries("no_shard")
     comm_bf16 = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16).resolve(torch.float32)
@@ -138,7 +138,7 @@ def test_hsdp_outer_optim_plan(dtypes, rank: int, outer_rank: int) -> None:
         "gather_steps": [(AG, "shard")],
     }
     assert plan.norm_axis == "mesh"
-    assert plan.temporaries == ("unsharded_model_weight", "reduce_scatter_input", "window_grad",
+    assert plan.temporaries == ("unsharded_model_weight", "staged_grad", "window_grad",
                                 "window_carry")
     # Gathered weights (ZeRO-3): gradients are staged (see [Note: gradients in place]).
     assert not plan.grads_in_place
@@ -154,7 +154,7 @@ def test_hsdp_outer_optim_plan(dtypes, rank: int, outer_rank: int) -> None:
 @pytest.mark.parametrize("strategy", list(TABLE))
 def test_grads_in_place(strategy: str) -> None:
     """[Note: gradients in place]: autograd writes gradients straight into the first buffer of
-    the gradient path (``main_grad`` on the accumulate path, ``reduce_scatter_input`` on the
+    the gradient path (``main_grad`` on the accumulate path, ``staged_grad`` on the
     reduce-each path) exactly when that buffer is in the compute dtype; else they are staged."""
     def in_place(policy: MixedPrecisionPolicy, outer: ShardingStrategy | None = None) -> bool:
         return make_plan(ShardingStrategy.parse(strategy), policy.resolve(torch.float32),

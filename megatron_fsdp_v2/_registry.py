@@ -177,7 +177,7 @@ def reset() -> None:
 def owned_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """``module`` and its submodules, minus wrapped children and everything below them. The
     members of a unit wrapped from a list share its state and are its own (see [Note: several
-    modules as one unit] in ``_frontend/_grouped_modules.py``)."""
+    modules as one unit] in ``_frontend/_module_lists.py``)."""
     owned: list[tuple[str, nn.Module]] = []
     wrapped: list[str] = []
     own_state = state_of(module)

@@ -32,17 +32,17 @@ def _check_states_everywhere(optimizer: torch.optim.Optimizer) -> None:
     from .._buffers._plan import Extent
 
     # Per process group over which the parameters' shards differ: (name, has state), device.
-    by_group: dict[Any, tuple[list[tuple[str, bool]], torch.device]] = {}
+    by_process_group: dict[Any, tuple[list[tuple[str, bool]], torch.device]] = {}
     for param_group in optimizer.param_groups:
         for param in param_group["params"]:
             record = _registry.record_of(param)
             if record is None or record.group.plan.optimizer_placement is Extent.FULL:
                 continue
-            entries, _ = by_group.setdefault(
+            entries, _ = by_process_group.setdefault(
                 record.group.norm_process_group, ([], record.group.device)
             )
             entries.append((record.fqn, bool(optimizer.state.get(param))))
-    for process_group, (entries, device) in by_group.items():
+    for process_group, (entries, device) in by_process_group.items():
         flags = torch.tensor([int(has) for _, has in entries], dtype=torch.int64, device=device)
         lowest, highest = flags.clone(), flags.clone()
         dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=process_group)

@@ -25,7 +25,7 @@ Each FSDP2 argument either maps onto this library with FSDP2's semantics or is r
   dim, or a ``ShardPlacementResult`` with its own mesh) raises ``NotImplementedError`` naming
   the parameter: flat buffers shard a parameter by rows, contiguous spans of dim 0 (uneven
   over ranks), so no other dim can be the sharded one without a copy per gather.
-* a list of modules as one unit: see [Note: several modules as one unit] in ``_grouped_modules.py``.
+* a list of modules as one unit: see [Note: several modules as one unit] in ``_module_lists.py``.
 """
 
 from __future__ import annotations

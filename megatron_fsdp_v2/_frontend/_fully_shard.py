@@ -18,7 +18,7 @@ from .._comm._comm_groups import DEFAULT_TIMEOUT
 from .._runtime._memory import MemoryReport, memory_report
 from ..api import MixedPrecisionPolicy, ShardingStrategy
 from ._fsdp_module import FSDPModule, UnshardHandle
-from ._grouped_modules import resolve_modules_argument
+from ._module_lists import resolve_modules_argument
 from ._wiring import (
     add_whole_mesh_group,
     broadcast_buffers,
@@ -206,7 +206,7 @@ def fully_shard(
     _torch_patches.check_torch_version()  # before anything changes (see design.md)
     arg_module = module
     # A list of modules is one unit over an internal holder of them (see [Note: several
-    # modules as one unit] in _grouped_modules.py).
+    # modules as one unit] in _module_lists.py).
     module, members = resolve_modules_argument(module)
     options = parse_options(
         module, mesh=mesh, sharding_strategy=sharding_strategy,

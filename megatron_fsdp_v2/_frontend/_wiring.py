@@ -144,7 +144,7 @@ def build_groups(
             )
             if post_forward is not None:
                 flat_groups[-1].use_post_forward_group(post_forward)
-            flat_groups[-1].tp_norm_groups = [
+            flat_groups[-1].tp_norm_process_groups = [
                 None if face is None else tp_norm_group(face, flat_groups[-1], options.timeout)
                 for face in flat_groups[-1].tp_faces
             ]

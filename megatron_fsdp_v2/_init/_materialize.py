@@ -197,7 +197,7 @@ def _pass_roots(
     is: then its members outside ``root``'s tree (a state dict of one member) are walked
     after ``root``, in the list's order, so the whole unit gets its values at once (a unit is
     materialized all or nothing: its members share one flat buffer)."""
-    from .._frontend._grouped_modules import UnitModules  # the frontend imports this module
+    from .._frontend._module_lists import UnitModules  # the frontend imports this module
 
     in_tree = {id(m) for m in root.modules()}
     roots = [root]

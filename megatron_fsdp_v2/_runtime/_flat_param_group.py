@@ -95,7 +95,7 @@ class FlatParamGroup(ComputeWeights):
         self.layout = layout
         self.tp_faces = list(tp_faces) if tp_faces is not None else [None] * len(params)
         # Per parameter: where clip_grad_norm_ reduces a TP-sharded gradient's norm (wiring).
-        self.tp_norm_groups: list[dist.ProcessGroup | None] = [None] * len(params)
+        self.tp_norm_process_groups: list[dist.ProcessGroup | None] = [None] * len(params)
         self.mesh = mesh  # the optimizer-facing DTensors live on it (all of its dims)
         inner = mesh.ndim - 1
         self.rank = mesh.get_local_rank(inner)

@@ -82,7 +82,7 @@ class FSDPState(UnitState):
     ) -> None:
         super().__init__(module, groups, mp_policy, allocator, members)
         # On the module, or on each member of a unit wrapped from a list (see [Note: several
-        # modules as one unit] in _frontend/_grouped_modules.py).
+        # modules as one unit] in _frontend/_module_lists.py).
         for target in self.members:
             # Never traced by torch.compile: see [Note: hooks outside compiled regions].
             target.register_forward_pre_hook(

@@ -40,7 +40,7 @@ class UnitState:
         self._module_ref = weakref.ref(module)
         # The modules carrying the unit's hooks: ``module`` itself, or the members of a unit
         # wrapped from a list (see [Note: several modules as one unit] in
-        # _frontend/_grouped_modules.py), whose holder only this state keeps alive.
+        # _frontend/_module_lists.py), whose holder only this state keeps alive.
         self.members: list[nn.Module] = members if members is not None else [module]
         self._holder = module if members is not None else None
         self.groups = groups

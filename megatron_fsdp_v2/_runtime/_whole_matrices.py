@@ -240,15 +240,15 @@ class WholeMatrices:
         tp = _tp_blocks([(i, r) for i, r in enumerate(records)
                          if r.tp is not None and not self.per_tp_shard[i]])
         self._exchanges: list[_Exchange] = []
-        by_group: dict[int, _Exchange] = {}
+        by_process_group: dict[int, _Exchange] = {}
         for i, record in enumerate(records):
             process_group, blocks = tp[i] if i in tp else _layout_blocks(record)
-            if id(process_group) not in by_group:
-                by_group[id(process_group)] = _Exchange(
+            if id(process_group) not in by_process_group:
+                by_process_group[id(process_group)] = _Exchange(
                     process_group, dist.get_rank(process_group),
                     dist.get_world_size(process_group))
-                self._exchanges.append(by_group[id(process_group)])
-            exchange = by_group[id(process_group)]
+                self._exchanges.append(by_process_group[id(process_group)])
+            exchange = by_process_group[id(process_group)]
             shape = record.item.shape if self.per_tp_shard[i] else self.params[i].shape
             held = blocks[exchange.rank]
             if (held[1] - held[0], held[3] - held[2]) != tuple(local_tensor(self.params[i]).shape):

@@ -83,7 +83,7 @@ class _Member:
 class _Bucket:
     """Consecutive managed parameters gathered by one collective (or none)."""
 
-    gather_group: dist.ProcessGroup | None  # None: the main weights are full here
+    gather_process_group: dist.ProcessGroup | None  # None: the main weights are full here
     slot: int  # this rank's slot in the gather region
     holders: int  # slots in the gather region (1 without a collective)
     dtype: torch.dtype
@@ -101,7 +101,7 @@ class _Bucket:
 
     @property
     def gather_numel(self) -> int:
-        return self.holders * self.slot_numel if self.gather_group is not None else 0
+        return self.holders * self.slot_numel if self.gather_process_group is not None else 0
 
 
 def _aligned_bytes(numel: int, dtype: torch.dtype) -> int:
@@ -116,7 +116,7 @@ class _Holders:
     def __init__(self, group: FlatParamGroup) -> None:
         extent = group.plan.optimizer_placement
         if extent is Extent.FULL or not dist.is_initialized():
-            self.gather_group: dist.ProcessGroup | None = None
+            self.gather_process_group: dist.ProcessGroup | None = None
             self.spans = [group.plan.main_weight_span]
             self.slot = 0
             return
@@ -131,7 +131,7 @@ class _Holders:
             # Outer optim: rank (r, s) holds sub-shard s * R + r (see _plan.make_plan).
             piece = s if extent is Extent.SHARD else s * mesh.size(0) + where[0]
             spans.append(layout.shard_range(piece))
-        self.gather_group = gather if len(spans) > 1 else None
+        self.gather_process_group = gather if len(spans) > 1 else None
         self.spans = spans if len(spans) > 1 else [group.plan.main_weight_span]
         self.slot = dist.get_rank(gather) if len(spans) > 1 else 0
 
@@ -162,24 +162,24 @@ def _plan_buckets(entries: list[tuple[str, Any]], managed: dict[str, nn.Paramete
         limit = max(1, bucket_bytes // dtype.itemsize)
         fits = (
             bucket is not None
-            and bucket.gather_group is h.gather_group
+            and bucket.gather_process_group is h.gather_process_group
             and bucket.dtype == dtype and bucket.device == device
             and bucket.assembly_numel + item.numel <= limit
-            and (bucket.gather_group is None or bucket.holders * max(
+            and (bucket.gather_process_group is None or bucket.holders * max(
                 a + b for a, b in zip(bucket.holder_numel, sizes)) <= limit)
         )
         if not fits:
-            bucket = _Bucket(h.gather_group, h.slot, len(h.spans), dtype, device,
+            bucket = _Bucket(h.gather_process_group, h.slot, len(h.spans), dtype, device,
                              holder_numel=[0] * len(h.spans))
             buckets.append(bucket)
         assert bucket is not None
         start, end = group.plan.main_weight_span
         mine = pieces[h.slot]
         if mine[1] > mine[0]:  # this rank's rows: packed into its slot, or copied directly
-            dst = bucket.holder_numel[h.slot] if bucket.gather_group is not None else (
+            dst = bucket.holder_numel[h.slot] if bucket.gather_process_group is not None else (
                 bucket.assembly_numel + mine[0] - item.offset)
             bucket.send.append((group.main_weight[mine[0] - start : mine[1] - start], dst))
-        if bucket.gather_group is not None:
+        if bucket.gather_process_group is not None:
             for g, (lo, hi) in enumerate(pieces):
                 if hi > lo:
                     bucket.recv.append((g, bucket.holder_numel[g],
@@ -219,17 +219,17 @@ def _gather(bucket: _Bucket, buffer: _Buffer, assemble: bool) -> torch.Tensor | 
     """Run ``bucket``'s collective; return its assembly region (each member's full TP-local
     value, contiguous) when ``assemble``."""
     assembly = buffer.assembly_region(bucket) if assemble else None
-    if bucket.gather_group is None:
+    if bucket.gather_process_group is None:
         if assembly is not None and bucket.send:
             ops.pack_([t for t, _ in bucket.send], [o for _, o in bucket.send], assembly)
         return assembly
-    await_every_rank(_CALL, bucket.gather_group)
+    await_every_rank(_CALL, bucket.gather_process_group)
     gathered = buffer.gather_region(bucket)
     slot = gathered[bucket.slot * bucket.slot_numel : (bucket.slot + 1) * bucket.slot_numel]
     if bucket.send:
         ops.pack_([t for t, _ in bucket.send], [o for _, o in bucket.send], slot)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(gathered, slot, group=bucket.gather_group)
+    gather(gathered, slot, group=bucket.gather_process_group)
     if assembly is not None and bucket.recv:
         m = bucket.slot_numel
         pieces = [gathered[g * m + src : g * m + src + n] for g, src, _, n in bucket.recv]

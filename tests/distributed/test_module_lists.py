@@ -1,5 +1,5 @@
 """``fully_shard([m1, m2])``: one unit over several modules, as FSDP2 (see [Note: several modules
-as one unit] in ``megatron_fsdp_v2/_frontend/_grouped_modules.py``).
+as one unit] in ``megatron_fsdp_v2/_frontend/_module_lists.py``).
 
 A tiny model whose root forward runs ``norm`` and whose loss calls ``head`` outside it, in two
 chunks (torchtitan's pattern), wrapped ``[norm, head]`` + root, trains for every strategy and

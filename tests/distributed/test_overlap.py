@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_fsdp_v2 import clip_grad_norm_, fully_shard
+from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import TinyGPT, all_ranks_ok, lm_loss, make_batches
 from _pool import RankPools
+from _training import final_params, train_steps
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
@@ -33,7 +34,7 @@ class SkippingGPT(TinyGPT):
         return self.head(self.ln_f(x))
 
 
-def _train(rank: int, world: int, strategy: str, overlap: bool, micro: int, steps: int = 4,
+def _trained_params(rank: int, world: int, strategy: str, overlap: bool, micro: int, steps: int = 4,
            skip_at: dict[int, int] | None = None) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = SkippingGPT(layers=3)
@@ -41,21 +42,18 @@ def _train(rank: int, world: int, strategy: str, overlap: bool, micro: int, step
         fully_shard(block, sharding_strategy=strategy, overlap=overlap)
     fully_shard(model, sharding_strategy=strategy, overlap=overlap)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = make_batches("lm", steps, micro, world, per_rank=2)
-    for step in range(steps):
+
+    def skip_for(step: int) -> None:
         model.skip = (skip_at or {}).get(step)
-        for i in range(micro):
-            model.set_is_last_backward(i == micro - 1)
-            (lm_loss(model, batches[step][i][rank]) / micro).backward()
-        clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-    return [p.to_local().detach().clone() for p in model.parameters()]
+
+    train_steps(model, opt, make_batches("lm", steps, micro, world, per_rank=2), lm_loss,
+                rank=rank, clip_norm=1.0, before_step=skip_for)
+    return final_params(model)
 
 
 def _equal_worker(rank: int, world: int, strategy: str, skip_at: dict[int, int] | None) -> None:
-    sync = _train(rank, world, strategy, overlap=False, micro=2, skip_at=skip_at)
-    overlapped = _train(rank, world, strategy, overlap=True, micro=2, skip_at=skip_at)
+    sync = _trained_params(rank, world, strategy, overlap=False, micro=2, skip_at=skip_at)
+    overlapped = _trained_params(rank, world, strategy, overlap=True, micro=2, skip_at=skip_at)
     ok = all(torch.equal(a, b) for a, b in zip(sync, overlapped))
     assert all_ranks_ok(ok), f"{strategy} skip={skip_at}: overlap changed the numbers"
 

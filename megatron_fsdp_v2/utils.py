@@ -52,8 +52,10 @@ def _process_group(p: DTensor, record: ParamRecord | None) -> dist.ProcessGroup:
     # sub-shard); otherwise the inner group (outer replicas hold the same gradients).
     # A tensor-parallel parameter sharded by TP too: the dp x TP ranks (see [Note: 2-D
     # parameters] in _dtensor/_tp_params.py).
-    if record is not None and (tp_process_group := record.group.tp_norm_process_groups[record.index]) is not None:
-        return tp_process_group
+    if record is not None:
+        tp_process_group = record.group.tp_norm_process_groups[record.index]
+        if tp_process_group is not None:
+            return tp_process_group
     return record.group.norm_process_group if record is not None else p.device_mesh.get_group()
 
 

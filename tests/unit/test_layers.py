@@ -50,7 +50,7 @@ UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
         "the clip_grad_norm_ patch installs the clipping route, which lives with the other "
         "FSDP2-compatibility logic in the frontend"
     ),
-    ("_init._materialize", "_frontend._grouped_modules"): (
+    ("_init._materialize", "_frontend._module_lists"): (
         "materialization walks the members of a unit wrapped from a list (UnitModules)"
     ),
     ("_registry", "_torch_patches"): (
@@ -73,7 +73,7 @@ REGISTRY_IMPORTERS: frozenset[str] = frozenset({
     "checkpoint._streaming",
     "estimator._estimate",
     "_frontend._fsdp2_compat", "_frontend._fsdp2_surface", "_frontend._fsdp_module",
-    "_frontend._grouped_modules", "_frontend._param_classes", "_frontend._pipelining",
+    "_frontend._module_lists", "_frontend._param_classes", "_frontend._pipelining",
     "_frontend._wiring", "_frontend._wrap_checks", "_frontend._wrap_options",
     "_runtime._expert_names", "_runtime._lazy_init", "_runtime._memory",
     "_runtime._module_tree", "_runtime._muon", "_runtime._optimizer_hooks",
@@ -352,8 +352,8 @@ def test_reads_function_level_and_skips_type_checking() -> None:
         "if TYPE_CHECKING:\n"
         "    from .._runtime._flat_param_group import FlatParamGroup\n"
         "def f():\n"
-        "    from .._frontend import _grouped_modules\n"
+        "    from .._frontend import _module_lists\n"
     )
     found = {(i.imported, i.in_function) for i in _imports({"_init._materialize": source})}
     assert found == {("_registry", False), ("_comm._collectives", False), ("api", False),
-                     ("_frontend._grouped_modules", True)}
+                     ("_frontend._module_lists", True)}

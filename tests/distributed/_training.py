@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from megatron_fsdp_v2 import clip_grad_norm_
 
-from _models import cat_batch, local_detached
+from _models import agree, assert_close_to_reference, cat_batch, local_detached
 
 # How a micro-batch is marked before its backward (the wrapped model only):
 #   "last_backward": ``set_is_last_backward(i == last)`` (this library's and FSDP2's flag);
@@ -97,3 +97,21 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[
 def final_params(model: nn.Module) -> list[torch.Tensor]:
     """This rank's rows of every parameter (a plain tensor's whole value), detached copies."""
     return [local_detached(p).clone() for p in model.parameters()]
+
+
+def train_against_reference(model: nn.Module, ref: nn.Module,
+                            make_opt: Callable[[Any], torch.optim.Optimizer],
+                            batches: Sequence[Sequence[Any]],
+                            loss_fn: Callable[[nn.Module, Any], torch.Tensor], *, rank: int,
+                            what: str, rtol: float, atol: float, **options: Any
+                            ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Train the wrapped ``model`` on this rank's slices and the unwrapped ``ref`` (a copy taken
+    before wrapping) on the global batches, each with its own ``make_opt(parameters)`` and the
+    same :func:`train_steps` ``options``; then this rank's rows of every parameter must match
+    the reference's (checked on every rank together). Returns both loss lists."""
+    losses = train_steps(model, make_opt(model.parameters()), batches, loss_fn, rank=rank,
+                         **options)
+    ref_losses = train_steps(ref, make_opt(ref.parameters()), batches, loss_fn, rank=None,
+                             **options)
+    agree(what, lambda: assert_close_to_reference(model, ref, rtol=rtol, atol=atol))
+    return losses, ref_losses

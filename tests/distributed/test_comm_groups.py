@@ -29,8 +29,9 @@ from megatron_fsdp_v2._comm import _comm_groups
 from megatron_fsdp_v2._comm._backends import group_timeout
 from megatron_fsdp_v2._registry import state_of
 
-from _models import TinyGPT, agree, assert_close_to_reference, lm_loss, make_batches
+from _models import TinyGPT, agree, lm_loss, make_batches
 from _pool import RankPools
+from _training import train_against_reference
 
 TIMEOUT_S = 180
 pytestmark = pytest.mark.timeout(TIMEOUT_S + 60)
@@ -53,16 +54,10 @@ def _unit_group(module: torch.nn.Module) -> dist.ProcessGroup:
 def _train_and_compare(model: torch.nn.Module, ref: torch.nn.Module, pos: int, seed: int,
                        what: str) -> None:
     """Two SGD steps of the stage's two ranks against one process on their global batch."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in make_batches("lm", steps=2, micro=1, world=2, per_rank=2, seed=seed):
-        lm_loss(model, step[0][pos]).backward()
-        opt.step()
-        opt.zero_grad()
-        lm_loss(ref, torch.cat(step[0])).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    agree(what, lambda: assert_close_to_reference(model, ref, rtol=1e-5, atol=1e-6))
+    train_against_reference(
+        model, ref, lambda params: torch.optim.SGD(params, lr=0.1),
+        make_batches("lm", steps=2, micro=1, world=2, per_rank=2, seed=seed), lm_loss,
+        rank=pos, what=what, rtol=1e-5, atol=1e-6, mark=None, divide_by_micro=False)
 
 
 def _stages_worker(rank: int, world: int) -> None:

@@ -2,7 +2,9 @@
 state, which parameter belongs to which record, the library's process groups and default meshes,
 the ``FSDP<Class>`` classes, meta-device units waiting for values, the optimizer step hooks and
 their caches. Nothing here is created at import time; :func:`reset` forgets everything (tests)
-and undoes the patches of torch (``_torch_patches/``: each patch keeps the originals it saved).
+and runs the undo actions registered in :data:`reset_undos` (the patches of torch register
+theirs when installed: each keeps the originals it saved, see ``_torch_patches/_patch.py``).
+This module imports nothing of the package: the layers above it hand it their state.
 
 Modules and parameters are keyed weakly by identity (``torch.utils.weak.WeakIdKeyDictionary``:
 tensors compare elementwise, so a plain ``WeakKeyDictionary`` cannot hold them), never through
@@ -12,6 +14,7 @@ attributes set on them, so user objects carry no private strings of ours.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -96,6 +99,10 @@ applying_depth = [0]
 # buffers of groups built from meta parameters go on the meta device instead of the mesh's, so
 # wrapping allocates no storage and ``memory_bytes`` still reads numel * element_size.
 meta_buffers = [False]
+# What ``reset`` undoes besides forgetting the state above, last registered first: state kept by
+# its owner outside the registry. Each installed patch of torch registers its ``uninstall``
+# (``_torch_patches/_patch.py``), so the registry needs no import of the layer above it.
+reset_undos: list[Callable[[], None]] = []
 
 
 def unit_states(module: nn.Module) -> list[tuple[str, FSDPState]]:
@@ -140,8 +147,9 @@ def register_records(records: list[ParamRecord]) -> None:
 
 
 def reset() -> None:
-    """Forget all of the library's process-wide state (tests). Installed optimizer hooks are
-    removed; wrapped modules keep working only if re-wrapped."""
+    """Forget all of the library's process-wide state (tests) and run :data:`reset_undos` (the
+    patches of torch are put back). Installed optimizer hooks are removed; wrapped modules keep
+    working only if re-wrapped."""
     _states.clear()
     _records.clear()
     comm_groups.clear()
@@ -169,9 +177,8 @@ def reset() -> None:
     pending_meta_units.clear()
     applying_depth[0] = 0
     meta_buffers[0] = False
-    from . import _torch_patches  # the layer above; imported here only to undo its patches
-
-    _torch_patches.uninstall_all()
+    while reset_undos:
+        reset_undos.pop()()
 
 
 def owned_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -192,7 +192,7 @@ def install_unit(
     get the state, the hooks and ``FSDP<Class>`` (see [Note: several modules as one unit])."""
     if unit.meta_init:
         _materialize.adopt_meta_unit(
-            module, flat_groups, mesh_device(options.mesh), options.param_init_fn
+            module, flat_groups, mesh_device(options.mesh), options.param_init_fn, members
         )
     owner = f"{type(module).__name__} at 0x{id(module):x}"
     for group in flat_groups:

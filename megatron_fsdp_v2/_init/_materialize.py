@@ -78,6 +78,9 @@ class PendingUnit:
     groups: list[FlatParamGroup]
     device: torch.device
     param_init_fn: ParamInitFn | None
+    # The modules of a unit wrapped from a list (its module is their internal holder, never in
+    # a model's tree; see [Note: several modules as one unit]); empty for one module.
+    members: tuple[nn.Module, ...] = ()
 
 
 def has_meta_state(module: nn.Module) -> bool:
@@ -91,12 +94,12 @@ def has_meta_state(module: nn.Module) -> bool:
 
 def adopt_meta_unit(
     module: nn.Module, groups: list[FlatParamGroup], device: torch.device,
-    param_init_fn: ParamInitFn | None,
+    param_init_fn: ParamInitFn | None, members: list[nn.Module] | None = None,
 ) -> None:
     """Wrap time, after every group of ``module`` was built: put the groups' compute
     placeholders in the slots of the meta parameters they replace (tied slots included) and
     record the unit as pending. A unit with neither meta parameters nor meta buffers is left
-    alone."""
+    alone. ``members``: the modules of a unit wrapped from a list (``module`` holds them)."""
     meta_groups = [g for g in groups if g.pending_init]
     if not meta_groups and not has_meta_state(module):
         return
@@ -111,7 +114,9 @@ def adopt_meta_unit(
         for name, param in submodule._parameters.items():
             if param is not None and id(param) in replacement:
                 submodule._parameters[name] = replacement[id(param)]
-    _registry.pending_meta_units[module] = PendingUnit(groups, device, param_init_fn)
+    _registry.pending_meta_units[module] = PendingUnit(
+        groups, device, param_init_fn, tuple(members or ())
+    )
 
 
 def mark_initialized_by_user(module: nn.Module) -> None:
@@ -197,17 +202,15 @@ def _pass_roots(
     is: then its members outside ``root``'s tree (a state dict of one member) are walked
     after ``root``, in the list's order, so the whole unit gets its values at once (a unit is
     materialized all or nothing: its members share one flat buffer)."""
-    from .._frontend._module_lists import UnitModules  # the frontend imports this module
-
     in_tree = {id(m) for m in root.modules()}
     roots = [root]
     units: dict[int, tuple[nn.Module, PendingUnit]] = {}
     for module, unit in list(pending.items()):
         if id(module) in in_tree:
             units[id(module)] = (module, unit)
-        elif isinstance(module, UnitModules) and any(id(m) in in_tree for m in module):
+        elif any(id(m) in in_tree for m in unit.members):
             units[id(module)] = (module, unit)
-            roots.extend(m for m in module if id(m) not in in_tree)
+            roots.extend(m for m in unit.members if id(m) not in in_tree)
     return roots, units
 
 

@@ -5,7 +5,8 @@ undone. See design.md, "Patches of torch", for why each cannot use an extension 
 Each patch module exposes ``install()`` (idempotent), ``uninstall()`` (puts the exact original
 objects back; idempotent) and ``is_installed()``; :data:`PATCHES` lists them with a one-line
 reason each. ``fully_shard`` calls :func:`install_all` (each wrap; only the first changes
-anything), ``_registry.reset`` calls :func:`uninstall_all`. Nothing is patched at import time.
+anything); each installed patch registers its ``uninstall`` with ``_registry.reset`` (in
+``_registry.reset_undos``). Nothing is patched at import time.
 
 Before anything is changed, every install passes the torch-version gate
 (``_version_gate.check_torch_version``): the patches rebind private torch functions and
@@ -20,8 +21,8 @@ paths, ``_frontend/_fsdp2_compat.py`` for the clipping route) as plain functions
 torch's original as their first argument. The patch modules import that logic (at install
 time) and pass the originals in; the logic never
 imports this package and holds no torch original of its own. So: ``_frontend._fully_shard`` ->
-``_torch_patches`` -> replacement logic -> torch, and ``_registry.reset`` imports this package
-lazily to undo it (the registry sits below everything).
+``_torch_patches`` -> replacement logic -> torch, and ``_registry.reset`` runs the undo each
+installed patch registered with it (the registry sits below everything and imports nothing).
 
 No other module of the package may assign to a torch module, class or op table
 (``tests/unit/test_torch_patches.py`` scans the sources for it).

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _registry
 from ._version_gate import check_torch_version
 
 __all__ = ["MISSING", "Patch", "PatchTarget"]
@@ -59,8 +60,9 @@ Plan = list[tuple[PatchTarget, Any]]
 
 
 class Patch:
-    """One patch of torch: ``install`` (idempotent, behind the torch-version gate),
-    ``uninstall`` (idempotent; the exact original objects come back) and ``is_installed``."""
+    """One patch of torch: ``install`` (idempotent, behind the torch-version gate; registers
+    ``uninstall`` with ``_registry.reset``), ``uninstall`` (idempotent; the exact original
+    objects come back) and ``is_installed``."""
 
     def __init__(self, name: str, reason: str, plan: Callable[[], Plan]) -> None:
         self.name, self.reason, self._plan = name, reason, plan
@@ -89,6 +91,9 @@ class Patch:
                 target.set(original)
             raise
         self._applied = applied
+        # _registry.reset() puts torch back through this (the registry knows no layer above it).
+        if self.uninstall not in _registry.reset_undos:
+            _registry.reset_undos.append(self.uninstall)
 
     def uninstall(self) -> None:
         if self._applied is None:

@@ -50,25 +50,15 @@ UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
         "the clip_grad_norm_ patch installs the clipping route, which lives with the other "
         "FSDP2-compatibility logic in the frontend"
     ),
-    ("_init._materialize", "_frontend._module_lists"): (
-        "materialization walks the members of a unit wrapped from a list (UnitModules)"
-    ),
-    ("_registry", "_torch_patches"): (
-        "reset() undoes the patches of torch"
-    ),
 }
 
 # Imports that close a cycle, allowed for now: (importer, imported) -> why.
-CYCLE_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("_registry", "_torch_patches"): (
-        "reset() undoes the patches of torch; the patches' logic imports the registry"
-    ),
-}
+CYCLE_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 # The modules that may import ``_registry``: entry points, each called by the user or by torch
 # (an API function, a hook, an optimizer step hook), that own the process-wide state they read.
 REGISTRY_IMPORTERS: frozenset[str] = frozenset({
-    "utils", "testing._pool",
+    "utils", "testing._pool", "_torch_patches._patch",
     "checkpoint", "checkpoint._experts", "checkpoint._full_state_dict", "checkpoint._group",
     "checkpoint._streaming",
     "estimator._estimate",

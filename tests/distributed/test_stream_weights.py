@@ -27,6 +27,7 @@ from megatron_fsdp_v2 import MixedPrecisionPolicy, checkpoint, iter_full_weights
 from _comm_counts import CollectiveCounts
 from _models import TinyGPT, agree, lm_loss, make_batches, wrap_blocks
 from _pool import RankPools
+from _training import train_steps
 
 pytestmark = pytest.mark.timeout(600)
 TIMEOUT_S = 120
@@ -83,14 +84,6 @@ def _counted(model: nn.Module, **kw: Any) -> tuple[list[tuple[str, torch.Tensor]
     return out, comm
 
 
-def _train_one_step(model: nn.Module, rank: int, world: int) -> None:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    batch = make_batches("lm", 1, 1, world, 2)[0][0][rank]
-    lm_loss(model, batch).backward()
-    opt.step()
-    opt.zero_grad()
-
-
 # ---------------------------------------------------------------------- values and counts
 
 def _values_and_counts(rank: int, world: int, strategy: str, bf16: bool) -> None:
@@ -113,7 +106,9 @@ def _values_and_counts(rank: int, world: int, strategy: str, bf16: bool) -> None
     _bitwise(f"{case}: initial stream vs the unwrapped model",
              initial, [(k, v.detach()) for k, v in ref.state_dict().items()])
     _bitwise(f"{case}: initial stream vs FSDP2's full state dict", initial, _torch_full(fsdp2))
-    _train_one_step(model, rank, world)
+    train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                make_batches("lm", 1, 1, world, 2), lm_loss, rank=rank, mark=None,
+                divide_by_micro=False)
     want = _torch_full(model)
     managed = [k for k, _ in model.named_parameters(remove_duplicate=False)]
     sharded = strategy != "no_shard"
@@ -253,7 +248,9 @@ def _hsdp(rank: int, world: int, outer: str) -> None:
     initial = _stream(model, bucket_size_mb=1e-3)
     _bitwise(f"HSDP outer {outer}: initial stream vs the unwrapped model",
              initial, [(k, v.detach()) for k, v in ref.state_dict().items()])
-    _train_one_step(model, rank, world)
+    train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2),
+                make_batches("lm", 1, 1, world, 2), lm_loss, rank=rank, mark=None,
+                divide_by_micro=False)
     # torch's full_tensor refuses outer optim's sub-shards (design.md, DTensor paths): there the
     # control is the library's own full state dict (one whole-group gather).
     want = (list(checkpoint.get_full_state_dict(model, rank0_only=False,

@@ -85,8 +85,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -242,31 +244,114 @@ def _record_metrics(path: str) -> None:
     atexit.register(dump)
 
 
+def _emulate_float8() -> None:
+    """torchtitan's float8 converter refuses a machine without SM89+ unless ``emulate`` is set.
+
+    Its ``Float8LinearConverter.Config.emulate`` (torchao's ``Float8LinearConfig(emulate=True)``:
+    the same float8 casts and scales, the matmul done in high precision) is not reachable from
+    the command line (the converter sits in the model spec), so it is set here, for both runs.
+    """
+    from torchtitan.components.quantization.float8 import Float8LinearConverter
+
+    original = Float8LinearConverter.__init__
+
+    def init(self: Any, config: Any) -> None:
+        config.emulate = True
+        original(self, config)
+
+    Float8LinearConverter.__init__ = init  # type: ignore[method-assign]
+
+
+def _count_collectives(path: str) -> None:
+    """Count the collectives each ``Trainer.train_step`` dispatches; rank 0 writes them at exit.
+
+    The witness is the test suite's ``CollectiveCounts`` (a dispatch-level observer counting
+    what ``CommDebugMode`` counts), so both libraries are counted the same way, from outside.
+    """
+    import atexit
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "tests", "distributed"))
+    from torchtitan.trainer import Trainer
+
+    from _comm_counts import COLLECTIVE_KINDS, CollectiveCounts
+
+    steps: list[dict[str, int]] = []
+    original = Trainer.train_step
+
+    def train_step(self: Any, *a: Any, **kw: Any) -> Any:
+        with CollectiveCounts() as comm:
+            out = original(self, *a, **kw)
+        counts = {str(k).rsplit(".", 1)[-1].rstrip("_"): v
+                  for k, v in comm.get_comm_counts().items()}
+        steps.append({kind: sum(counts.get(name, 0) for name in names)
+                      for kind, names in COLLECTIVE_KINDS.items()})
+        return out
+
+    Trainer.train_step = train_step  # type: ignore[method-assign]
+
+    def dump() -> None:
+        if int(os.environ.get("RANK", "0")) == 0:
+            with open(path, "w") as f:
+                json.dump(steps, f, indent=1)
+
+    atexit.register(dump)
+
+
 def _run(args: argparse.Namespace, titan_args: list[str]) -> None:
     _use_cpu_when_no_accelerator()
     _eager_flex_attention_on_cpu()
     _substitute_fully_shard(args.fully_shard)
+    if args.float8_emulate:
+        _emulate_float8()
     if args.losses_out:
         _record_metrics(args.losses_out)
+    if args.collectives_out:
+        _count_collectives(args.collectives_out)
     from torchtitan.train import main
 
     sys.argv = [sys.argv[0], *titan_args]
     main()
 
 
-def _titan_args(args: argparse.Namespace, dp: int | None = None,
-                tp: int | None = None) -> list[str]:
-    tp = args.tp if tp is None else tp
-    dp = args.nproc // args.tp if dp is None else dp
+@dataclass(frozen=True)
+class _Setup:
+    """One comparison: a torchtitan configuration trained by FSDP2, then by ours."""
+
+    nproc: int
+    parallel: tuple[str, ...]  # torchtitan's --parallelism.* arguments
+    config: str = "llama3_debugmodel"
+    float8: bool = False  # torchtitan's float8 linears, emulated (no SM89+ here)
+    resume: bool = False  # checkpoint mid-run, resume, compare with the uninterrupted run
+
+
+def _dims(shard: int, replicate: int = 1, tp: int = 1, pp: int = 1) -> tuple[str, ...]:
+    return ("--parallelism.data_parallel_shard_degree", str(shard),
+            "--parallelism.data_parallel_replicate_degree", str(replicate),
+            "--parallelism.tensor_parallel_degree", str(tp),
+            "--parallelism.pipeline_parallel_degree", str(pp))
+
+
+# The named runs of ``compare --runs``; 4 ranks where two parallelisms are combined.
+SUITE: dict[str, _Setup] = {
+    "fsdp": _Setup(2, _dims(shard=2)),
+    "hsdp": _Setup(4, _dims(shard=2, replicate=2)),
+    "tp": _Setup(4, _dims(shard=2, tp=2)),
+    "pp": _Setup(4, _dims(shard=2, pp=2)),
+    "float8": _Setup(2, _dims(shard=2), config="llama3_debugmodel_float8", float8=True),
+    "resume": _Setup(2, _dims(shard=2), resume=True),
+}
+
+
+def _titan_args(args: argparse.Namespace, setup: _Setup, steps: int | None = None) -> list[str]:
     return [
-        "--module", "llama3", "--config", "llama3_debugmodel",
-        "--training.steps", str(args.steps),
+        "--module", "llama3", "--config", setup.config,
+        "--training.steps", str(args.steps if steps is None else steps),
         "--training.local_batch_size", str(args.batch),
         "--training.seq_len", str(args.seq_len),
         # fp32 compute: CPU bf16 is slow and the comparison is of the sharding, not of rounding.
         "--training.mixed_precision_param", "float32",
-        "--parallelism.data_parallel_shard_degree", str(dp),
-        "--parallelism.tensor_parallel_degree", str(tp),
+        *setup.parallel,
         "--debug.seed", "42",
         # Not --debug.deterministic: it puts torch.compile'd FlexAttention back in place of
         # the CPU stand-in; CPU kernels and gloo are run-to-run deterministic anyway.
@@ -275,13 +360,21 @@ def _titan_args(args: argparse.Namespace, dp: int | None = None,
     ]
 
 
-def _torchrun(args: argparse.Namespace, nproc: int, which: str, name: str,
-              titan_args: list[str], losses_out: str = "") -> bool:
+def _torchrun(args: argparse.Namespace, setup: _Setup, nproc: int, which: str, name: str,
+              titan_args: list[str], out_prefix: str = "") -> bool:
+    """One torchrun; with ``out_prefix``, rank 0 writes ``<prefix>.losses.json`` and
+    ``<prefix>.collectives.json`` (per step)."""
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", os.path.abspath(__file__), "run",
-        "--fully-shard", which, "--losses-out", losses_out, "--", *titan_args,
+        f"--nproc_per_node={nproc}", os.path.abspath(__file__), "run", "--fully-shard", which,
     ]
+    if out_prefix:
+        cmd += ["--losses-out", out_prefix + ".losses.json"]
+        if args.count_collectives:
+            cmd += ["--collectives-out", out_prefix + ".collectives.json"]
+    if setup.float8:
+        cmd.append("--float8-emulate")
+    cmd += ["--", *titan_args]
     print("+", " ".join(cmd), flush=True)
     log_path = os.path.join(args.dump_folder, f"log_{name}.txt")
     with open(log_path, "w") as log:
@@ -291,47 +384,148 @@ def _torchrun(args: argparse.Namespace, nproc: int, which: str, name: str,
     return rc == 0
 
 
-def _compare(args: argparse.Namespace) -> int:
-    os.makedirs(args.dump_folder, exist_ok=True)
-    load: list[str] = []
-    if args.seed_checkpoint:
-        # torchtitan's way to start runs of different parallelisms from the same weights
-        # (its loss-comparison flow): one unsharded rank initializes and saves step 0; both
-        # runs load it (through torch's distributed state dict and DCP) and save nothing.
-        # Without it each library's initialization of sharded weights draws its own values.
-        seed_dir = os.path.join(args.dump_folder, "seed")
-        seed = [*_titan_args(args, dp=1, tp=1), "--dump_folder", seed_dir,
+def _read(prefix: str) -> list[dict[str, Any]]:
+    """The per-step rows a run recorded: loss, max_loss, grad_norm (and all_gather, ... when
+    counted)."""
+    with open(prefix + ".losses.json") as f:
+        rows: list[dict[str, Any]] = json.load(f)
+    if os.path.exists(prefix + ".collectives.json"):
+        with open(prefix + ".collectives.json") as f:
+            for row, counts in zip(rows, json.load(f)):
+                row.update(counts)
+    return rows
+
+
+def _seed_args(args: argparse.Namespace, setup: _Setup) -> list[str] | None:
+    """Arguments that load torchtitan's seed checkpoint of ``setup.config`` (written once).
+
+    torchtitan's way to start runs of different parallelisms from the same weights (its
+    loss-comparison flow): one unsharded rank initializes and saves step 0; both runs load it
+    (through torch's distributed state dict and DCP). Without it each library's initialization
+    of sharded weights draws its own values. ``None`` when the seed run failed.
+    """
+    if not args.seed_checkpoint:
+        return []
+    seed_dir = os.path.join(args.dump_folder, f"seed_{setup.config}")
+    step0 = os.path.join(seed_dir, "checkpoint", "step-0")
+    if not os.path.isdir(step0):
+        unsharded = _Setup(1, _dims(shard=1), setup.config, setup.float8)
+        seed = [*_titan_args(args, unsharded), "--dump_folder", seed_dir,
                 "--checkpoint.enable", "--checkpoint.create_seed_checkpoint"]
-        if not _torchrun(args, 1, "torch", "seed", seed):
-            return 2
-        load = ["--checkpoint.enable", "--checkpoint.load_only", "--checkpoint.initial_load_path",
-                os.path.join(seed_dir, "checkpoint", "step-0")]
+        shutil.rmtree(seed_dir, ignore_errors=True)
+        if not _torchrun(args, unsharded, 1, "torch", f"seed_{setup.config}", seed):
+            return None
+    return ["--checkpoint.enable", "--checkpoint.initial_load_path", step0]
+
+
+def _train(args: argparse.Namespace, setup: _Setup, name: str,
+           load: list[str]) -> dict[str, list[dict[str, Any]]] | None:
+    """FSDP2's run, then ours (each from a fresh folder); for ``resume`` also each one's
+    resumed run. Returns rows by run key, ``None`` if a run failed."""
     results: dict[str, list[dict[str, Any]]] = {}
     for which in ("torch", "mfsdp"):
-        out = os.path.join(args.dump_folder, f"losses_{which}.json")
-        titan = [*_titan_args(args), "--dump_folder", os.path.join(args.dump_folder, which),
-                 *load]
-        if not _torchrun(args, args.nproc, which, which, titan, out):
-            return 2
-        with open(out) as f:
-            results[which] = json.load(f)
+        folder = os.path.join(args.dump_folder, f"{name}_{which}")
+        shutil.rmtree(folder, ignore_errors=True)  # a checkpoint left there would be resumed
+        titan = [*_titan_args(args, setup), "--dump_folder", folder, *load]
+        if setup.resume:
+            # Full checkpoints (model, optimizer, lr scheduler, data loader) every k steps.
+            titan += ["--checkpoint.interval", str(args.resume_at)]
+        else:
+            titan += ["--checkpoint.load_only"]
+        prefix = os.path.join(args.dump_folder, f"{name}_{which}")
+        if not _torchrun(args, setup, setup.nproc, which, f"{name}_{which}", titan, prefix):
+            return None
+        results[which] = _read(prefix)
+        if setup.resume:
+            # The same folder, told to load step k: torchtitan restores it and trains k+1..N.
+            resumed = [*titan, "--checkpoint.load_step", str(args.resume_at)]
+            prefix += "_resumed"
+            if not _torchrun(args, setup, setup.nproc, which, f"{name}_{which}_resumed",
+                             resumed, prefix):
+                return None
+            results[which + "_resumed"] = _read(prefix)
+    return results
+
+
+def _gathers(row: dict[str, Any]) -> str:
+    return str(row["all_gather"]) if "all_gather" in row else "-"
+
+
+def _report(name: str, results: dict[str, list[dict[str, Any]]], tol: float) -> dict[str, Any]:
+    """Print the run's per-step table and summary line; return the summary."""
     ref, ours = results["torch"], results["mfsdp"]
     if [r["step"] for r in ref] != [r["step"] for r in ours] or not ref:
-        print("the runs logged different steps:", [r["step"] for r in ref],
+        print(f"{name}: the runs logged different steps:", [r["step"] for r in ref],
               [r["step"] for r in ours])
-        return 2
-    worst = 0.0
+        return {"name": name, "ok": False, "failed": True}
+    worst = worst_norm = 0.0
+    print(f"\n### {name}\n")
     print("| step | FSDP2 loss | megatron_fsdp_v2 loss | abs diff | FSDP2 grad norm "
-          "| ours grad norm |")
-    print("|---|---|---|---|---|---|")
+          "| ours grad norm | rel diff | all-gathers FSDP2 / ours |")
+    print("|---|---|---|---|---|---|---|---|")
     for a, b in zip(ref, ours):
         diff = abs(a["loss"] - b["loss"])
-        worst = max(worst, diff)
+        norm_diff = abs(a["grad_norm"] - b["grad_norm"]) / max(abs(a["grad_norm"]), 1e-30)
+        worst, worst_norm = max(worst, diff), max(worst_norm, norm_diff)
         print(f"| {a['step']} | {a['loss']:.8f} | {b['loss']:.8f} | {diff:.2e} "
-              f"| {a['grad_norm']:.6f} | {b['grad_norm']:.6f} |")
-    ok = worst <= args.tol
-    print(f"max |loss diff| = {worst:.3e} ({'within' if ok else 'ABOVE'} tol {args.tol:g})")
-    return 0 if ok else 1
+              f"| {a['grad_norm']:.6f} | {b['grad_norm']:.6f} | {norm_diff:.1e} "
+              f"| {_gathers(a)} / {_gathers(b)} |")
+    worst_resume = 0.0
+    if "torch_resumed" in results:
+        # Each library's resumed steps against its own uninterrupted run and against FSDP2's.
+        print("\n| step | FSDP2 | FSDP2 resumed | ours | ours resumed | max abs diff |")
+        print("|---|---|---|---|---|---|")
+        by_step = {r["step"]: r["loss"] for r in ref}
+        by_step_ours = {r["step"]: r["loss"] for r in ours}
+        ref_resumed, ours_resumed = results["torch_resumed"], results["mfsdp_resumed"]
+        if [r["step"] for r in ref_resumed] != [r["step"] for r in ours_resumed] \
+                or not ref_resumed or any(r["step"] not in by_step for r in ref_resumed):
+            print(f"{name}: the resumed runs logged steps", [r["step"] for r in ref_resumed],
+                  [r["step"] for r in ours_resumed])
+            return {"name": name, "ok": False, "failed": True}
+        for a, b in zip(ref_resumed, ours_resumed):
+            step = a["step"]
+            losses = (by_step[step], a["loss"], by_step_ours[step], b["loss"])
+            diff = max(losses) - min(losses)
+            worst_resume = max(worst_resume, diff)
+            print(f"| {step} | " + " | ".join(f"{x:.8f}" for x in losses) + f" | {diff:.2e} |")
+    ok = max(worst, worst_resume) <= tol
+    per_step = (f"{_gathers(ref[-1])} / {_gathers(ours[-1])}" if "all_gather" in ref[-1]
+                else "not counted")
+    line = (f"{name}: {len(ref)} steps, max |loss diff| {worst:.2e}, grad norm rel diff "
+            f"{worst_norm:.1e}, all-gathers in the last step (FSDP2 / ours) {per_step}")
+    if "torch_resumed" in results:
+        line += f", resumed vs uninterrupted (both libraries) {worst_resume:.2e}"
+    print(f"{line}: {'OK' if ok else 'ABOVE'} tol {tol:g}")
+    return {"name": name, "ok": ok, "failed": False, "line": line}
+
+
+def _compare(args: argparse.Namespace) -> int:
+    """Run each named comparison (or the one given by --nproc/--tp); 1 on a difference above
+    --tol, 2 if a run failed (the other comparisons still run)."""
+    os.makedirs(args.dump_folder, exist_ok=True)
+    if args.runs:
+        unknown = [n for n in args.runs.split(",") if n not in SUITE]
+        if unknown:
+            raise SystemExit(f"--runs: unknown {unknown}; choose from {','.join(SUITE)}")
+        setups = {n: SUITE[n] for n in args.runs.split(",")}
+    else:
+        setups = {"compare": _Setup(args.nproc, _dims(shard=args.nproc // args.tp, tp=args.tp))}
+    summaries = []
+    for name, setup in setups.items():
+        load = _seed_args(args, setup)
+        results = None if load is None else _train(args, setup, name, load)
+        if results is None:
+            summaries.append({"name": name, "ok": False, "failed": True})
+            continue
+        summaries.append(_report(name, results, args.tol))
+    print("\n## summary")
+    for summary in summaries:
+        print(summary.get("line", f"{summary['name']}: FAILED (see its log)"),
+              "" if summary["failed"] else ("OK" if summary["ok"] else "ABOVE TOL"))
+    if any(s["failed"] for s in summaries):
+        return 2
+    return 0 if all(s["ok"] for s in summaries) else 1
 
 
 def _make_assets(folder: str) -> None:
@@ -353,14 +547,25 @@ def main() -> int:
     run = sub.add_parser("run", help="one torchtitan run (under torchrun)")
     run.add_argument("--fully-shard", choices=("torch", "mfsdp"), required=True)
     run.add_argument("--losses-out", default="")
+    run.add_argument("--collectives-out", default="",
+                     help="count each step's collectives (FSDP2's and ours alike) into this file")
+    run.add_argument("--float8-emulate", action="store_true",
+                     help="torchtitan's float8 converter with emulate=True (no SM89+ here)")
     run.add_argument("titan_args", nargs=argparse.REMAINDER)
     cmp = sub.add_parser("compare", help="FSDP2 run, then ours; compare the losses")
+    cmp.add_argument("--runs", default="",
+                     help=f"comma-separated named comparisons ({','.join(SUITE)}); "
+                          "replaces --nproc/--tp")
     cmp.add_argument("--nproc", type=int, default=2)
     cmp.add_argument("--tp", type=int, default=1)
     cmp.add_argument("--steps", type=int, default=8)
     cmp.add_argument("--batch", type=int, default=2)
     cmp.add_argument("--seq-len", type=int, default=256)
     cmp.add_argument("--tol", type=float, default=1e-5)
+    cmp.add_argument("--resume-at", type=int, default=4,
+                     help="resume: the step checkpointed and resumed from")
+    cmp.add_argument("--no-count-collectives", dest="count_collectives", action="store_false",
+                     help="do not count each step's collectives (counting slows the runs)")
     cmp.add_argument("--dump-folder", default="/tmp/torchtitan_dropin")
     cmp.add_argument("--no-seed-checkpoint", dest="seed_checkpoint", action="store_false",
                      help="start each run from its own library's random initialization")

@@ -48,7 +48,6 @@ unaffected.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,7 +55,7 @@ import torch
 from .. import ops
 from .._buffers._plan import Collective
 from . import _reduce
-from ._issuer import CollectiveLaunch, Pending
+from ._issuer import CollectiveLaunch, Deferred, Pending
 
 if TYPE_CHECKING:
     from .._buffers._allocator import ScratchAllocator
@@ -122,11 +121,12 @@ class ReductionCoalescer:
         self.single_collectives = 0
 
     def add(self, group: FlatParamGroup, main_grad: torch.Tensor, pre_scale: float = 1.0
-            ) -> Pending:
+            ) -> Deferred:
         """Queue ``group``'s delayed reduction of ``main_grad``, multiplied by ``pre_scale``
         first (gradients written in place hold unscaled sums; see [Note: gradients in place]
-        in ``_grad_staging.py``); the returned handle's ``finish()`` issues the bucket if it is
-        still open, waits for it and copies the result into ``main_grad``."""
+        in ``_grad_staging.py``). The bucket is issued by :meth:`flush` (when it is full, before
+        an incompatible group, at the end of backward or of the window); the returned
+        handle's ``finish()`` waits for it and copies the result into ``main_grad``."""
         (step,) = group.plan.reduce_steps
         comm_dtype = group.dtypes.comm
         # One scale per bucket: the staging copy applies it (in practice every group shares it).
@@ -144,7 +144,8 @@ class ReductionCoalescer:
         bucket.nbytes += nbytes
         if bucket.nbytes >= self.bucket_bytes:
             self.flush()
-        return Pending(None, _finisher(self, bucket))
+        return Deferred("a reduction bucket's collective, then its copy-out",
+                        lambda: self.complete(bucket))
 
     def flush(self) -> None:
         """Issue the open bucket, if any (end of backward, or before an incompatible group)."""
@@ -235,13 +236,17 @@ class ReductionCoalescer:
         )
 
     def complete(self, bucket: _Bucket) -> None:
-        """Make ``bucket``'s result visible in its groups' ``main_grad`` (exactly once)."""
+        """Make ``bucket``'s result visible in its groups' ``main_grad`` (exactly once). Only
+        waits: an open bucket is issued by :meth:`flush` at a point of the schedule, never by a
+        wait (a wait that issued would issue where the ranks' schedules need not agree)."""
         if bucket.done or bucket.dropped:
             return
         if not bucket.issued:
-            # Waited on before the end of backward: issue what is open (same on every rank).
-            assert bucket is self._open
-            self.flush()
+            raise RuntimeError(
+                "fully_shard internal error: a reduction bucket was waited on before it was "
+                "issued; the end of backward or of the window flushes the open bucket first "
+                "(ReductionCoalescer.flush)"
+            )
         if bucket in self._inflight:
             self._inflight.remove(bucket)
         bucket.done = True
@@ -255,6 +260,3 @@ class ReductionCoalescer:
             self._open.dropped = True
             self._open = None
 
-
-def _finisher(coalescer: ReductionCoalescer, bucket: _Bucket) -> Callable[[], None]:
-    return lambda: coalescer.complete(bucket)

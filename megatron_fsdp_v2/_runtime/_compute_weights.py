@@ -45,7 +45,7 @@ from .._buffers._plan import BufferPlan, Refresh
 from .._profiling import traced
 from ..api import ResolvedDtypes
 from ._gather import cast_and_gather_weights, gather_weights, refresh_weights
-from ._issuer import GroupIssuer, Pending
+from ._issuer import Finishable, GroupIssuer, Pending
 
 if TYPE_CHECKING:
     from ._grads import GroupGrads
@@ -87,7 +87,7 @@ class ComputeWeights:
     _bound_to: torch.Tensor | None
     _gathered: bool
     _weights_stale: bool
-    _pending_weights: Pending | None
+    _pending_weights: Finishable | None
     _main_version: int
     main_generation: int
     _gathered_generation: int
@@ -333,7 +333,7 @@ class ComputeWeights:
         )
         return self._pending_weights is not None
 
-    def take_refresh(self, pending: Pending) -> None:
+    def take_refresh(self, pending: Finishable) -> None:
         """This group's refresh was issued as part of a bucket; ``pending`` completes it."""
         self.wait_for_compute_weights()
         self._weights_stale = False

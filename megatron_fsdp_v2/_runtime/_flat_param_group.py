@@ -46,7 +46,7 @@ from .._dtensor._tp_params import TPFace
 from ..api import ResolvedDtypes, ShardingStrategy
 from ._compute_weights import ComputeWeights
 from ._grads import GroupGrads
-from ._issuer import GroupIssuer, Pending
+from ._issuer import Deferred, Finishable, GroupIssuer
 from ._param_record import ParamRecord, contiguous_stride, mesh_device
 from ._subclass_gather import ExtensionGather, has_all_gather_extensions, inner_values
 
@@ -158,7 +158,7 @@ class FlatParamGroup(ComputeWeights):
         ]
         self.requires_grad = params[0].requires_grad
         self.grads = GroupGrads(self)  # main_grad, the gradient path, what the optimizer sees
-        self._pending_weights: Pending | None = None
+        self._pending_weights: Finishable | None = None
         self._weights_stale = self.extension is not None  # FP8 bytes exist after a refresh
         # The refresh bucket planned for this group's next refresh, if any (see [Note: refresh
         # buckets] in _refresh_buckets.py).
@@ -369,7 +369,7 @@ class FlatParamGroup(ComputeWeights):
         ``temporaries``)."""
         return (self._group_id, role)
 
-    def end_window(self, async_op: bool, marks_updated: bool = True) -> Pending:
+    def end_window(self, async_op: bool, marks_updated: bool = True) -> Deferred:
         """The end of this group's accumulation window at the end of backward: the gradient
         state machine's window end (:meth:`GroupGrads.end_window`), whose ``finish()`` also marks
         the main weights updated: the optimizer step that usually follows changes them, so they
@@ -384,7 +384,7 @@ class FlatParamGroup(ComputeWeights):
             if marks_updated:
                 self.mark_main_weights_updated()
 
-        return Pending(None, finish)
+        return Deferred("gradient window end, then main weights marked updated", finish)
 
     # ------------------------------------------------------------------ accounting
 

@@ -58,7 +58,7 @@ from ._all_reduce_hook import AllReduceHook, run_all_reduce_hook
 from ._grad_staging import GradStaging
 from ._grad_state import GradState
 from ._grad_views import OptimizerGrads
-from ._issuer import Pending
+from ._issuer import Deferred, Finishable
 
 if TYPE_CHECKING:
     from ._coalesce import ReductionCoalescer
@@ -76,12 +76,12 @@ class GroupGrads(GradStaging, OptimizerGrads):
         self.group = group
         self.state = GradState.EMPTY
         self._main_grad: torch.Tensor | None = None  # storage freed while EMPTY
-        self._pending: list[Pending] = []
+        self._pending: list[Finishable] = []
         # The delayed reduction queued in the tree's reduction buckets (see [Note: reduction
         # buckets] in _coalesce.py); ``coalescer`` is set by the root's lazy init when the tree
         # coalesces.
         self.coalescer: ReductionCoalescer | None = None
-        self._coalesced: Pending | None = None
+        self._coalesced: Deferred | None = None
         n = len(group.records)
         self._views: list[DTensor] | None = None
         self._installed: list[DTensor | None] = [None] * n
@@ -358,7 +358,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
             group.allocator, group.temporary_key("outer_comm"), window_key, async_op,
         )
         if self._carrying and self.all_reduce_hook is None:  # else after the hook
-            self._pending.append(Pending(None, self._restore_carry))
+            self._pending.append(Deferred("the window carry added back", self._restore_carry))
 
     @property
     def awaits_window_steps(self) -> bool:
@@ -410,7 +410,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
         self.ensure_main_grad().zero_()
         self.restart_accumulation_from_zeros()
 
-    def end_window(self, async_op: bool) -> Pending:
+    def end_window(self, async_op: bool) -> Deferred:
         """The end of an accumulation window, the one sequence for both ends of a window (the
         final callback of a backward marked last, and :func:`finalize_unsynchronized` for
         windows no backward marked): the delayed collective of what is still accumulated, the
@@ -420,9 +420,13 @@ class GroupGrads(GradStaging, OptimizerGrads):
         any, so the outer collectives run together (same order on every rank)."""
         if self.awaits_last_reduction:
             self.reduce_accumulated(async_op=False)
+        if self._coalesced is not None:
+            assert self.coalescer is not None
+            self.coalescer.flush()  # its bucket, if still open (the final callback flushed it)
         self.wait_for_reduction()
         self.reduce_across_replicas(async_op)
-        return Pending(None, self._finish_window)
+        return Deferred("gradient window end: reductions waited, gradients installed",
+                        self._finish_window)
 
     def _finish_window(self) -> None:
         self.wait_for_reduction()

@@ -20,7 +20,9 @@ back once:
   its :class:`~.._comm._collective_impl.GroupCollectives` explicitly (which calls carry the
   collective, and the count of what ran);
 * the :class:`Pending` it returns travels back up to whoever waits: ``finish()`` waits and then
-  completes, exactly once.
+  completes, exactly once. What completes several of them, or something issued for several
+  groups (a bucket's shared collective, the end of a window), is a :class:`Deferred`: it waits
+  and finishes, and never launches; a collective is launched only where the schedule issues it.
 
 One issuer per group rather than per unit: a unit's groups differ in dtype, device and
 ``requires_grad`` and are counted, named in the debug check and coalesced one by one, and the
@@ -43,7 +45,7 @@ from .._comm import _collectives as comm
 from .._comm._collective_impl import GroupCollectives
 from .._profiling import traced
 
-__all__ = ["CollectiveLaunch", "GroupIssuer", "Pending"]
+__all__ = ["CollectiveLaunch", "Deferred", "Finishable", "GroupIssuer", "Pending"]
 
 
 class Pending:
@@ -82,6 +84,37 @@ class Pending:
         finish, self._finish = self._finish, None
         if finish is not None:
             finish()
+
+
+class Deferred:
+    """Work that completes what was issued before (a bucket's shared collective, a gather of
+    several buffers and its post-processing, the end of a gradient window): no handle of its
+    own, and its :meth:`finish` never launches a collective -- what it finishes was launched
+    where the schedule issues it (see [Note: who issues collectives]). ``what`` names it."""
+
+    __slots__ = ("what", "_finish")
+
+    def __init__(self, what: str, finish: Callable[[], None]) -> None:
+        self.what = what
+        self._finish: Callable[[], None] | None = finish
+
+    @property
+    def holds_temporary(self) -> bool:
+        """Whether finishing it is still to run (it may consume a scratch buffer)."""
+        return self._finish is not None
+
+    def finish(self) -> None:
+        """Run what it finishes, exactly once."""
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+
+    def __repr__(self) -> str:
+        return f"Deferred({self.what!r})"
+
+
+# What a schedule waits on: an issued collective, or the completion of something issued.
+Finishable = Pending | Deferred
 
 
 @dataclass(frozen=True, eq=False)

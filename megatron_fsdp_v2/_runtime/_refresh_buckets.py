@@ -31,8 +31,11 @@ Issuing a bucket makes all its members fresh and gives them one shared handle; w
 first completes the bucket for all. Copies move bits, so the compute weights are bitwise those
 of the uncoalesced refresh. At most two buckets are alive (issuing a third completes the oldest
 first): two bucket sizes of temporary memory, where the in-place refresh needs none. With
-``overlap=True`` the root's pre-forward issues the first two and each completion issues the
-next, so the gathers still run ahead of the units' compute. When the root's forward ends,
+``overlap=True`` the root's pre-forward issues the first two, and each unit's pre-forward,
+once it waited for its weights (which completes their buckets), issues the next ones up to two
+alive (``RefreshCoalescer.prefetch``), so the gathers still run ahead of the units' compute.
+Waiting only waits: a wait that issued the next bucket would issue wherever the waiting code
+happens to wait. When the root's forward ends,
 buckets still in flight (their units skipped by control flow) are completed and unissued ones
 dropped (their groups stay stale and are refreshed on their own when next used), so no
 temporary outlives the forward.
@@ -54,7 +57,7 @@ import torch
 from .. import ops
 from .._buffers._plan import Collective, Refresh
 from .._profiling import traced
-from ._issuer import CollectiveLaunch, Pending
+from ._issuer import CollectiveLaunch, Deferred, Pending
 
 if TYPE_CHECKING:
     from .._buffers._allocator import ScratchAllocator
@@ -195,7 +198,8 @@ class RefreshCoalescer:
         bucket.pending = first.issuer.launch(CollectiveLaunch(
             Collective.ALL_GATHER, gathered, own, what=what, complete=finish,
         ), async_op)
-        shared = Pending(None, lambda: self.complete(bucket))
+        shared = Deferred("a refresh bucket's all-gather, then its copy-out",
+                          lambda: self.complete(bucket))
         for group in members:
             group.refresh_bucket = None
             group.take_refresh(shared)
@@ -204,12 +208,16 @@ class RefreshCoalescer:
         self.coalesced_groups += len(members)
 
     def complete(self, bucket: RefreshBucket) -> None:
-        """A member waits for its weights: complete ``bucket`` (once); with ``overlap``, issue
-        the plan's next bucket asynchronously, so the gathers stay ahead of compute."""
-        if bucket.done:
-            return
+        """A member waits for its weights: complete ``bucket`` (once). Only waits: the next
+        bucket is issued by :meth:`prefetch`, where the unit's pre-forward has waited for its
+        weights."""
         self._retire(bucket)
-        if self.overlap and self._next < len(self._plan) and len(self._alive) < _MAX_ALIVE:
+
+    def prefetch(self) -> None:
+        """With ``overlap``: issue the plan's next buckets asynchronously while fewer than two
+        are alive, so the gathers stay ahead of compute (a unit's pre-forward, after it
+        waited for its weights, which completes their buckets)."""
+        while self.overlap and self._next < len(self._plan) and len(self._alive) < _MAX_ALIVE:
             self.issue_through(self._plan[self._next], async_op=True)
 
     def _retire(self, bucket: RefreshBucket) -> None:

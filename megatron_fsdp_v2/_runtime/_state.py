@@ -195,6 +195,8 @@ class FSDPState(UnitState):
         if self.unshard():
             ctx.log("unshard", self)
         self.wait_for_unshard()
+        if ctx.refresh_coalescer is not None:  # the next refresh buckets, once some completed
+            ctx.refresh_coalescer.prefetch()
         if ctx.overlap:
             for following in self._prefetch_targets(+1):
                 following.drop_stale_kept_weights()

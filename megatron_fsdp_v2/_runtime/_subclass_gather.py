@@ -58,7 +58,7 @@ import torch.nn as nn
 from .._buffers._plan import Collective, Refresh
 from .._profiling import traced
 from ._float8_cast import fused_float8_cast
-from ._issuer import CollectiveLaunch, Pending
+from ._issuer import CollectiveLaunch, Deferred, Pending
 from ._subclass_faces import has_all_gather_extensions, inner_values, rewrap, values_names
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ class ExtensionGather:
 
     @traced("mfsdp::gather")
     def gather(self, buffer_for: Callable[[int, torch.dtype], torch.Tensor],
-               async_op: bool, what: str) -> Pending:
+               async_op: bool, what: str) -> Deferred:
         """Pre-all-gather, pack, all-gather in place (one per input buffer), and, when waited
         on, post-all-gather into the compute parameters."""
         group = self.group
@@ -242,9 +242,9 @@ class ExtensionGather:
                 pending.finish()
             self._post_all_gather(buffers, metadata, trailing)
 
-        return Pending(None, finish)
+        return Deferred("all-gathers of the extension inputs, then post-all-gather", finish)
 
-    def gather_scratch(self, async_op: bool, after: list[Pending] | None = None) -> Pending:
+    def gather_scratch(self, async_op: bool, after: list[Pending] | None = None) -> Deferred:
         """ZeRO-3: into the storage-freeing scratch buffers ``unsharded_model_weight:<k>``.
         HSDP outer ``optim``: from the persistent inner-shard input buffers, which
         :meth:`refresh_inner_shard` filled (``after``: its outer all-gathers, one per buffer,
@@ -266,7 +266,7 @@ class ExtensionGather:
                 pending.finish()
             self._post_all_gather(buffers, metadata, trailing)
 
-        return Pending(None, finish)
+        return Deferred("all-gathers of the extension inputs, then post-all-gather", finish)
 
     def refresh_inner_shard(self, async_op: bool) -> list[Pending]:
         """HSDP outer ``optim``: this rank's main sub-shard's all-gather inputs (the fused FP8
@@ -331,7 +331,7 @@ class ExtensionGather:
             allocator.free(self._key(k))
             k += 1
 
-    def refresh_persistent(self, async_op: bool) -> Pending:
+    def refresh_persistent(self, async_op: bool) -> Deferred:
         """``optim``/``optim_grads``: into the persistent replicated input buffers (the FP8
         bytes), allocated on the first refresh."""
         return self.gather(self._persistent_input, async_op,

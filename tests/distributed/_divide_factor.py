@@ -25,6 +25,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from megatron_fsdp_v2 import fully_shard
 
+from _training import train_steps
+
 STEPS, MICRO, LR = 3, 2, 0.05
 
 
@@ -85,20 +87,6 @@ def _param_factors(model: Net, case: str, world: int, mesh_size: int) -> dict[st
     return out
 
 
-def _train(model: nn.Module, rank: int, world: int) -> list[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for parts in _batches(world):
-        for i, per_rank in enumerate(parts):
-            model.set_requires_gradient_sync(i == MICRO - 1)  # type: ignore[operator]
-            loss = _loss(model, per_rank[rank])
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
-
-
 def _train_reference(ref: nn.Module, factors: dict[str, float], world: int) -> None:
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     for parts in _batches(world):
@@ -135,7 +123,11 @@ def divide_factor_worker(rank: int, world: int, strategy: str, case: str,
         wrap(model, **kwargs)
         assert isinstance(model, TorchFSDPModule)
         _configure(model, case, world, fsdp2=name == "fsdp2")
-        results[name] = {"losses": _train(model, rank, world), "model": model}
+        # Each rank's own micro-batches, undivided; the non-last ones without gradient sync.
+        losses = train_steps(model, torch.optim.SGD(model.parameters(), lr=LR), _batches(world),
+                             _loss, rank=rank, mark="gradient_sync", divide_by_micro=False)
+        results[name] = {"losses": [loss.item() for step in losses for loss in step],
+                         "model": model}
     assert ref is not None
     _train_reference(ref, _param_factors(ref, case, world, world), world)
     return {

@@ -97,7 +97,9 @@ pending_meta_units: weakref.WeakKeyDictionary[nn.Module, PendingUnit] = weakref.
 applying_depth = [0]
 # [Note: meta buffers] True only inside ``estimate`` (``_estimate.meta_buffers()``): the flat
 # buffers of groups built from meta parameters go on the meta device instead of the mesh's, so
-# wrapping allocates no storage and ``memory_bytes`` still reads numel * element_size.
+# wrapping allocates no storage and ``memory_bytes`` still reads numel * element_size. Read by
+# the frontend only (``_wiring.meta_init_device``, ``_param_classes``), which hands the device
+# down as an argument (``FlatParamGroup(meta_init_device=...)``, ``adopt_meta_unit``).
 meta_buffers = [False]
 # What ``reset`` undoes besides forgetting the state above, last registered first: state kept by
 # its owner outside the registry. Each installed patch of torch registers its ``uninstall``

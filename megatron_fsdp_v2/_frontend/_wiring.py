@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -140,6 +141,7 @@ def build_groups(
                     allocator=allocator,
                     sync_from_rank0=options.sync_module_states,
                     collective_impl=options.collective_impl,
+                    meta_init_device=meta_init_device(options),
                 )
             )
             if post_forward is not None:
@@ -149,6 +151,14 @@ def build_groups(
                 for face in flat_groups[-1].tp_faces
             ]
     return flat_groups, allocator
+
+
+def meta_init_device(options: WrapOptions) -> torch.device:
+    """Where the buffers of a unit built on the meta device go: the mesh's device, or the meta
+    device itself inside the estimator's ``meta_buffers()`` (storage-free wraps; see [Note:
+    meta buffers] in ``_registry``). The entry point reads the estimator's setting here and
+    hands the device down as an argument: the groups and materialization never read it."""
+    return torch.device("meta") if _registry.meta_buffers[0] else mesh_device(options.mesh)
 
 
 def tp_norm_group(face: TPFace, group: FlatParamGroup, timeout: Any) -> dist.ProcessGroup | None:
@@ -192,7 +202,7 @@ def install_unit(
     get the state, the hooks and ``FSDP<Class>`` (see [Note: several modules as one unit])."""
     if unit.meta_init:
         _materialize.adopt_meta_unit(
-            module, flat_groups, mesh_device(options.mesh), options.param_init_fn, members
+            module, flat_groups, meta_init_device(options), options.param_init_fn, members
         )
     owner = f"{type(module).__name__} at 0x{id(module):x}"
     for group in flat_groups:

@@ -78,6 +78,7 @@ class FlatParamGroup(ComputeWeights):
         allocator: ScratchAllocator,
         sync_from_rank0: bool = False,
         collective_impl: str = "native",
+        meta_init_device: torch.device | None = None,
     ) -> None:
         """Builds the buffers but leaves the module's parameters untouched: :meth:`bind`
         turns them into views of the buffers once every group of the unit was built (so a
@@ -120,10 +121,15 @@ class FlatParamGroup(ComputeWeights):
         self.dtypes = dtypes
         self.grad_pre_scale = grad_pre_scale
         self.allocator = allocator
-        # A module built under torch.device("meta") has no values yet: the buffers go on the
-        # mesh's device and are filled at materialization (see [Note: meta materialization]).
+        # A module built under torch.device("meta") has no values yet: the buffers go on
+        # ``meta_init_device`` (default: the mesh's device; the estimator's storage-free wraps
+        # pass the meta device) and are filled at materialization (see [Note: meta
+        # materialization]).
         self.pending_init = params[0].device.type == "meta"
-        self.device = mesh_device(mesh) if self.pending_init else params[0].device
+        if self.pending_init:
+            self.device = meta_init_device if meta_init_device is not None else mesh_device(mesh)
+        else:
+            self.device = params[0].device
         self.param_dtype = params[0].dtype  # the parameters' own dtype, before mp_policy
         # The meta parameters the compute placeholders replace, until fully_shard swaps them.
         self.original_params: list[nn.Parameter] = list(params) if self.pending_init else []

@@ -37,11 +37,7 @@ class ParamRecord:
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:
     """The device this rank's buffers live on for ``mesh`` (the current CUDA device for a
-    ``cuda`` mesh; the meta device while estimating, see [Note: meta buffers] in _registry)."""
-    from .. import _registry  # noqa: PLC0415 - _registry imports this module for typing only
-
-    if _registry.meta_buffers[0]:
-        return torch.device("meta")
+    ``cuda`` mesh)."""
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)

@@ -73,7 +73,6 @@ REGISTRY_IMPORTERS: frozenset[str] = frozenset({
 # Importers of ``_registry`` below the entry points, still to be given their values as
 # arguments: module -> what it reads there today.
 REGISTRY_EXCEPTIONS: dict[str, str] = {
-    "_runtime._param_record": "the estimator's meta-buffer flag (mesh_device)",
     "_runtime._registered_params": "the unit state of a module",
     "_runtime._subclass_gather": "the record of a parameter",
     "_init._materialize": "the meta-device units waiting for values",

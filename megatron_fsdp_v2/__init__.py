@@ -13,6 +13,7 @@ from ._frontend._fully_shard import (
     fully_shard,
     memory_report,
 )
+from ._frontend._policies import CommPolicy, InitPolicy, ShardingPolicy
 from .api import MixedPrecisionPolicy, ShardingStrategy
 from .checkpoint._streaming import iter_full_weights
 from .estimator import Estimate, estimate
@@ -21,10 +22,13 @@ from .utils import clip_grad_norm_
 
 __all__ = [
     "CollectiveCount",
+    "CommPolicy",
     "Estimate",
     "FSDPModule",
+    "InitPolicy",
     "MemoryReport",
     "MixedPrecisionPolicy",
+    "ShardingPolicy",
     "ShardingStrategy",
     "UnshardHandle",
     "build_info",

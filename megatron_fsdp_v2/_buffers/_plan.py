@@ -199,7 +199,7 @@ def layout_world_size(shard_size: int, outer: ShardingStrategy, outer_size: int)
 def make_plan(
     strategy: ShardingStrategy, dtypes: ResolvedDtypes, layout: BufferLayout, rank: int,
     outer: ShardingStrategy | None = None, outer_rank: int = 0, outer_size: int = 1,
-    extensions: bool = False,
+    extensions: bool = False, host_main: bool = False,
 ) -> BufferPlan:
     """The plan of one group. The only place that turns a strategy into buffer decisions.
 
@@ -212,7 +212,15 @@ def make_plan(
     extensions: where weights are sharded, the main weights get their own buffer and the
     gathered compute weights are the extensions' (``CAST_AT_GATHER`` under ZeRO-3,
     ``EXTENSION_OWN_SLOT_THEN_GATHER`` under ZeRO-1/2, ``EXTENSION_OWN_SLOT_THEN_OUTER_GATHER``
-    with outer ``OPTIM``), never a compute-dtype copy."""
+    with outer ``OPTIM``), never a compute-dtype copy. ``host_main``: CPU offload's copying
+    path (ZeRO-3 only): the main weights are a buffer of their own (in host memory), copied
+    into each gather like ``CAST_AT_GATHER`` casts them, so no device shard persists (see
+    [Note: host offload] in ``_runtime/_offload.py``)."""
+    if host_main and (outer is not None or not strategy.shards_model_weights):
+        raise ValueError(
+            f"host main weights need a 1-D mesh and sharded model weights, got strategy "
+            f"{strategy.value!r}, outer {outer.value if outer is not None else None!r}"
+        )
     if outer is ShardingStrategy.OPTIM:
         return _outer_optim_plan(strategy, dtypes, layout, rank, outer_rank, outer_size,
                                  extensions)
@@ -225,7 +233,7 @@ def make_plan(
     shards_main = strategy.shards_main_weights
     shards_grads = strategy.shards_grads
     gathers = strategy.shards_model_weights
-    separate = dtypes.main != dtypes.model or (extensions and shards_main)
+    separate = dtypes.main != dtypes.model or (extensions and shards_main) or host_main
     main_extent = Extent.SHARD if shards_main else Extent.FULL
     grad_path = (
         GradPath.REDUCE_EACH_MICRO_BATCH if shards_grads else GradPath.ACCUMULATE_THEN_REDUCE

@@ -17,7 +17,7 @@ Each FSDP2 argument either maps onto this library with FSDP2's semantics or is r
   does (:func:`post_forward_group_size`): a factor of the shard axis' size; ``1`` means
   ``False`` (with FSDP2's warning) and the axis' size means ``True``. ZeRO-3 on a 1-D mesh only.
 * ``offload_policy``: ``OffloadPolicy()`` (no offload), or ``CPUOffloadPolicy(pin_memory=...)``
-  with ``optim_grads_params`` on a CPU mesh; see [Note: CPU offload] below.
+  with ``optim_grads_params``; see [Note: CPU offload] below.
 * ``dp_mesh_dims``: the data-parallel dims of one SPMD mesh, resolved in ``_mesh.py`` (see
   [Note: SPMD meshes and dp_mesh_dims] there).
 * ``shard_placement_fn``: called once per managed parameter, as FSDP2 does; ``None`` or
@@ -37,12 +37,13 @@ import torch
 import torch.nn as nn
 
 from .. import _registry
+from .._runtime._offload import OffloadConfig, copies_forced
 from ..api import MixedPrecisionPolicy, ShardingStrategy
 
 __all__ = [
-    "check_offload_device",
     "check_shard_placements",
     "convert_mp_policy",
+    "host_offload_config",
     "parse_offload_policy",
     "parse_reshard_after_forward",
     "post_forward_group_size",
@@ -88,15 +89,20 @@ def convert_mp_policy(mp_policy: object) -> MixedPrecisionPolicy:
 # whatever the device, so a configuration that runs on a CPU machine also runs on a GPU one or
 # fails there for the device alone.
 #
-# Which devices: on a CPU mesh (gloo) every flat buffer already is host memory, so the policy
-# is accepted and changes nothing: no copy, no extra buffer, the same collectives and the same
-# bits as without it (``tests/distributed/test_cpu_offload.py`` checks the data pointers, the
-# memory report and the losses against FSDP2 with the same policy and one process).
-# ``pin_memory`` is checked (a bool) and otherwise unused there: pinning only speeds host-device
-# copies, and there are none (FSDP2 pins anyway, and fails without a CUDA driver). On a CUDA
-# mesh the host copies around the gathers and reductions are not implemented: refused with
-# ``NotImplementedError`` before any collective. ``memory_report(...).host_bytes`` says which
-# bytes live in host memory.
+# Which path (:func:`host_offload_config`): on an accelerator mesh (CUDA) the copying path of
+# [Note: host offload] in ``_runtime/_offload.py``: main weights and gradients in (pinned, with
+# ``pin_memory=True``) host memory, an H2D copy into each all-gather's input, a D2H copy after
+# each reduce-scatter; 1-D meshes only (HSDP's outer reductions would run on host buffers:
+# ``NotImplementedError``), not with FP8 all-gather parameters or tensor-parallel DTensors
+# (refused when the groups are built). On a CPU mesh (gloo) every flat buffer already is host
+# memory, so the policy is accepted and changes nothing: no copy, no extra buffer, the same
+# collectives and the same bits as without it (``tests/distributed/test_cpu_offload.py`` checks
+# the data pointers, the memory report and the losses against FSDP2 with the same policy and
+# one process); ``pin_memory`` is checked (a bool) and unused there. The test-only switch
+# ``_offload.FORCE_COPIES_ENV`` makes a CPU mesh take the copying path, so its logic is tested
+# on CPU machines; the estimator (meta buffers) models the copying path too.
+# ``memory_report(...).host_bytes`` says which bytes live in host memory, ``.offloaded_bytes``
+# which of them the policy put there.
 
 def parse_offload_policy(offload_policy: object, strategy: ShardingStrategy) -> bool:
     """Whether ``offload_policy`` asks for CPU offload (see [Note: CPU offload]); ``TypeError``
@@ -128,20 +134,21 @@ def parse_offload_policy(offload_policy: object, strategy: ShardingStrategy) -> 
     )
 
 
-def check_offload_device(device_type: str) -> None:
-    """CPU offload on a mesh of ``device_type`` (see [Note: CPU offload]): accepted on ``cpu``,
-    where the buffers already are host memory; ``NotImplementedError`` elsewhere."""
-    if device_type == "cpu":
-        return
-    raise NotImplementedError(
-        f"offload_policy=CPUOffloadPolicy() on a {device_type!r} mesh: keeping the main "
-        "weights, gradients and optimizer state in host memory, with a copy of this rank's "
-        "shard to the device before each all-gather and of the reduced gradient shard back "
-        "after each reduce-scatter, is not implemented. It is accepted on CPU meshes (gloo), "
-        "where every buffer already is host memory. Leave offload_policy unset; to save "
-        f"{device_type} memory use sharding_strategy='optim_grads_params' (everything sharded), "
-        "more ranks, and activation checkpointing"
-    )
+def host_offload_config(offload_policy: object, device_type: str, hsdp: bool
+                        ) -> OffloadConfig | None:
+    """For a ``CPUOffloadPolicy`` accepted by :func:`parse_offload_policy`: the copying path's
+    settings on a mesh of ``device_type``, or ``None`` for the no-copy path of a CPU mesh (see
+    [Note: CPU offload]); ``NotImplementedError`` for the copying path on an HSDP mesh."""
+    if device_type == "cpu" and not copies_forced() and not _registry.meta_buffers[0]:
+        return None
+    if hsdp:
+        raise NotImplementedError(
+            f"offload_policy=CPUOffloadPolicy() on a 2-D (HSDP) {device_type!r} mesh: the "
+            "outer reductions would run on the gradients in host memory, which is not "
+            "implemented. Use a 1-D mesh (FSDP over every rank) with the policy, or leave "
+            "offload_policy unset"
+        )
+    return OffloadConfig(pin_memory=bool(getattr(offload_policy, "pin_memory", True)))
 
 
 def parse_reshard_after_forward(value: object, strategy: ShardingStrategy) -> bool | int:

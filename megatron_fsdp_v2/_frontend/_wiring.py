@@ -142,6 +142,7 @@ def build_groups(
                     sync_from_rank0=options.sync_module_states,
                     collective_impl=options.collective_impl,
                     meta_init_device=meta_init_device(options),
+                    host_offload=options.host_offload,
                 )
             )
             if post_forward is not None:

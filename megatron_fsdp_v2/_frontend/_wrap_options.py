@@ -21,6 +21,7 @@ from .._buffers._plan import layout_world_size, shards_outer_optim
 from .._comm._collective_impl import parse_collective_impl
 from .._init._materialize import ParamInitFn, has_meta_state
 from .._runtime._coalesce import validate_bucket_size
+from .._runtime._offload import OffloadConfig
 from ..api import MixedPrecisionPolicy, ResolvedDtypes, ShardingStrategy
 from . import _fsdp2_compat
 from ._fsdp_module import FSDPModule
@@ -72,9 +73,10 @@ class WrapOptions:
     # reshard_after_forward=<int>: the size of the groups weights are resharded to after
     # forward (0: none; see [Note: resharding to a smaller group] in _compute_weights.py).
     post_forward_group_size: int = 0
-    # CPUOffloadPolicy given: accepted on CPU meshes only, where it changes no buffer
-    # ([Note: CPU offload] in _fsdp2_compat.py); kept for the cross-rank check.
+    # CPUOffloadPolicy given (kept for the cross-rank check), and its copying path's settings
+    # (None on a CPU mesh, where it changes no buffer; [Note: CPU offload] in _fsdp2_compat.py).
     cpu_offload: bool = False
+    host_offload: OffloadConfig | None = None
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -143,8 +145,11 @@ def parse_options(
     axes = dataclasses.replace(axes, spmd=spmd_mesh_of(mesh, dp_mesh_dims))
     reshard, post_forward_group_size = _fsdp2_compat.post_forward_group_size(
         reshard, axes.inner.size(), axes.outer is not None, enable_trace_pool)
-    if cpu_offload:
-        _fsdp2_compat.check_offload_device(axes.mesh.device_type)
+    host_offload = (
+        _fsdp2_compat.host_offload_config(offload_policy, axes.mesh.device_type,
+                                          axes.outer is not None)
+        if cpu_offload else None
+    )
     if reduce_bucket_size_mb is not None and axes.outer is not None:
         raise NotImplementedError(
             "reduce_bucket_size_mb with a 2-D (HSDP) mesh is not supported: the window's outer "
@@ -164,6 +169,7 @@ def parse_options(
         collective_impl=collective_impl, reduce_bucket_size_mb=reduce_bucket_size_mb,
         post_forward_group_size=post_forward_group_size,
         refresh_bucket_size_mb=refresh_bucket_size_mb, cpu_offload=cpu_offload,
+        host_offload=host_offload,
     )
 
 

@@ -49,6 +49,7 @@ from ._issuer import Finishable, GroupIssuer, Pending
 
 if TYPE_CHECKING:
     from ._grads import GroupGrads
+    from ._offload import HostOffload
     from ._param_record import ParamRecord
     from ._refresh_buckets import RefreshBucket
     from ._subclass_gather import ExtensionGather
@@ -82,6 +83,7 @@ class ComputeWeights:
     main_weight: torch.Tensor
     refresh_bucket: RefreshBucket | None
     extension: ExtensionGather | None
+    host_offload: HostOffload | None  # CPU offload's copying path
     views_generation: int
     _views_bound: bool
     _bound_to: torch.Tensor | None
@@ -286,7 +288,11 @@ class ComputeWeights:
         # iterations (see [Note: trace-planned pool]), then they follow it.
         if not self._views_bound or output is not self._bound_to:
             self._bind_compute_views(output)
-        if cast_at_gather:
+        if self.host_offload is not None:  # [Note: host offload] in _offload.py
+            self._pending_weights = self.host_offload.copy_in_and_gather(
+                output, self.main_weight, self.plan.main_weight_span[0], self.issuer, async_op,
+            )
+        elif cast_at_gather:
             self._pending_weights = cast_and_gather_weights(
                 output, self.main_weight, self.plan.main_weight_span[0], self.issuer, async_op,
             )

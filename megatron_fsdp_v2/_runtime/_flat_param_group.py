@@ -47,6 +47,7 @@ from ..api import ResolvedDtypes, ShardingStrategy
 from ._compute_weights import ComputeWeights
 from ._grads import GroupGrads
 from ._issuer import Deferred, Finishable, GroupIssuer
+from ._offload import HostOffload, OffloadConfig
 from ._param_record import ParamRecord, contiguous_stride, mesh_device
 from ._subclass_gather import ExtensionGather, has_all_gather_extensions, inner_values
 
@@ -79,6 +80,7 @@ class FlatParamGroup(ComputeWeights):
         sync_from_rank0: bool = False,
         collective_impl: str = "native",
         meta_init_device: torch.device | None = None,
+        host_offload: OffloadConfig | None = None,
     ) -> None:
         """Builds the buffers but leaves the module's parameters untouched: :meth:`bind`
         turns them into views of the buffers once every group of the unit was built (so a
@@ -92,7 +94,9 @@ class FlatParamGroup(ComputeWeights):
         over the whole mesh) is where gradient norms are all-reduced. ``collective_impl``: see
         [Note: collective implementation] in ``_collective_impl.py``. ``tp_faces``: per
         parameter, its :class:`TPFace` when tensor parallelism made it a DTensor (the buffers
-        then hold its TP-local tensor; see [Note: 2-D parameters])."""
+        then hold its TP-local tensor; see [Note: 2-D parameters]). ``host_offload``:
+        ``CPUOffloadPolicy``'s copying path (main weights and gradients in host memory; see
+        [Note: host offload] in ``_offload.py``)."""
         self.layout = layout
         self.tp_faces = list(tp_faces) if tp_faces is not None else [None] * len(params)
         # Per parameter: where clip_grad_norm_ reduces a TP-sharded gradient's norm (wiring).
@@ -104,10 +108,18 @@ class FlatParamGroup(ComputeWeights):
         self.strategy = strategy
         replicas = mesh.size(0) if mesh.ndim == 2 else 1
         extensions = has_all_gather_extensions(params[0])  # the whole group (build_groups)
+        if host_offload is not None and (extensions or any(f is not None for f in self.tp_faces)):
+            raise NotImplementedError(
+                f"offload_policy=CPUOffloadPolicy() with parameter {fqns[0]!r}, "
+                + ("gathered through all-gather extensions (FP8)" if extensions
+                   else "a tensor-parallel DTensor")
+                + ": its host copies are not implemented. Leave offload_policy unset for this "
+                "unit"
+            )
         self.plan = make_plan(
             strategy, dtypes, layout, self.rank, outer=outer_strategy if replicas > 1 else None,
             outer_rank=mesh.get_local_rank(0) if replicas > 1 else 0, outer_size=replicas,
-            extensions=extensions,
+            extensions=extensions, host_main=host_offload is not None,
         )
         if self.plan.norm_axis == "mesh" and mesh_process_group is None:
             mesh_process_group = mesh._flatten().get_group()
@@ -131,6 +143,10 @@ class FlatParamGroup(ComputeWeights):
         else:
             self.device = params[0].device
         self.param_dtype = params[0].dtype  # the parameters' own dtype, before mp_policy
+        # CPU offload's copying path: main weights and gradients in host memory.
+        self.host_offload = (
+            HostOffload(host_offload, self.device) if host_offload is not None else None
+        )
         # The meta parameters the compute placeholders replace, until fully_shard swaps them.
         self.original_params: list[nn.Parameter] = list(params) if self.pending_init else []
         # The group's collectives, over process_group (the inner axis' ranks; see
@@ -266,7 +282,12 @@ class FlatParamGroup(ComputeWeights):
         if initial is not None and plan.keeps_model_weight:
             ops.pack_([initial[lo:hi]], [0], self.model_weight)
         main_lo, main_hi = plan.main_weight_span
-        if plan.main_weight_separate:
+        if plan.main_weight_separate and self.host_offload is not None:  # host memory
+            self.main_weight = self.host_offload.empty(main_hi - main_lo, dtypes.main,
+                                                       zeros=initial is None)
+            if initial is not None:  # from the device (pack_ wants one device)
+                self.main_weight.copy_(initial[main_lo:main_hi])
+        elif plan.main_weight_separate:
             self.main_weight = alloc(main_hi - main_lo, dtype=dtypes.main, device=device)
             if initial is not None:
                 ops.pack_([initial[main_lo:main_hi]], [0], self.main_weight)

@@ -120,7 +120,11 @@ class GroupGrads(GradStaging, OptimizerGrads):
         main_grad = self._main_grad
         if main_grad is None:
             lo, hi = self.group.plan.main_grad_span
-            main_grad = torch.empty(hi - lo, dtype=self.group.dtypes.grad, device=self.group.device)
+            host = self.group.host_offload  # CPU offload: in host memory
+            main_grad = (
+                host.empty(hi - lo, self.group.dtypes.grad) if host is not None
+                else torch.empty(hi - lo, dtype=self.group.dtypes.grad, device=self.group.device)
+            )
             self._main_grad = main_grad
         elif main_grad.untyped_storage().nbytes() == 0:
             main_grad.untyped_storage().resize_(main_grad.numel() * main_grad.element_size())
@@ -238,7 +242,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
         accumulate = self.state is not GradState.EMPTY
         self._pending.append(_reduce.reduce_micro_batch(
             group.plan, staged_grad, self._reduction_target(), accumulate,
-            group.issuer, group.allocator, key, async_op,
+            group.issuer, group.allocator, key, async_op, host=group.host_offload,
         ))
         self.state = GradState.REDUCED
 
@@ -430,6 +434,8 @@ class GroupGrads(GradStaging, OptimizerGrads):
 
     def _finish_window(self) -> None:
         self.wait_for_reduction()
+        if self.group.host_offload is not None:  # the one host sync (see [Note: host offload])
+            self.group.host_offload.wait_for_copies()
         hook = self.all_reduce_hook
         if hook is not None and self.pending_install and self.state is GradState.REDUCED:
             run_all_reduce_hook(hook, self.all_reduce_hook_stream, self.main_grad_local())

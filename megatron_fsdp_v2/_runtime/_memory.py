@@ -51,6 +51,7 @@ class MemoryReport:
         # on the mesh's device, not on the plan, so the fields (which the estimator reproduces
         # on meta buffers, compared with asdict against real runs) leave it out.
         self._host_bytes = 0
+        self._offloaded_bytes = 0
 
     @property
     def total(self) -> int:
@@ -62,12 +63,19 @@ class MemoryReport:
 
     @property
     def host_bytes(self) -> int:
-        """The part of ``total`` in host (CPU) memory: every byte of a unit on a CPU mesh (with
-        or without ``CPUOffloadPolicy``, which changes no buffer there: [Note: CPU offload] in
-        ``_frontend/_fsdp2_compat.py``), and optimizer state kept on the CPU (AdamW's ``step``
-        scalars, for one). 0 in an estimate (meta buffers; it models accelerator runs, where
-        every buffer is on the device)."""
+        """The part of ``total`` in host (CPU) memory: every byte of a unit on a CPU mesh,
+        what ``CPUOffloadPolicy`` keeps there on an accelerator mesh (:attr:`offloaded_bytes`),
+        and optimizer state kept on the CPU (AdamW's ``step`` scalars, for one). In an estimate
+        (meta buffers; it models accelerator runs) :attr:`offloaded_bytes`."""
         return self._host_bytes
+
+    @property
+    def offloaded_bytes(self) -> int:
+        """The part of ``total`` that ``CPUOffloadPolicy``'s copying path keeps in host memory
+        (see [Note: host offload] in ``_offload.py``): the main weights and main gradients of
+        its groups, and (given the optimizer) their optimizer state. 0 without the policy, and
+        on a CPU mesh without the test-only switch (there it changes no buffer)."""
+        return self._offloaded_bytes
 
     @property
     def device_bytes(self) -> int:
@@ -118,6 +126,8 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
     allocators: dict[int, ScratchAllocator] = {}
     host_allocators: set[int] = set()  # those of units on a CPU mesh (their scratch is host)
     host = 0  # bytes in host memory (MemoryReport.host_bytes)
+    offloaded = 0  # of which CPUOffloadPolicy's copying path put there
+    offloaded_params: list[torch.Tensor] = []
     content = padded = 0
     managed: list[torch.Tensor] = []
     scale_storages: dict[int, int] = {}  # storage -> bytes: torchao stacks all scales in one
@@ -130,10 +140,15 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
             report.main_weights += sizes["main_weights"]
             report.main_grads += sizes["main_grads"]
             report.padding += sizes["padding"]
-            if group.main_weight.device.type == "cpu":  # a group's buffers share its device
+            if group.host_offload is not None:  # main weights and gradients in host memory
+                offloaded += sizes["main_weights"] + sizes["main_grads"]
+                offloaded_params += group.dist_params
+            if group.device.type == "cpu":  # the rest of a group's buffers share its device
                 host += (sizes["model_weights"] + sizes["main_weights"]
                                       + sizes["main_grads"])
                 host_allocators.add(id(state.allocator))
+            elif group.host_offload is not None:
+                host += sizes["main_weights"] + sizes["main_grads"]
             report.num_groups += 1
             if not group.plan.main_weight_separate:
                 report.main_weights_aliased += (
@@ -163,7 +178,9 @@ def memory_report(module: nn.Module, optimizer: torch.optim.Optimizer | None = N
     if optimizer is not None:
         report.optimizer_state, host_state = _optimizer_state_bytes(optimizer, managed)
         host += host_state
-    report._host_bytes = host  # not a field (see MemoryReport.__post_init__)
+        offloaded += _optimizer_state_bytes(optimizer, offloaded_params)[0]
+    report._host_bytes = host  # not fields (see MemoryReport.__post_init__)
+    report._offloaded_bytes = offloaded
     return report
 
 

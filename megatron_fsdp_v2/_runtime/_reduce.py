@@ -9,6 +9,7 @@ refreshes are in ``_gather.py``. See [Note: who issues collectives] in ``_issuer
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from .._buffers._allocator import ScratchAllocator
 from .._buffers._plan import BufferPlan, Collective
 from .._profiling import traced
 from ._issuer import CollectiveLaunch, GroupIssuer, Pending
+
+if TYPE_CHECKING:
+    from ._offload import HostOffload
 
 __all__ = ["reduce_accumulated", "reduce_micro_batch", "reduce_window"]
 
@@ -67,15 +71,18 @@ def reduce_accumulated(
 def reduce_micro_batch(
     plan: BufferPlan, staged_grad: torch.Tensor, target: torch.Tensor, accumulate: bool,
     issuer: GroupIssuer, allocator: ScratchAllocator, input_key: Hashable, async_op: bool,
+    host: HostOffload | None = None,
 ) -> Pending:
     """Reduce one micro-batch's staged ``staged_grad`` (a scratch buffer) and write
-    or add the result into ``target``, the optimizer-facing part of ``main_grad``."""
+    or add the result into ``target``, the optimizer-facing part of ``main_grad``. ``host``:
+    ``target`` is in host memory (CPU offload): the result is reduced into its slot of the
+    input, then copied there (see [Note: host offload] in ``_offload.py``)."""
     whole = plan.reduce_steps[0].op is Collective.ALL_REDUCE
     reduced: torch.Tensor | None
     if whole:
         reduced = staged_grad
         output = staged_grad
-    elif not accumulate and staged_grad.dtype == target.dtype:
+    elif host is None and not accumulate and staged_grad.dtype == target.dtype:
         reduced = None  # first write, same dtype: reduce straight into the persistent shard
         output = target
     else:
@@ -83,7 +90,9 @@ def reduce_micro_batch(
         output = reduced
 
     def finish() -> None:
-        if reduced is not None:
+        if reduced is not None and host is not None:
+            host.grad_to_host(reduced, target, accumulate)
+        elif reduced is not None:
             ops.reduce_scatter_copy_out_(reduced, target, accumulate=accumulate)
         allocator.free(input_key)
 

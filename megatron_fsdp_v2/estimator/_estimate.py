@@ -208,6 +208,7 @@ def estimate(
     tp_plan: Mapping[str, Any] | None = None,
     float8: bool = False,
     reshard_after_forward: bool | int = True,
+    cpu_offload: bool = False,
 ) -> Estimate:
     """Estimate ``rank``'s memory and the collectives of one training iteration when the model
     ``model_fn()`` builds is wrapped with ``fully_shard`` (each module ``wrap`` selects, then the
@@ -244,6 +245,11 @@ def estimate(
     bytes with their size) and the ``1/n`` slices kept from forward to backward in the
     temporary peak (see [Note: resharding to a smaller group] in
     ``_runtime/_compute_weights.py``). ``False`` is not modelled (``NotImplementedError``).
+
+    ``cpu_offload``: ``offload_policy=CPUOffloadPolicy()`` on every unit, as on a GPU mesh (the
+    copying path of [Note: host offload] in ``_runtime/_offload.py``): the main weights and
+    gradients in their own host buffers (no device shard), and ``memory.offloaded_bytes`` (=
+    ``memory.host_bytes``) their bytes plus the chosen optimizer's state.
     """
     _check_args(world_size, rank, micro_batches, optimizer, mesh_shape, tp)
     if reshard_after_forward is False:
@@ -302,6 +308,10 @@ def estimate(
             # None: each strategy's default (True would be refused by the others than ZeRO-3).
             reshard_after_forward=None if reshard_after_forward is True else reshard_after_forward,
         )
+        if cpu_offload:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+
+            options["offload_policy"] = CPUOffloadPolicy()
         with meta_buffers():
             for unit in reversed(units):  # children before their parents
                 fully_shard(unit, **options)
@@ -339,6 +349,12 @@ def _measure(model: nn.Module, micro_batches: int, optimizer: str, world_size: i
     report.temporary_peak = replay_temporaries([s for _, s in states], micro_batches)
     state_bytes = {name: optimizer_state_bytes(groups, name) for name in OPTIMIZERS}
     report.optimizer_state = state_bytes[optimizer]
+    # CPU offload: the offloaded groups' optimizer state is host memory too (memory_report
+    # counted their main weights and gradients; not fields, see MemoryReport.__post_init__).
+    offloaded_state = optimizer_state_bytes([g for g in groups if g.host_offload is not None],
+                                            optimizer)
+    report._offloaded_bytes += offloaded_state
+    report._host_bytes += offloaded_state
     shards = [
         GroupShard(name, i, g.layout.total_numel, g.plan.model_weight_span,
                    g.plan.main_weight_span, g.plan.main_grad_span)

@@ -9,8 +9,8 @@ model.output], reshard_after_forward=False)``, where its chunked loss calls the 
 the model's forward, after the root's forward has returned.
 
 Here the unit is built over a :class:`UnitModules` (an ``nn.ModuleList`` of the members, never
-part of the model and never called): everything that walks a unit's modules (its parameter
-slots, buffers, the cross-rank signature) walks the members through it, and the parameter
+part of the model and never called): everything that walks a unit's modules (its registered
+parameters, buffers, the cross-rank signature) walks the members through it, and the parameter
 names of the unit are ``"<index>.<name>"``. The unit state is registered for the holder and
 for each member (so the root's wrap leaves their parameters alone, ``state_of(member)`` and
 ``isinstance(member, FSDPModule)`` hold, and state-dict hooks on each member find it), and

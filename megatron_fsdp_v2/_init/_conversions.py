@@ -118,7 +118,7 @@ def apply_to_units(
         for state in states:
             mark_initialized_by_user(state.module)
     # Managed parameters stay as they are: hide them from nn.Module._apply, then put them
-    # back in their slots' original order (parameters() order is the optimizer's).
+    # back in their original order (parameters() order is the optimizer's).
     hidden: list[tuple[dict[str, Any], list[str], dict[str, Any]]] = []
     for state in states:
         for parameters, mapping in state.registered_params.dist_registration:

@@ -302,7 +302,7 @@ class FlatParamGroup(ComputeWeights):
     def _compute_param(self, param: nn.Parameter) -> nn.Parameter:
         """The compute parameter of ``param``: ``param`` itself, or for a meta parameter (whose
         storage cannot be replaced by one on another device) a new placeholder on the buffers'
-        device with the same attributes, which fully_shard puts in ``param``'s module slots."""
+        device with the same attributes, which fully_shard registers in ``param``'s modules."""
         if param.device.type != "meta":
             return param
         fresh = nn.Parameter(

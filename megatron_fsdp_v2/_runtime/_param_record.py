@@ -1,7 +1,7 @@
 """A managed parameter's record (:class:`ParamRecord`: its names, its compute and
 optimizer-facing objects, its place in a flat group) and the device a mesh's buffers live on.
-Kept apart from ``_flat_param_group.py`` so that modules which only read records (slots, the
-registry, the extension gathers, clipping) need not import the group."""
+Kept apart from ``_flat_param_group.py`` so that modules which only read records (the registered
+parameters, the registry, the extension gathers, clipping) need not import the group."""
 
 from __future__ import annotations
 

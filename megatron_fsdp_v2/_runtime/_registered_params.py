@@ -1,4 +1,5 @@
-"""Which object sits in each parameter slot (``module._parameters[name]``) of the modules a unit
+"""Which object is registered under each parameter name (``module._parameters[name]``) of the
+modules a unit
 owns: the compute parameters during forward and backward, the optimizer-facing DTensor
 parameters otherwise, and checks that nobody else put another one there.
 
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RegisteredParams"]
 
-# (a module's ``_parameters`` dict, {slot name: parameter to put there})
+# (a module's ``_parameters`` dict, {parameter name: parameter to put there})
 Registration = tuple[dict[str, Any], dict[str, Any]]
 
 
@@ -57,7 +58,7 @@ class RegisteredParams:
         faces = {id(r.compute_param): r for g in state.groups for r in g.records}
         # Parameters with all-gather extensions: the module held the wrapped objects; their
         # compute parameters are rebuilt by the gathers (see _subclass_gather.py), so their
-        # slots take whatever the record holds when registered.
+        # entries take whatever the record holds when registered.
         rebuilt: set[int] = set()
         for g in state.groups:
             if g.extension is not None:
@@ -66,26 +67,26 @@ class RegisteredParams:
                     rebuilt.add(id(r))
         compute: dict[int, Registration] = {}
         dist: dict[int, Registration] = {}
-        # A tied parameter appears under every (submodule, name) slot it occupies.
+        # A tied parameter appears under every (submodule, name) it is registered at.
         for submodule in module.modules():
             for name, param in submodule._parameters.items():
                 record = faces.get(id(param)) if param is not None else None
                 if record is None:
                     continue
-                slots = submodule._parameters
-                compute.setdefault(id(submodule), (slots, {}))[1][name] = record.compute_param
-                dist.setdefault(id(submodule), (slots, {}))[1][name] = record.dist_param
+                entries = submodule._parameters
+                compute.setdefault(id(submodule), (entries, {}))[1][name] = record.compute_param
+                dist.setdefault(id(submodule), (entries, {}))[1][name] = record.dist_param
         self.compute_registration = list(compute.values())
-        # (mapping, slot name, record) of each slot whose compute parameter is rebuilt.
-        self._rebuilt_slots: list[tuple[dict[str, Any], str, ParamRecord]] = []
+        # (mapping, name, record) of each entry whose compute parameter is rebuilt.
+        self._rebuilt_entries: list[tuple[dict[str, Any], str, ParamRecord]] = []
         for submodule in module.modules():
             for name, param in submodule._parameters.items():
                 record = faces.get(id(param)) if param is not None else None
                 if record is not None and id(record) in rebuilt:
-                    self._rebuilt_slots.append((compute[id(submodule)][1], name, record))
+                    self._rebuilt_entries.append((compute[id(submodule)][1], name, record))
         self.dist_registration = list(dist.values())
         self.compute_registered = False
-        # Every slot of the owned modules as wrapping left it (managed parameters as their
+        # Every parameter entry of the owned modules as wrapping left it (managed parameters as their
         # DTensor parameters), to compare with.
         owned = _registry.owned_modules(module)
         self._expected = [
@@ -125,7 +126,7 @@ class RegisteredParams:
         self.compute_registered = False
 
     def register_compute_params(self) -> None:
-        for mapping, name, record in self._rebuilt_slots:
+        for mapping, name, record in self._rebuilt_entries:
             mapping[name] = record.compute_param
         for parameters, mapping in self.compute_registration:
             parameters.update(mapping)
@@ -197,8 +198,8 @@ class RegisteredParams:
     def _is_compute_param(self, name: str, parameters: dict[str, Any]) -> bool:
         """Whether ``parameters[name]`` is the compute parameter this unit registered there
         (between forward and backward, or after a forward that raised)."""
-        for slots, mapping in self.compute_registration:
-            if slots is parameters:
+        for entries, mapping in self.compute_registration:
+            if entries is parameters:
                 return name in mapping and mapping[name] is parameters.get(name)
         return False
 
@@ -213,14 +214,16 @@ class RegisteredParams:
             )
 
 
-def _watch_storage(slots: weakref.ref[RegisteredParams], record: ParamRecord) -> weakref.ref[Any]:
+def _watch_storage(
+    registered: weakref.ref[RegisteredParams], record: ParamRecord
+) -> weakref.ref[Any]:
     """A weak reference to the storage of ``record``'s optimizer-facing parameter that records
-    the parameter in ``slots.data_replaced`` when the storage is released while the parameter
+    the parameter in ``registered.data_replaced`` when the storage is released while the parameter
     is alive and still the record's (see [Note: data assignments])."""
     param_ref = weakref.ref(record.dist_param)
 
     def released(_: Any) -> None:
-        param, watcher = param_ref(), slots()
+        param, watcher = param_ref(), registered()
         if param is not None and watcher is not None and record.dist_param is param:
             watcher.data_replaced.append(record.fqn)
 

@@ -95,7 +95,7 @@ class UnitState:
         self.backward_prefetch: list[FSDPState] | None = None
         self.fqn = type(module).__name__
         self.owns_nested_units = False  # set by the root's lazy init
-        # Which objects sit in the module's parameter slots, and checks that nobody else put
+        # Which parameter objects the unit's modules hold, and checks that nobody else put
         # another one there (see _registered_params.py).
         self.registered_params = RegisteredParams(self, module)
         self._cast_dtype = mp_policy.param_dtype if mp_policy.cast_forward_inputs else None

@@ -94,7 +94,8 @@ class WrapOptions:
 
     @property
     def layout_world_size(self) -> int:
-        """How many slots (ranks' spans) the flat groups' layouts are built over (the buffer plan decides)."""
+        """How many slots (ranks' spans) the flat groups' layouts are built over (the buffer
+        plan decides)."""
         return layout_world_size(self.axes.inner.size(), self.outer_strategy, self.replicas)
 
     @property

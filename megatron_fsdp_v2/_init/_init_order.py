@@ -80,7 +80,8 @@ def plan_init_calls(
 ) -> list[InitCall]:
     """The initializer calls of one pass over ``root``'s tree, in execution order.
 
-    ``has_pending(m)``: ``m`` holds a parameter or buffer to materialize among its own (not its children's).
+    ``has_pending(m)``: ``m`` holds a parameter or buffer to materialize among its own (not its
+    children's).
     ``may_cover(m)``: ``m``'s unit lets its ``reset_parameters`` cover a subtree (it is pending
     and has no ``param_init_fn``). See [Note: initializers that cover a subtree]."""
     calls: list[InitCall] = []

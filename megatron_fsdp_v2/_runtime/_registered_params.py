@@ -1,7 +1,6 @@
 """Which object is registered under each parameter name (``module._parameters[name]``) of the
-modules a unit
-owns: the compute parameters during forward and backward, the optimizer-facing DTensor
-parameters otherwise, and checks that nobody else put another one there.
+modules a unit owns: the compute parameters during forward and backward, the optimizer-facing
+DTensor parameters otherwise, and checks that nobody else put another one there.
 
 The parameter objects a unit was wrapped with are what its flat buffers hold: a parameter
 replaced, tied, added or removed after ``fully_shard`` would be silently put back at the next
@@ -86,8 +85,8 @@ class RegisteredParams:
                     self._rebuilt_entries.append((compute[id(submodule)][1], name, record))
         self.dist_registration = list(dist.values())
         self.compute_registered = False
-        # Every parameter entry of the owned modules as wrapping left it (managed parameters as their
-        # DTensor parameters), to compare with.
+        # Every parameter entry of the owned modules as wrapping left it (managed parameters as
+        # their DTensor parameters), to compare with.
         owned = _registry.owned_modules(module)
         self._expected = [
             (prefix, submodule._parameters,

@@ -21,12 +21,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_fsdp_v2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard
+from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2._comm import _collective_impl as impl
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import CollectiveCounts
 from _models import OddMLP, TinyGPT, lm_loss, make_batches, mlp_loss
+from _training import train_steps
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TIMEOUT_S = 300
@@ -81,9 +82,9 @@ class Variant:
                 + (" retain_graph" if self.retain_graph else ""))
 
 
-def _train(rank: int, world: int, collective_impl: str, strategy: str, overlap: bool,
-           v: Variant, mesh: Any = None, outer: str = "no_shard",
-           counter: type[TorchDispatchMode] = CollectiveCounts) -> dict[str, Any]:
+def _run_variant(rank: int, world: int, collective_impl: str, strategy: str, overlap: bool,
+                 v: Variant, mesh: Any = None, outer: str = "no_shard",
+                 counter: type[TorchDispatchMode] = CollectiveCounts) -> dict[str, Any]:
     """Train ``STEPS`` steps; returns losses, final parameter shards, a last forward, the
     accounting per step and the dispatched collectives per step (``counter``: CommDebugMode's
     counts, see [Note: counting collectives cheaply] in ``_comm_counts.py``)."""
@@ -109,22 +110,24 @@ def _train(rank: int, world: int, collective_impl: str, strategy: str, overlap: 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batches = make_batches(kind, STEPS, v.micro, world, per_rank=2)
     loss_fn = mlp_loss if kind == "mlp" else lm_loss
-    losses, stats, comm_counts = [], [], []
-    for step in range(STEPS):
+    counters: list[Any] = []
+    stats, comm_counts = [], []
+
+    @contextlib.contextmanager
+    def counted(step: int) -> Iterator[None]:
         with counter() as comm:
-            for i in range(v.micro):
-                model.set_is_last_backward(i == v.micro - 1)
-                loss = loss_fn(model, batches[step][i][rank]) / v.micro
-                if v.retain_graph:
-                    loss.backward(retain_graph=True)
-                loss.backward()
-                losses.append(loss.detach().clone())
-            clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=v.zero_to_none)
+            counters.append(comm)
+            yield
+
+    def record(step: int) -> None:
         stats.append(model.collective_stats(reset=True))
         comm_counts.append({str(k).split(".")[-1].rstrip("_"): n
-                            for k, n in comm.get_comm_counts().items()})
+                            for k, n in counters[step].get_comm_counts().items()})
+
+    losses = [loss for step_losses in train_steps(
+        model, opt, batches, loss_fn, rank=rank, backward_twice=v.retain_graph, clip_norm=1.0,
+        set_to_none=v.zero_to_none, around_step=counted, after_step=record)
+        for loss in step_losses]
     with torch.no_grad():  # the refresh / gather after the last step
         out = model(batches[0][0][rank][0] if kind == "mlp" else batches[0][0][rank][:, :-1])
     return dict(

@@ -18,8 +18,8 @@ from _collective_impl import (
     _check_accounting,
     _check_contract,
     _compare,
+    _run_variant,
     _substitute_all,
-    _train,
 )
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -42,8 +42,8 @@ def _parity_worker(rank: int, world: int, strategy: str, overlap: bool) -> None:
     with _substitute_all():
         for v in VARIANTS if overlap else SYNC_VARIANTS:
             what = f"{strategy} world {world} overlap={overlap} {v}"
-            native = _train(rank, world, "native", strategy, overlap, v)
-            auto = _train(rank, world, "auto", strategy, overlap, v)
+            native = _run_variant(rank, world, "native", strategy, overlap, v)
+            auto = _run_variant(rank, world, "auto", strategy, overlap, v)
             _compare(native, auto, what)
             _check_accounting(native, auto, what)
             _check_contract(native, strategy, v, what)
@@ -64,8 +64,8 @@ def _world4_worker(rank: int, world: int, strategy: str) -> None:
     with _substitute_all():
         for v in (Variant(micro=3), Variant(mp="bf16")):
             what = f"{strategy} world 4 {v}"
-            native = _train(rank, world, "native", strategy, True, v)
-            auto = _train(rank, world, "auto", strategy, True, v)
+            native = _run_variant(rank, world, "native", strategy, True, v)
+            auto = _run_variant(rank, world, "auto", strategy, True, v)
             _compare(native, auto, what)
             _check_accounting(native, auto, what)
 
@@ -77,8 +77,8 @@ def _hsdp_worker(rank: int, world: int, outer: str) -> None:
             for overlap in (True, False):
                 what = f"HSDP 2x2 outer {outer} overlap={overlap} {v}"
                 args = ("optim_grads_params", overlap, v, mesh, outer)
-                native = _train(rank, world, "native", *args)
-                auto = _train(rank, world, "auto", *args)
+                native = _run_variant(rank, world, "native", *args)
+                auto = _run_variant(rank, world, "auto", *args)
                 _compare(native, auto, what)
                 _check_accounting(native, auto, what)
 
@@ -100,8 +100,8 @@ def _debug_check_worker(rank: int, world: int) -> None:
     try:
         with _substitute_all():
             v = Variant(micro=3)
-            native = _train(rank, world, "native", "optim_grads_params", True, v)
-            auto = _train(rank, world, "auto", "optim_grads_params", True, v)
+            native = _run_variant(rank, world, "native", "optim_grads_params", True, v)
+            auto = _run_variant(rank, world, "auto", "optim_grads_params", True, v)
     finally:
         del os.environ["MFSDP_DEBUG_COLLECTIVES"]
     _compare(native, auto, "debug check")

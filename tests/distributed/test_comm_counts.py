@@ -7,7 +7,7 @@ clipping, and HSDP on a (2, 2) mesh. See [Note: counting collectives cheaply].""
 from __future__ import annotations
 
 import pytest
-from _collective_impl import STRATEGIES, TIMEOUT_S, Variant, _check, _substitute_all, _train
+from _collective_impl import STRATEGIES, TIMEOUT_S, Variant, _check, _run_variant, _substitute_all
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
@@ -25,8 +25,8 @@ def _same_counts(rank: int, world: int, runs: list[tuple[str, str, Variant, bool
         for impl, strategy, v, overlap in runs:
             args = (rank, world, impl, strategy, overlap, v)
             kw = {} if mesh is None else dict(mesh=mesh, outer="optim")
-            light = _train(*args, **kw, counter=CollectiveCounts)["comm"]
-            torch_counts = _train(*args, **kw, counter=CommDebugMode)["comm"]
+            light = _run_variant(*args, **kw, counter=CollectiveCounts)["comm"]
+            torch_counts = _run_variant(*args, **kw, counter=CommDebugMode)["comm"]
             what = f"world {world} {impl} {strategy} overlap={overlap} {v}"
             _check(light == torch_counts,
                    f"{what}: CollectiveCounts {light} != CommDebugMode {torch_counts}")

@@ -14,9 +14,9 @@ Materialization runs once, at the first of: the root's first forward (its lazy i
 of wrapping (a unit wrapped from a list, ``fully_shard([norm, head])``, is in the pass when any
 of its members is in ``root``'s tree; members outside it are walked after it) -- and, for each
 module that has a parameter of a pending unit in one of its own
-slots (``module._parameters``, not its children's) or a meta buffer:
+entries (``module._parameters``, not its children's) or a meta buffer:
 
-1. puts fresh, uninitialized full-size tensors on the buffers' device in those slots (meta
+1. puts fresh, uninitialized full-size tensors on the buffers' device in those entries (meta
    buffers are replaced for good);
 2. calls ``param_init_fn(module)`` if the unit was wrapped with one, else
    ``module.reset_parameters()`` (``nn.Linear``, ``nn.Embedding``, ``nn.LayerNorm``,
@@ -97,7 +97,7 @@ def adopt_meta_unit(
     param_init_fn: ParamInitFn | None, members: list[nn.Module] | None = None,
 ) -> None:
     """Wrap time, after every group of ``module`` was built: put the groups' compute
-    placeholders in the slots of the meta parameters they replace (tied slots included) and
+    placeholders in the entries of the meta parameters they replace (tied entries included) and
     record the unit as pending. A unit with neither meta parameters nor meta buffers is left
     alone. ``members``: the modules of a unit wrapped from a list (``module`` holds them)."""
     meta_groups = [g for g in groups if g.pending_init]
@@ -107,7 +107,7 @@ def adopt_meta_unit(
     for group in meta_groups:
         for index, (record, original) in enumerate(zip(group.records, group.original_params)):
             replacement[id(original)] = record.compute_param
-            if group.extension is not None:  # the object the slot holds now (RegisteredParams)
+            if group.extension is not None:  # the object the entry holds now (RegisteredParams)
                 group.extension.original_ids[index] = id(record.compute_param)
         group.original_params = []  # drop the meta parameters
     for _, submodule in _registry.owned_modules(module):
@@ -147,15 +147,15 @@ def materialize(root: nn.Module) -> None:
         for _, submodule in _registry.owned_modules(module):
             owner[id(submodule)] = unit
     pending_groups = {id(g) for _, unit in units.values() for g in unit.groups if g.pending_init}
-    slots_of: dict[int, list[tuple[str, str]]] = {}
+    pending_of: dict[int, list[tuple[str, str]]] = {}
     for module in (m for r in roots for m in r.modules()):
         if id(module) in owner:
-            slots = _pending_slots(module, pending_groups)
-            if slots:
-                slots_of[id(module)] = slots
+            entries = _pending_entries(module, pending_groups)
+            if entries:
+                pending_of[id(module)] = entries
 
     def has_pending(module: nn.Module) -> bool:
-        return id(module) in slots_of
+        return id(module) in pending_of
 
     def may_cover(module: nn.Module) -> bool:
         unit = owner.get(id(module))
@@ -169,7 +169,7 @@ def materialize(root: nn.Module) -> None:
     for call in calls:
         if has_pending(call.module) and id(call.module) not in covered:
             _check_initializer(call.name, call.module, owner[id(call.module)],
-                               slots_of[id(call.module)][0])
+                               pending_of[id(call.module)][0])
     written: set[int] = set()  # records that got their value in this pass
     installed: list[_Installed] = []  # full-size values not yet written (see _Installed)
     try:
@@ -224,15 +224,15 @@ def _covered_modules(calls: list[InitCall]) -> set[int]:
     return covered
 
 
-def _pending_slots(module: nn.Module, pending_groups: set[int]) -> list[tuple[str, str]]:
-    """(kind, slot) of ``module``'s own parameters of pending groups and meta buffers."""
-    slots = [
-        ("parameter", slot) for slot, p in module._parameters.items()
+def _pending_entries(module: nn.Module, pending_groups: set[int]) -> list[tuple[str, str]]:
+    """(kind, key) of ``module``'s own parameters of pending groups and meta buffers."""
+    entries = [
+        ("parameter", key) for key, p in module._parameters.items()
         if p is not None and (record := _registry.record_of(p)) is not None
         and id(record.group) in pending_groups
     ]
-    return slots + [
-        ("buffer", slot) for slot, b in module._buffers.items()
+    return entries + [
+        ("buffer", key) for key, b in module._buffers.items()
         if b is not None and b.device.type == "meta"
     ]
 
@@ -242,9 +242,9 @@ def _check_initializer(
 ) -> None:
     if unit.param_init_fn is not None or callable(getattr(module, "reset_parameters", None)):
         return
-    kind, slot = first
+    kind, key = first
     raise RuntimeError(
-        f"{kind} '{_join(name, slot)}' was built on the meta device and its module "
+        f"{kind} '{_join(name, key)}' was built on the meta device and its module "
         f"({type(module).__name__}) has no reset_parameters() to initialize it; nothing was "
         "materialized. Pass param_init_fn=fn to fully_shard (fn(module) initializes that "
         "module's own parameters and buffers in place; called in module order), or call "
@@ -255,15 +255,15 @@ def _check_initializer(
 
 @dataclass(eq=False)
 class _Installed:
-    """A full-size tensor put in a parameter slot for an initializer to write, until its value
+    """A full-size tensor put in a parameter entry for an initializer to write, until its value
     is written to the flat buffers (``_commit``) and ``placeholder`` (the unit's compute
-    parameter) goes back in the slot. ``version``: the tensor's version counter when
+    parameter) goes back in the entry. ``version``: the tensor's version counter when
     installed, to tell whether an initializer wrote it. A buffer materialized in a module
     without an initializer is tracked too (``record`` and ``placeholder`` None: it stays)."""
 
     name: str
     module: nn.Module
-    slot: str
+    key: str
     record: Any
     placeholder: nn.Parameter | None
     value: torch.Tensor
@@ -271,31 +271,31 @@ class _Installed:
     has_initializer: bool
 
     def current(self) -> torch.Tensor | None:
-        slots = self.module._parameters if self.record is not None else self.module._buffers
-        return slots[self.slot]
+        entries = self.module._parameters if self.record is not None else self.module._buffers
+        return entries[self.key]
 
     def restore(self) -> None:
         if self.placeholder is not None:
-            self.module._parameters[self.slot] = self.placeholder
+            self.module._parameters[self.key] = self.placeholder
 
 
 def _install_module(
     name: str, module: nn.Module, unit: PendingUnit, pending_groups: set[int],
     installed: list[_Installed],
 ) -> None:
-    """Replace ``module``'s meta buffers for good and put fresh full-size tensors in the slots of
-    its pending parameters (slots that already hold one are left as they are)."""
+    """Replace ``module``'s meta buffers for good and put fresh full-size tensors in the entries of
+    its pending parameters (entries that already hold one are left as they are)."""
     has_initializer = unit.param_init_fn is not None or callable(
         getattr(module, "reset_parameters", None)
     )
-    for slot, buffer in list(module._buffers.items()):
+    for key, buffer in list(module._buffers.items()):
         if buffer is not None and buffer.device.type == "meta":
             value = torch.empty_like(buffer, device=unit.device)
-            module._buffers[slot] = value
+            module._buffers[key] = value
             if not has_initializer:  # a covering module above must set it: checked
-                installed.append(_Installed(_join(name, slot), module, slot, None, None, value,
+                installed.append(_Installed(_join(name, key), module, key, None, None, value,
                                             value._version, has_initializer))
-    for slot, param in module._parameters.items():
+    for key, param in module._parameters.items():
         record = _registry.record_of(param) if param is not None else None
         if record is None or id(record.group) not in pending_groups:
             continue
@@ -305,9 +305,9 @@ def _install_module(
             requires_grad=record.dist_param.requires_grad,
         )
         assert param is not None
-        installed.append(_Installed(_join(name, slot), module, slot, record, param, value,
+        installed.append(_Installed(_join(name, key), module, key, record, param, value,
                                     value._version, has_initializer))
-        module._parameters[slot] = value
+        module._parameters[key] = value
 
 
 def _share_tied(installed: list[_Installed]) -> None:
@@ -319,7 +319,7 @@ def _share_tied(installed: list[_Installed]) -> None:
             continue
         holder = first.setdefault(id(entry.record), entry)
         if holder is not entry and entry.current() is entry.value:
-            entry.module._parameters[entry.slot] = holder.value  # type: ignore[assignment]
+            entry.module._parameters[entry.key] = holder.value  # type: ignore[assignment]
 
 
 def _run_initializer(module: nn.Module, unit: PendingUnit) -> None:
@@ -377,10 +377,10 @@ def _commit(installed: list[_Installed], written: set[int]) -> None:
 def _check_nothing_left(module: nn.Module) -> None:
     for prefix, submodule in _registry.owned_modules(module):
         for kind, tensors in (("parameter", submodule._parameters), ("buffer", submodule._buffers)):
-            for slot, t in tensors.items():
+            for key, t in tensors.items():
                 if t is not None and t.device.type == "meta":
                     raise RuntimeError(
-                        f"{kind} '{_join(prefix, slot)}' of the fully_shard unit "
+                        f"{kind} '{_join(prefix, key)}' of the fully_shard unit "
                         f"{type(module).__name__} is still on the meta device after "
                         "materialization (e.g. it is in ignored_params, or the module's "
                         "initializer did not set it); move it to the device yourself (e.g. "

@@ -133,6 +133,13 @@ def build_jobs(device: torch.device, dtype: torch.dtype, flat_numel: int) -> lis
     big_out32 = torch.zeros(flat_numel, device=device)
     big_out_dt = torch.zeros(flat_numel, device=device, dtype=dtype)
 
+    # Many small tensors (a unit of biases and norms): the per-call cost of the op's argument
+    # checks and dispatch, not bandwidth.
+    tiny = [randn(4) for _ in range(512)]
+    tiny_offsets, tiny_len = aligned_offsets([4] * len(tiny))
+    tiny_flat = torch.zeros(tiny_len, device=device)
+    tiny_views = [tiny_flat.narrow(0, o, 4) for o in tiny_offsets]
+
     def chunk_cat_copy_in():
         # FSDP2 foreach_reduce: cast grads to the reduce dtype, _chunk_cat, pre-divide.
         cast = [g.to(dtype) for g in grads_1d]
@@ -155,6 +162,12 @@ def build_jobs(device: torch.device, dtype: torch.dtype, flat_numel: int) -> lis
                 "_foreach_copy_ (views)": lambda: torch._foreach_copy_(views32, params_1d),
                 "torch.cat(out=)": lambda: torch.cat(params_1d, out=flat32[:n_param]),
             },
+        ),
+        Job(
+            "pack f32->f32, 512 tensors of 4 (per-call cost)",
+            len(tiny) * 4 * 2 * e32,
+            lambda: mops.pack_(tiny, tiny_offsets, tiny_flat),
+            {"_foreach_copy_ (views)": lambda: torch._foreach_copy_(tiny_views, tiny)},
         ),
         Job(
             f"pack f32->{dt_name} x1/8 (grad -> RS input)",

@@ -15,8 +15,29 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <ostream>
 
 namespace mfsdp {
+
+// The name of an argument as the user sees it: "flat", or an element of a list,
+// "inputs[3]". These checks run on every op call for every tensor of a list, so the
+// name is two words and is formatted only when a check fails (TORCH_CHECK builds its
+// message only then, streaming this through operator<<): nothing is allocated on
+// the success path.
+struct ArgName {
+  const char* name;
+  int64_t index;  // -1: the argument itself, not an element of a list
+  ArgName(const char* arg) : name(arg), index(-1) {}  // NOLINT(google-explicit-constructor)
+  ArgName(const char* list_arg, int64_t i) : name(list_arg), index(i) {}
+};
+
+inline std::ostream& operator<<(std::ostream& out, const ArgName& arg) {
+  out << arg.name;
+  if (arg.index >= 0) {
+    out << "[" << arg.index << "]";
+  }
+  return out;
+}
 
 // The Python package's list is SUPPORTED_DTYPES in megatron_fsdp_v2/api.py; the
 // kernels' AT_DISPATCH_FLOATING_TYPES_AND2(kHalf, kBFloat16) covers exactly these.
@@ -25,26 +46,26 @@ inline bool is_supported_dtype(at::ScalarType t) {
 }
 
 // `arg` is the argument name as the user sees it, e.g. "flat" or "inputs[3]".
-inline void check_supported_dtype(const at::Tensor& t, const char* op, const std::string& arg) {
+inline void check_supported_dtype(const at::Tensor& t, const char* op, const ArgName& arg) {
   TORCH_CHECK(is_supported_dtype(t.scalar_type()), op, ": unsupported dtype ", t.scalar_type(),
               " for `", arg, "`; expected float32, float16, bfloat16 or float64");
 }
 
-inline void check_contiguous(const at::Tensor& t, const char* op, const std::string& arg) {
+inline void check_contiguous(const at::Tensor& t, const char* op, const ArgName& arg) {
   TORCH_CHECK(t.is_contiguous(), op, ": `", arg, "` must be contiguous, got shape ", t.sizes(),
               " with strides ", t.strides());
 }
 
 // A flat buffer: 1-D, contiguous, supported dtype.
-inline void check_flat_buffer(const at::Tensor& t, const char* op, const std::string& arg) {
+inline void check_flat_buffer(const at::Tensor& t, const char* op, const ArgName& arg) {
   TORCH_CHECK(t.dim() == 1, op, ": `", arg, "` must be a 1-D flat buffer, got a ", t.dim(),
               "-D tensor of shape ", t.sizes());
   check_contiguous(t, op, arg);
   check_supported_dtype(t, op, arg);
 }
 
-inline void check_same_device(const at::Tensor& t, const std::string& arg, const at::Tensor& ref,
-                              const char* ref_arg, const char* op) {
+inline void check_same_device(const at::Tensor& t, const ArgName& arg, const at::Tensor& ref,
+                              const ArgName& ref_arg, const char* op) {
   TORCH_CHECK(t.device() == ref.device(), op, ": device mismatch: `", arg, "` is on ", t.device(),
               " but `", ref_arg, "` is on ", ref.device());
 }
@@ -62,7 +83,7 @@ inline void check_list_and_flat(at::TensorList tensors, const char* list_arg,
   const int64_t flat_numel = flat.numel();
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    const std::string arg = c10::str(list_arg, "[", i, "]");
+    const ArgName arg(list_arg, static_cast<int64_t>(i));
     check_same_device(t, arg, flat, flat_arg, op);
     if (i == 0) {
       check_supported_dtype(t, op, arg);
@@ -87,12 +108,12 @@ inline void check_tensor_list(at::TensorList tensors, const char* list_arg, cons
               "` is empty; the Python wrapper handles empty lists (pass device=)");
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
-    const std::string arg = c10::str(list_arg, "[", i, "]");
+    const ArgName arg(list_arg, static_cast<int64_t>(i));
     if (i == 0) {
       check_supported_dtype(t, op, arg);
     } else {
-      const std::string first = c10::str(list_arg, "[0]");
-      check_same_device(t, arg, tensors[0], first.c_str(), op);
+      const ArgName first(list_arg, 0);
+      check_same_device(t, arg, tensors[0], first, op);
       TORCH_CHECK(t.scalar_type() == tensors[0].scalar_type(), op, ": dtype mismatch in `",
                   list_arg, "`: ", first, " is ", tensors[0].scalar_type(), " but ", arg, " is ",
                   t.scalar_type(), "; all tensors in one call must share a dtype");
@@ -117,7 +138,7 @@ inline bool is_quantize_input_dtype(at::ScalarType t) {
 
 // A one-element float32 tensor (0-dim or shape (1,)) on `flat`'s device: a
 // per-tensor scale or amax slot, read or written by the kernel without a host sync.
-inline void check_fp32_slot(const at::Tensor& t, const std::string& arg, const at::Tensor& flat,
+inline void check_fp32_slot(const at::Tensor& t, const ArgName& arg, const at::Tensor& flat,
                             const char* flat_arg, const char* op) {
   check_same_device(t, arg, flat, flat_arg, op);
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.numel() == 1, op, ": `", arg,
@@ -141,7 +162,7 @@ inline void check_fp8_quantize(at::TensorList inputs, at::TensorList scales,
   const int64_t flat_numel = flat.numel();
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& t = inputs[i];
-    const std::string arg = c10::str("inputs[", i, "]");
+    const ArgName arg("inputs", static_cast<int64_t>(i));
     check_same_device(t, arg, flat, "flat", op);
     if (i == 0) {
       TORCH_CHECK(is_quantize_input_dtype(t.scalar_type()), op, ": unsupported dtype ",
@@ -159,8 +180,8 @@ inline void check_fp8_quantize(at::TensorList inputs, at::TensorList scales,
                 ": offsets[", i, "] out of range: ", arg, " at offset ", offset, " with numel ",
                 numel, " needs elements [", offset, ", ", offset + numel,
                 ") but `flat` has numel ", flat_numel);
-    check_fp32_slot(scales[i], c10::str("scales[", i, "]"), flat, "flat", op);
-    check_fp32_slot(amaxes[i], c10::str("amaxes[", i, "]"), flat, "flat", op);
+    check_fp32_slot(scales[i], ArgName("scales", static_cast<int64_t>(i)), flat, "flat", op);
+    check_fp32_slot(amaxes[i], ArgName("amaxes", static_cast<int64_t>(i)), flat, "flat", op);
   }
 }
 

@@ -58,7 +58,7 @@ wrap_generation = [0]
 # module-registration hook, once installed, and how many submodules were registered since.
 module_tree_hook_handles: list[Any] = []
 module_tree_generation = [0]
-# [Note: group names before torch 2.14] (_comm/_comm_groups.py): how many group memberships the
+# [Note: group names before torch 2.14] (_comm/_process_groups.py): how many group memberships the
 # last library group was named with in this process. ``reset`` keeps it: it mirrors torch's
 # group table, which outlives the library's state.
 group_names_level = [-1]

@@ -11,7 +11,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from . import _registry
 from ._comm._backends import collective_device
-from ._comm._comm_groups import library_comm_groups
+from ._comm._process_groups import library_process_groups
 from ._dtensor import _grad_norm
 from ._runtime._flat_param_group import FlatParamGroup
 from ._runtime._grads import finalize_unsynchronized
@@ -33,9 +33,9 @@ __all__ = ["clip_grad_norm_", "get_total_norm"]
 # * each process group of a sharded (``Shard``) DTensor parameter in the list (the unit's
 #   communication group for fully_shard parameters, the 1-D mesh's group otherwise);
 # * when the list holds no fully_shard parameter at all (empty, or only plain tensors) and this
-#   process has exactly one live library communication group (``library_comm_groups()``: every
+#   process has exactly one live library communication group (``library_process_groups()``: every
 #   fully_shard call used one 1-D mesh and one timeout), that group, so a rank whose list was
-#   filtered down to nothing joins the all-reduce its peers issue. ``_comm_groups`` is the same
+#   filtered down to nothing joins the all-reduce its peers issue. ``_process_groups`` is the same
 #   on every rank (of a mesh) because every rank makes the same fully_shard calls.
 #
 # A list that holds replicated (``no_shard``) fully_shard parameters but no sharded one
@@ -175,7 +175,7 @@ def clip_grad_norm_(
             device = device or grad.device
     if (not process_groups and not library_param_seen and dist.is_available()
             and dist.is_initialized()):
-        library = library_comm_groups()
+        library = library_process_groups()
         if len(library) == 1:
             process_groups[id(library[0])] = library[0]
     total_norm = _all_reduce_parts(replicated, sharded, process_groups, p, device, foreach)
@@ -194,7 +194,7 @@ def clip_grad_norm_(
 # torchtitan's clipping calls with ``[p.grad for p in params if p.grad is not None]``): a rank
 # whose shards are all empty passes ``[]``, and ranks hold gradients of different parameters. So
 # the collectives cannot follow the list: every call all-reduces once on each library
-# communication group of this process (``library_comm_groups()``, the same on every rank of a
+# communication group of this process (``library_process_groups()``, the same on every rank of a
 # mesh), in the agreed order, whatever the list holds; a gradient's part goes to the group over
 # the ranks its ``Shard`` placements span (a mesh group where no library group has those ranks,
 # e.g. ``timeout=None``, which an empty list cannot see: there every rank's list must hold a
@@ -238,7 +238,7 @@ def get_total_norm(
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     p = _grad_norm.check_norm_type(norm_type, "get_total_norm")
     _grad_norm.check_foreach(foreach, {t.device for t in tensors})
-    library = library_comm_groups() if dist.is_available() and dist.is_initialized() else []
+    library = library_process_groups() if dist.is_available() and dist.is_initialized() else []
     process_groups = {id(g): g for g in library}
     sharded: dict[int, list[torch.Tensor]] = {}
     replicated: list[torch.Tensor] = []

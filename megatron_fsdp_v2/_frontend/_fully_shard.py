@@ -19,7 +19,7 @@ from ._fsdp_module import FSDPModule, UnshardHandle
 from ._module_lists import resolve_modules_argument
 from ._policies import CommPolicy, FlatOptions, InitPolicy, ShardingPolicy, flat_options
 from ._wiring import (
-    add_whole_mesh_group,
+    add_whole_mesh_process_group,
     broadcast_buffers,
     build_groups,
     install_unit,
@@ -150,7 +150,8 @@ def fully_shard(
     unit = inspect_unit(module, options, ignored_params, shard_placement_fn)
     process_groups = make_process_groups(options, unit)
     check_same_unit_everywhere(module, options, unit, process_groups.checked_axes(options))
-    process_groups = add_whole_mesh_group(options, process_groups)  # after: see its docstring
+    # after the check: see its docstring
+    process_groups = add_whole_mesh_process_group(options, process_groups)
     flat_groups, allocator = build_groups(module, options, unit, process_groups)
     if options.sync_module_states:
         broadcast_buffers(module, process_groups)

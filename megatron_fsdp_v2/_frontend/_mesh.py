@@ -10,7 +10,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from .._comm._comm_groups import LAUNCH_HINT, default_mesh
+from .._comm._process_groups import LAUNCH_HINT, default_mesh
 from .._dtensor._tp_params import SpmdMesh
 from ..api import ShardingStrategy
 

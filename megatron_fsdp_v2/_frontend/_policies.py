@@ -24,7 +24,7 @@ from typing import Any, TypedDict
 
 import torch.nn as nn
 
-from .._comm._comm_groups import DEFAULT_TIMEOUT
+from .._comm._process_groups import DEFAULT_TIMEOUT
 from ..api import ShardingStrategy
 
 __all__ = ["CommPolicy", "FlatOptions", "InitPolicy", "ShardingPolicy", "flat_options"]

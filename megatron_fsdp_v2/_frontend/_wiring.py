@@ -18,11 +18,11 @@ from .. import _registry, _torch_patches
 from .._buffers._allocator import ScratchAllocator
 from .._buffers._layout import build_layout, split_for_padding
 from .._comm._collectives import broadcast_from_first
-from .._comm._comm_groups import (
-    comm_group,
-    mesh_comm_group,
-    post_forward_group,
-    whole_mesh_group,
+from .._comm._process_groups import (
+    mesh_process_group,
+    post_forward_process_group,
+    unit_process_group,
+    whole_mesh_process_group,
 )
 from .._dtensor._tp_params import TPFace
 from .._dtensor._uneven_meshes import register_mesh
@@ -38,13 +38,14 @@ from ._pipelining import attach as _pipelining_attach
 from ._wrap_checks import warn_if_padded
 from ._wrap_options import Axes, LocalUnit, WrapOptions
 
-__all__ = ["UnitProcessGroups", "add_whole_mesh_group", "broadcast_buffers", "build_groups",
+__all__ = ["UnitProcessGroups", "add_whole_mesh_process_group", "broadcast_buffers", "build_groups",
            "install_unit", "make_process_groups"]
 
 
 @dataclass(frozen=True)
 class UnitProcessGroups:
-    """The process groups of one unit, with ``fully_shard``'s timeout (see ``_comm_groups.py``)."""
+    """The process groups of one unit, with ``fully_shard``'s timeout (see
+    ``_process_groups.py``)."""
 
     inner: dist.ProcessGroup
     """The inner (shard) axis: the strategy's collectives."""
@@ -66,11 +67,12 @@ def make_process_groups(options: WrapOptions, unit: LocalUnit) -> UnitProcessGro
     """Create (once per mesh and timeout) the unit's axis groups, inner axis first: those the
     cross-rank check runs on. When that fails and this rank's own check had failed (e.g. a mesh
     of another device type, never initialized), the check's error is the one raised. The
-    whole-mesh group comes after the check (:func:`add_whole_mesh_group`)."""
+    whole-mesh group comes after the check (:func:`add_whole_mesh_process_group`)."""
     axes = options.axes
     try:
-        inner = comm_group(axes.inner, options.timeout)
-        outer = comm_group(axes.outer, options.timeout, "outer") if axes.outer is not None else None
+        inner = unit_process_group(axes.inner, options.timeout)
+        outer = (unit_process_group(axes.outer, options.timeout, "outer")
+                 if axes.outer is not None else None)
     except Exception:
         if unit.error is not None:
             raise unit.error from None
@@ -78,14 +80,16 @@ def make_process_groups(options: WrapOptions, unit: LocalUnit) -> UnitProcessGro
     return UnitProcessGroups(inner, outer, None)
 
 
-def add_whole_mesh_group(options: WrapOptions, groups: UnitProcessGroups) -> UnitProcessGroups:
+def add_whole_mesh_process_group(
+    options: WrapOptions, groups: UnitProcessGroups
+) -> UnitProcessGroups:
     """``groups`` with the whole-mesh group of HSDP with outer ``optim``. Only after the
     cross-rank check: only ranks asking for outer ``optim`` create it, collectively over the
     mesh, so a rank that asked for ``no_shard`` would leave them waiting in its creation for
     the timeout instead of the check naming the argument they disagree on."""
     if not options.outer_optim:
         return groups
-    return dataclasses.replace(groups, mesh=mesh_comm_group(options.mesh, options.timeout))
+    return dataclasses.replace(groups, mesh=mesh_process_group(options.mesh, options.timeout))
 
 
 def build_groups(
@@ -106,7 +110,7 @@ def build_groups(
                 "gathered inputs to a smaller group is not supported. Use reshard_after_forward"
                 "=True/False for this unit"
             )
-        post_forward = post_forward_group(groups.inner, options.post_forward_group_size,
+        post_forward = post_forward_process_group(groups.inner, options.post_forward_group_size,
                                           options.timeout)
     by_kind: dict[tuple[Any, ...], list[int]] = {}
     for i, m in enumerate(managed):
@@ -174,7 +178,7 @@ def tp_norm_group(face: TPFace, group: FlatParamGroup, timeout: Any) -> dist.Pro
                if not p.is_replicate() and face.dist_mesh.size(i) > 1]
     if all(i < face.dp_ndim for i in sharded):
         return None
-    return whole_mesh_group(face.dist_mesh[tuple(names[i] for i in sharded)], timeout)
+    return whole_mesh_process_group(face.dist_mesh[tuple(names[i] for i in sharded)], timeout)
 
 
 def broadcast_buffers(module: nn.Module, groups: UnitProcessGroups) -> None:

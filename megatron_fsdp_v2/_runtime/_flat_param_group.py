@@ -150,8 +150,9 @@ class FlatParamGroup(ComputeWeights):
         # The meta parameters the compute placeholders replace, until fully_shard swaps them.
         self.original_params: list[nn.Parameter] = list(params) if self.pending_init else []
         # The group's collectives, over process_group (the inner axis' ranks; see
-        # ``_comm_groups.comm_group``; default: the mesh's own group for that axis) and, on a
-        # 2-D mesh, the outer axis' group (see [Note: who issues collectives] in _issuer.py).
+        # ``_process_groups.unit_process_group``; default: the mesh's own group for that axis)
+        # and, on a 2-D mesh, the outer axis' group (see [Note: who issues collectives] in
+        # _issuer.py).
         # ``name`` names this group in errors and in the collective-order check; the root's lazy
         # init replaces it with the unit's fully qualified name.
         self.issuer = GroupIssuer(

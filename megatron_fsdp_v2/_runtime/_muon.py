@@ -60,7 +60,7 @@ from torch.optim.optimizer import _to_scalar
 
 from .. import _registry
 from .._comm._backends import group_timeout
-from .._comm._comm_groups import whole_mesh_group
+from .._comm._process_groups import whole_mesh_process_group
 from ._whole_matrices import WholeMatrices, local_tensor, newton_schulz_flops
 
 __all__ = ["MuonPlan", "is_distributed_muon", "muon_closure", "restore_hidden_grads"]
@@ -169,7 +169,7 @@ def _process_groups(params: list[torch.Tensor]) -> list[dist.ProcessGroup]:
         assert record is not None
         groups = [record.group.process_group, *record.group.axis_groups.values()]
         if record.tp is not None:  # the exchange runs over the whole dp x TP mesh
-            groups.append(whole_mesh_group(record.tp.dist_mesh,
+            groups.append(whole_mesh_process_group(record.tp.dist_mesh,
                                            group_timeout(record.group.process_group)))
         for process_group in groups:
             if dist.get_world_size(process_group) > 1:

@@ -48,7 +48,7 @@ from .. import _registry
 from .._buffers._plan import Extent
 from .._comm._backends import group_timeout
 from .._comm._collectives import all_to_all_uneven
-from .._comm._comm_groups import whole_mesh_group
+from .._comm._process_groups import whole_mesh_process_group
 from ._param_record import ParamRecord
 
 __all__ = ["WholeMatrices", "local_tensor", "newton_schulz_flops"]
@@ -182,7 +182,7 @@ def _tp_blocks(records: list[tuple[int, ParamRecord]]
     for members in by_mesh.values():
         first = members[0][1]
         assert first.tp is not None
-        process_group = whole_mesh_group(first.tp.dist_mesh,
+        process_group = whole_mesh_process_group(first.tp.dist_mesh,
                                          group_timeout(first.group.process_group))
         mine = [_tp_block(record) for _, record in members]
         everyone: list[list[Block] | None] = [None] * dist.get_world_size(process_group)

@@ -69,7 +69,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from .. import _registry
-from .._comm._comm_groups import whole_mesh_group
+from .._comm._process_groups import whole_mesh_process_group
 from .._runtime._expert_names import unit_ranks
 from ._experts import ExpertNames, check_claims, global_rank, narrow_unit_error
 
@@ -111,7 +111,7 @@ def mesh_group(group: Any) -> dist.ProcessGroup:
             timeout_s = key[1]
             break
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
-    return whole_mesh_group(group.mesh, timeout)
+    return whole_mesh_process_group(group.mesh, timeout)
 
 
 def model_group(model: nn.Module, *, experts: bool = False) -> dist.ProcessGroup | None:

@@ -25,7 +25,7 @@ import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the
 
 from megatron_fsdp_v2 import _registry, fully_shard
 from megatron_fsdp_v2._comm import _collective_impl as impl
-from megatron_fsdp_v2._comm import _comm_groups
+from megatron_fsdp_v2._comm import _process_groups
 from megatron_fsdp_v2._comm._backends import collective_device_type
 from megatron_fsdp_v2.checkpoint import load_full_state_dict
 from megatron_fsdp_v2.testing import run_distributed
@@ -67,7 +67,7 @@ def _default_mesh_device_with_cuda() -> tuple[str, str]:
     """(the device type ``default_mesh`` builds on, ``collective_device_type()``) with
     ``torch.cuda.is_available`` pretending True; the mesh itself is not built."""
     saved_meshes = dict(_registry.default_meshes)
-    saved_init, saved_available = _comm_groups.init_device_mesh, torch.cuda.is_available
+    saved_init, saved_available = _process_groups.init_device_mesh, torch.cuda.is_available
     seen: list[str] = []
 
     def record(device_type: str, shape: tuple[int, ...], **_: Any) -> Any:
@@ -75,14 +75,14 @@ def _default_mesh_device_with_cuda() -> tuple[str, str]:
         return object()
 
     _registry.default_meshes.clear()
-    _comm_groups.init_device_mesh = record  # type: ignore[assignment]
+    _process_groups.init_device_mesh = record  # type: ignore[assignment]
     torch.cuda.is_available = lambda: True  # type: ignore[assignment]
     try:
-        _comm_groups.default_mesh()
+        _process_groups.default_mesh()
         return seen[0], collective_device_type()
     finally:
         torch.cuda.is_available = saved_available  # type: ignore[assignment]
-        _comm_groups.init_device_mesh = saved_init  # type: ignore[assignment]
+        _process_groups.init_device_mesh = saved_init  # type: ignore[assignment]
         _registry.default_meshes.clear()
         _registry.default_meshes.update(saved_meshes)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import fully_shard
-from megatron_fsdp_v2._comm import _comm_groups
+from megatron_fsdp_v2._comm import _process_groups
 from megatron_fsdp_v2._comm._backends import group_timeout
 from megatron_fsdp_v2._registry import state_of
 
@@ -41,7 +41,7 @@ def _stage_mesh() -> Any:
     """A 2x2 (pp, dp) mesh; this rank's data-parallel sub-mesh (its stage's two ranks). Forgets
     the library groups earlier cases on these ranks cached (a group is cached by ranks and
     timeout, not by mesh), so each case creates and counts its own."""
-    _comm_groups.clear_comm_groups()
+    _process_groups.clear_process_groups()
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
 
 

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
-from megatron_fsdp_v2._comm import _comm_groups
+from megatron_fsdp_v2._comm import _process_groups
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import run_distributed
 
@@ -245,7 +245,7 @@ def _rank_disagreement_cases(rank: int, world: int) -> None:
                               + pattern + r".*every rank must wrap the same model",
                               collectives=True)
         assert msg, name
-    _comm_groups.clear_comm_groups()
+    _process_groups.clear_process_groups()
     # The same wrap on every rank still works afterwards.
     fully_shard(nn.Linear(4, 4), timeout=30)
 
@@ -278,7 +278,7 @@ def _timeout_groups(rank: int, world: int) -> None:
     assert ga is not gc and gc is not gd
     assert gd is state_of(d).groups[0].mesh.get_group()
     assert dist.get_process_group_ranks(ga) == list(range(world))
-    assert _comm_groups.DEFAULT_TIMEOUT == timedelta(minutes=5)
+    assert _process_groups.DEFAULT_TIMEOUT == timedelta(minutes=5)
     for m in (a, b, c, d):
         m(torch.ones(2, 4)).sum().backward()
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp_v2._comm import _comm_groups
+from megatron_fsdp_v2._comm import _process_groups
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import DistributedTestError, run_distributed
 
@@ -72,7 +72,7 @@ def _one_rank_fails(rank: int, world: int, strategy: str, where: str) -> tuple[f
     else:
         raise AssertionError(f"rank {rank} finished two steps although rank 1 failed")
     dist.barrier()  # the failing rank stays alive until the other has failed
-    _comm_groups.clear_comm_groups()  # the timed-out group no longer matches across ranks
+    _process_groups.clear_process_groups()  # the timed-out group no longer matches across ranks
     return outcome
 
 
@@ -142,7 +142,7 @@ def _ranks_fail_differently(rank: int, world: int) -> None:
     else:
         assert error is not None, "rank 0 completed a step its peer never joined"
     dist.barrier()
-    _comm_groups.clear_comm_groups()
+    _process_groups.clear_process_groups()
 
 
 def _failing_rank_worker(rank: int, world: int, signal_path: str) -> None:

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
-from megatron_fsdp_v2._comm import _comm_groups
+from megatron_fsdp_v2._comm import _process_groups
 from megatron_fsdp_v2._comm._arrival import arrival_wait, await_every_rank
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import RankPools
@@ -277,7 +277,7 @@ def _forward_on_one_rank(rank: int, world: int) -> None:
         assert "get_full_state_dict" in message, message
         assert time.monotonic() - start < 3.0 + 10.0, "not bounded by the group's timeout"
     finally:
-        _comm_groups.clear_comm_groups()  # the timed-out group is out of step: not reused
+        _process_groups.clear_process_groups()  # the timed-out group is out of step: not reused
         dist.barrier()
 
 

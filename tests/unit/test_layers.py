@@ -84,7 +84,7 @@ REGISTRY_EXCEPTIONS: dict[str, str] = {
     "_dtensor._tp_params": "the estimator's meta-buffer flag",
     "_dtensor._torch_full_state_dict": "the records of parameters",
     "_dtensor._optim_state_check": "the records of parameters (plan, layout, rows)",
-    "_comm._comm_groups": "the library's process groups and default meshes",
+    "_comm._process_groups": "the library's process groups and default meshes",
     "_comm._collectives": "the side streams of collectives",
     "_comm._arrival": "the arrival counts of calls",
 }

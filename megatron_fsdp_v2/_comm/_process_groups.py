@@ -15,9 +15,9 @@ from .. import _registry
 from ._backends import backend_impl, collective_device, collective_device_type, group_timeout
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "LAUNCH_HINT", "clear_comm_groups", "comm_group", "default_mesh",
-    "group_alive", "library_comm_groups", "mesh_comm_group", "post_forward_group",
-    "timeout_group", "whole_mesh_group",
+    "DEFAULT_TIMEOUT", "LAUNCH_HINT", "clear_process_groups", "unit_process_group", "default_mesh",
+    "process_group_alive", "library_process_groups", "mesh_process_group",
+    "post_forward_process_group", "timeout_process_group", "whole_mesh_process_group",
 ]
 
 LAUNCH_HINT = (
@@ -25,12 +25,12 @@ LAUNCH_HINT = (
     "torch.distributed.init_process_group('nccl' on GPUs or 'gloo' on CPU) before fully_shard"
 )
 
-# Default timeout of the library's collectives (see ``comm_group``): well under torch's default
-# (10 minutes), so a rank that died or diverged fails the others in bounded time.
+# Default timeout of the library's collectives (see ``unit_process_group``): well under torch's
+# default (10 minutes), so a rank that died or diverged fails the others in bounded time.
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 
-def group_alive(process_group: dist.ProcessGroup) -> bool:
+def process_group_alive(process_group: dist.ProcessGroup) -> bool:
     """Whether ``process_group`` is still registered (not destroyed by
     ``destroy_process_group``)."""
     try:
@@ -50,7 +50,7 @@ def default_mesh() -> DeviceMesh:
     # (it lists cuda too, but through host copies; see [Note: backend detection]).
     device_type = collective_device_type()
     mesh = _registry.default_meshes.get(device_type)
-    if mesh is None or not group_alive(mesh.get_group()):
+    if mesh is None or not process_group_alive(mesh.get_group()):
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
         _registry.default_meshes[device_type] = mesh
     return mesh
@@ -65,7 +65,7 @@ def default_mesh() -> DeviceMesh:
 # collective (or from ``work.wait()``); NCCL's watchdog aborts the communicator and, by default,
 # the process, which torchrun then reports.
 #
-# Which group (``timeout_group``), cached per (mesh ranks, timeout, backend config, axis):
+# Which group (``timeout_process_group``), cached per (mesh ranks, timeout, backend config, axis):
 # * the mesh's own group when it already has that timeout, or ``timeout`` is ``None``: nothing
 #   is created (no collective, no extra NCCL communicator);
 # * else a group split from the mesh's group with ``dist.split_group`` when the default group is
@@ -139,29 +139,29 @@ def _level_group_names(connecting: Sequence[dist.ProcessGroup]) -> None:
     _registry.group_names_level[0] = int(count.item())
 
 
-def comm_group(
+def unit_process_group(
     mesh: DeviceMesh, timeout: timedelta | None, axis: str = "shard"
 ) -> dist.ProcessGroup:
     """The process group the units on the 1-D ``mesh`` communicate on: the mesh's own group when
-    ``timeout`` is ``None`` or the mesh has one rank, else :func:`timeout_group` of it.
+    ``timeout`` is ``None`` or the mesh has one rank, else :func:`timeout_process_group` of it.
     ``axis``: ``"shard"`` (a 1-D mesh, or the inner axis of a 2-D one) or ``"outer"`` (HSDP's
     replicate axis)."""
     mesh_process_group = mesh.get_group()
     if timeout is None or mesh.size() == 1:
         return mesh_process_group
-    return timeout_group(mesh_process_group, timeout, axis)
+    return timeout_process_group(mesh_process_group, timeout, axis)
 
 
-def mesh_comm_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
+def mesh_process_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
     """A process group over every rank of the (2-D) ``mesh``, axis ``"mesh"``: where HSDP with
     outer ``optim`` all-reduces gradient norms (each rank holds a distinct sub-shard). With
     ``timeout`` ``None``: the flattened mesh's own group."""
     if timeout is None:
         return mesh._flatten().get_group()
-    return whole_mesh_group(mesh, timeout)
+    return whole_mesh_process_group(mesh, timeout)
 
 
-def whole_mesh_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
+def whole_mesh_process_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.ProcessGroup:
     """A group over every rank of ``mesh`` with ``timeout`` (``None``: torch's default, or the
     default group's when the mesh spans the job), axis ``"mesh"``, cached; collective over the
     mesh's ranks on its first call (see the note above for a sub-mesh with a bound device)."""
@@ -169,15 +169,15 @@ def whole_mesh_group(mesh: DeviceMesh, timeout: timedelta | None) -> dist.Proces
     if len(ranks) == dist.get_world_size():
         world = dist.group.WORLD
         assert world is not None  # initialized: the mesh exists
-        return timeout_group(world, timeout, "mesh")
+        return timeout_process_group(world, timeout, "mesh")
     if _splits_communicators(mesh.get_group(0)):
-        return timeout_group(mesh._flatten().get_group(), timeout, "mesh")
+        return timeout_process_group(mesh._flatten().get_group(), timeout, "mesh")
     config = str(dist.get_backend_config(mesh.get_group(0)))
     return _cached(_key(ranks, timeout, config, "mesh"), lambda: _members_group(
         ranks, config, timeout, "mesh", [mesh.get_group(dim) for dim in range(mesh.ndim)]))
 
 
-def post_forward_group(
+def post_forward_process_group(
     parent: dist.ProcessGroup, size: int, timeout: timedelta | None
 ) -> dist.ProcessGroup:
     """The group of ``size`` consecutive ranks of ``parent`` (a unit's shard axis) that this
@@ -208,7 +208,7 @@ def post_forward_group(
     return _cached(_key(members, timeout, config, "post_forward"), create)
 
 
-def timeout_group(
+def timeout_process_group(
     parent: dist.ProcessGroup, timeout: timedelta | None, axis: str
 ) -> dist.ProcessGroup:
     """A group over ``parent``'s ranks with ``timeout``: ``parent`` itself when it has that
@@ -282,19 +282,19 @@ def _describe(axis: str, timeout: timedelta | None) -> str:
 
 def _cached(key: _Key, create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
     process_group = _registry.comm_groups.get(key)
-    if process_group is None or not group_alive(process_group):
+    if process_group is None or not process_group_alive(process_group):
         process_group = _registry.comm_groups[key] = create()
     return process_group
 
 
-def clear_comm_groups() -> None:
+def clear_process_groups() -> None:
     """Forget the cached groups, so the next ``fully_shard`` creates fresh ones (tests: after a
     collective timed out, its group no longer matches across ranks and must not be reused)."""
     _registry.comm_groups.clear()
 
 
-def library_comm_groups() -> list[dist.ProcessGroup]:
-    """The distinct live process groups ``comm_group`` created in this process for the inner
+def library_process_groups() -> list[dist.ProcessGroup]:
+    """The distinct live process groups ``unit_process_group`` created in this process for the inner
     (``"shard"``) axis, the one every step collective but HSDP's outer ones runs on, and the
     whole-mesh (``"mesh"``) groups of HSDP with outer ``optim``: the groups gradient norms are
     all-reduced over (an outer-optim job has two, so ``clip_grad_norm_``'s fallback for an empty
@@ -304,6 +304,6 @@ def library_comm_groups() -> list[dist.ProcessGroup]:
     for key, group in _registry.comm_groups.items():
         if key[3] not in ("shard", "mesh"):
             continue
-        if group_alive(group) and all(group is not g for g in groups):
+        if process_group_alive(group) and all(group is not g for g in groups):
             groups.append(group)
     return groups

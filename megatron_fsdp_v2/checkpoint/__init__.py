@@ -31,7 +31,7 @@ main weights (fp32 when a separate main buffer exists), under the original param
 This module is the public API only. Where the pieces live: ``_files.py`` (atomic save and
 commit, ``[Note: atomic saves and checksums]``), ``_checksums.py`` (per-item CRC32), ``_checks.py``
 (checks against the model and DCP metadata), ``_full_state_dict.py`` (full-state-dict gather and
-broadcast), ``_group.py`` (the process group every checkpoint collective runs on,
+broadcast), ``_process_group.py`` (the process group every checkpoint collective runs on,
 ``[Note: checkpoint collectives]``), ``_experts.py`` (expert parallelism: experts under global
 names, see :func:`register_experts`), ``_staging.py`` (the copy a load reads into); outside the
 package, ``_dtensor/_chunk_metadata.py`` (chunk metadata at the true row offsets, ``[Note: uneven
@@ -61,7 +61,7 @@ from .._runtime._optimizer_hooks import install_state_dict_hooks
 from .._runtime._state_dict_checks import expected_entries, first_mismatch
 from .._runtime._state_dict_hooks import mark_all_loaded
 from . import _full_state_dict as _full
-from . import _group
+from . import _process_group
 from ._checks import (
     MODEL_KEY,
     OPTIM_KEY,
@@ -222,7 +222,7 @@ def set_state_dict(
     error = first_mismatch(expected_entries(model), found, strict=options.strict)
     if error is None and optims and optim_state_dict:
         error = check_optim_state_dict(model, optim_state_dict)
-    _group.raise_if_any_rank(error, _group.model_group(model, experts=True))
+    _process_group.raise_if_any_rank(error, _process_group.model_process_group(model, experts=True))
     if optims and optim_state_dict:
         # The optimizers' load_state_dict post-hook unmarks the tensors they adopt.
         _hook_optimizers(optims)
@@ -281,19 +281,19 @@ def save(
     same filesystem, as a later load does.
     """
     # DCP's coordination group: the caller's, else the units' group if it covers the job
-    # (see [Note: checkpoint collectives] in _group.py).
-    _group.widest_unit(model)  # the layout checks, also with a caller's process_group
-    group = _group.dcp_group(model, process_group)
+    # (see [Note: checkpoint collectives] in _process_group.py).
+    _process_group.widest_unit(model)  # the layout checks, also with a caller's process_group
+    group = _process_group.dcp_process_group(model, process_group)
     root = local_dir(checkpoint_id, storage_writer)
     # Before anything is built or written: every rank names the same checkpoint, and the
     # registered experts' global names fit together.
-    _group.check_same_path(root if root is not None else checkpoint_id, group,
+    _process_group.check_same_path(root if root is not None else checkpoint_id, group,
                            "checkpoint.save", ExpertNames(model))
     if root is not None:
         return atomic_save(lambda: _build_state(model, optimizers, extra), root, storage_writer,
                            group, checksums)
     state = _build_state(model, optimizers, extra)
-    with _group.no_checkpoint_exception(f"checkpoint.save to {checkpoint_id!r}"):
+    with _process_group.no_checkpoint_exception(f"checkpoint.save to {checkpoint_id!r}"):
         return dcp.save(
             state, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
             process_group=group,
@@ -334,11 +334,11 @@ def load(
     checksums]``). Every rank of ``process_group`` (default: all) calls it;
     the checks, DCP and the agreement use the same group as :func:`save`.
     """
-    _group.widest_unit(model)  # as in save
-    group = _group.dcp_group(model, process_group)
+    _process_group.widest_unit(model)  # as in save
+    group = _process_group.dcp_process_group(model, process_group)
     root = local_dir(checkpoint_id, storage_reader)
     experts = ExpertNames(model)
-    held = _group.check_same_path(root if root is not None else checkpoint_id, group,
+    held = _process_group.check_same_path(root if root is not None else checkpoint_id, group,
                                   "checkpoint.load", experts)
     if storage_reader is None:
         if checkpoint_id is None:
@@ -394,7 +394,7 @@ def _load_into(
             error = verify_checksums(root, metadata, group, read_from=pinned)
     # One agreement: the first rank's error, else whether every rank opened the same save (a
     # commit between two ranks' opens would make them read different ones).
-    found = _group.all_gather((error, save_id), group)
+    found = _process_group.all_gather((error, save_id), group)
     error = next((e for e, _ in found if e is not None), None)
     if error is None and root is not None and any(i != found[0][1] for _, i in found):
         error = (f"checkpoint '{root}' was replaced by another save while this load opened "
@@ -412,11 +412,11 @@ def _load_into(
     except CheckpointException as exc:  # raised on every rank alike: the diagnosis is agreed
         damage = (find_unreadable_item(root, metadata, group, read_from=pinned)
                   if root is not None else None)
-        damage = next((d for d in _group.all_gather(damage, group) if d is not None), None)
+        damage = next((d for d in _process_group.all_gather(damage, group) if d is not None), None)
         raise RuntimeError(
             f"checkpoint.load of {str(shown)!r} failed, nothing was loaded (the model and "
             f"optimizers are unchanged): {damage + '; ' if damage else ''}"
-            f"{_group.describe(exc, -1)}") from exc
+            f"{_process_group.describe(exc, -1)}") from exc
     apply_staged(state, staged)
 
 
@@ -448,8 +448,8 @@ def get_full_state_dict(
     # Every rank of each gather's group must be here: name the one that is not, instead of
     # waiting in the transport (see [Note: arrival check]).
     await_every_rank("checkpoint.get_full_state_dict", _first_unit_group(model))
-    group = _group.model_group(model, experts=True)
-    keep = not rank0_only or _group.rank_and_size(group)[0] == 0
+    group = _process_group.model_process_group(model, experts=True)
+    keep = not rank0_only or _process_group.rank_and_size(group)[0] == 0
     experts = ExpertNames(model)
     if not experts:
         return _full.full_state_dict(model, keep=keep, cpu_offload=cpu_offload)
@@ -500,9 +500,9 @@ def load_full_state_dict(
     is broadcast.
     """
     expected = expected_entries(model)
-    group = _group.model_group(model, experts=True)
+    group = _process_group.model_process_group(model, experts=True)
     experts = ExpertNames(model)
-    rank, size = _group.rank_and_size(group)
+    rank, size = _process_group.rank_and_size(group)
     distributed = size > 1
     is_source = not broadcast_from_rank0 or not distributed or rank == 0
     error: str | None = None
@@ -517,7 +517,7 @@ def load_full_state_dict(
                 for k, v in experts.model_to_local(full_state_dict).items()
             }
             error = first_mismatch(expected, found, strict=strict)
-    _group.raise_if_any_rank(error, group)
+    _process_group.raise_if_any_rank(error, group)
     if broadcast_from_rank0 and distributed:
         full_state_dict = _full.broadcast_rows(
             model, full_state_dict, group, rename=experts.to_local if experts else None,

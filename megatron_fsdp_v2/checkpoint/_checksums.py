@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from ._group import rank_and_size
+from ._process_group import rank_and_size
 
 __all__ = ["CHECKSUM_FILE", "checksum_items", "find_unreadable_item", "verify_checksums",
            "write_checksum_file", "writer_rank"]

@@ -2,7 +2,8 @@
 and back, the check that the ranks' global names fit together, and which unit layouts a
 checkpoint accepts. The registration and the detection of torch's lossy path are
 ``_runtime/_expert_names.py``'s (see [Note: expert names in checkpoints] there). No collectives:
-the claims are gathered with the save's or load's path agreement (``_group.check_same_path``).
+the claims are gathered with the save's or load's path agreement
+(``_process_group.check_same_path``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ split across ranks; ``dcp.load`` then reads into a staging copy, never into the 
 ``_staging.py``). DCP's ``CheckpointException`` (a ``BaseException``, which escapes ``except
 Exception``) never leaves ``save``/``load``: it becomes a chained ``RuntimeError``. Every
 collective here runs on the group DCP gets (see ``[Note: checkpoint collectives]`` in
-``_group.py``).
+``_process_group.py``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
-from . import _group
+from . import _process_group
 from ._checksums import checksum_items, write_checksum_file, writer_rank
 
 __all__ = ["atomic_save", "interrupted_commit_hint", "local_dir", "pinned_directory"]
@@ -230,14 +230,14 @@ def atomic_save(
 ) -> Metadata:
     """Write ``build_state()`` into ``<root>.<save id>.incomplete``, agree, checksum, commit
     (see the note at the top). Every rank of ``process_group`` (DCP's group) calls it."""
-    rank, size = _group.rank_and_size(process_group)
+    rank, size = _process_group.rank_and_size(process_group)
     # Drawn by the coordinator, shared with the agreement below: names this save's directories.
     save_id = _new_save_id() if rank == 0 else None
     where = f"checkpoint.save to '{root}'"
 
     # 1. Checks, the state dict and a clean temporary directory, agreed before DCP's first
     # collective: a rank that failed here would otherwise leave the others waiting in it.
-    failure: _group.Failure | None = None
+    failure: _process_group.Failure | None = None
     cause: BaseException | None = None
     state: dict[str, Any] = {}
     try:
@@ -253,15 +253,15 @@ def atomic_save(
                 _prepare_directory(root, _sibling(root, _INCOMPLETE_SUFFIX, save_id))
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         failure, cause = (RuntimeError, f"{where} failed before writing: "
-                                        f"{_group.describe(exc, rank)}"), exc
-    agreed = _group.all_gather((failure, save_id), process_group)
+                                        f"{_process_group.describe(exc, rank)}"), exc
+    agreed = _process_group.all_gather((failure, save_id), process_group)
     save_id = agreed[0][1]
     tmp = _sibling(root, _INCOMPLETE_SUFFIX, save_id)
     old = _sibling(root, _OLD_SUFFIX, save_id)
     failures = [f for f, _ in agreed]
     if rank == 0 and any(f is not None for f in failures) and failure is None:
         shutil.rmtree(tmp, ignore_errors=True)
-    _group.raise_first(failures, cause)
+    _process_group.raise_first(failures, cause)
 
     # 2. Every rank writes into the temporary directory and checksums the files it wrote.
     writer = storage_writer if storage_writer is not None else dcp.FileSystemWriter(tmp)
@@ -279,7 +279,7 @@ def atomic_save(
                                                      if writer_rank(n, size) == rank))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - raised on every rank below
         failure, cause = (RuntimeError, f"{where} failed, {_untouched(root, old)}: "
-                                        f"{_group.describe(exc, rank)}"), exc
+                                        f"{_process_group.describe(exc, rank)}"), exc
     finally:
         if storage_writer is not None:
             storage_writer.reset(root)  # the caller's writer points at the checkpoint again
@@ -287,8 +287,8 @@ def atomic_save(
     # 3. The coordinator collects the verdicts and checksums (one gather); if every rank
     # succeeded it writes the checksum file and commits. Its verdict (one broadcast) also keeps
     # every rank from returning before the checkpoint is in place.
-    results = _group.gather_to_coordinator((failure, entries), process_group)
-    verdict: _group.Failure | None = None
+    results = _process_group.gather_to_coordinator((failure, entries), process_group)
+    verdict: _process_group.Failure | None = None
     if rank == 0:
         assert results is not None
         verdict = next((f for f, _ in results if f is not None), None)
@@ -301,9 +301,10 @@ def atomic_save(
         except Exception as exc:  # noqa: BLE001 - raised on every rank below
             verdict, cause = (RuntimeError, f"{where} failed while committing, "
                                             f"{_untouched(root, old)}: "
-                                            f"{_group.describe(exc, rank)}"), exc
+                                            f"{_process_group.describe(exc, rank)}"), exc
         if verdict is not None:  # every rank is past its writes: nothing writes into tmp
             shutil.rmtree(tmp, ignore_errors=True)
-    _group.raise_first([_group.broadcast_from_coordinator(verdict, process_group)], cause)
+    agreed_verdict = _process_group.broadcast_from_coordinator(verdict, process_group)
+    _process_group.raise_first([agreed_verdict], cause)
     assert metadata is not None
     return metadata

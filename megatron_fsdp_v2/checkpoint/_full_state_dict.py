@@ -1,7 +1,7 @@
 """Full (unsharded) state dicts: the gather of every unit's main weights into plain tensors under
 the original names, and the broadcast of a full state dict from the model's first rank in which
 each rank keeps only its own rows. Collectives run on the units' groups (see
-``[Note: checkpoint collectives]`` in ``_group.py``).
+``[Note: checkpoint collectives]`` in ``_process_group.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .._dtensor._local_rows import flat_position, local_rows_dtensor, managed_di
 from .._init._materialize import materialize
 from .._runtime._flat_param_group import FlatParamGroup
 from ._experts import ExpertNames
-from ._group import (
+from ._process_group import (
     all_gather,
     coordinator,
     gather_to_coordinator,

@@ -61,7 +61,7 @@ from .._comm._arrival import await_every_rank
 from .._dtensor._local_rows import flat_position, managed_dist_params
 from .._init._materialize import materialize
 from .._runtime._flat_param_group import FlatParamGroup
-from . import _group
+from . import _process_group
 
 __all__ = ["iter_full_weights"]
 
@@ -121,7 +121,8 @@ class _Holders:
             self.slot = 0
             return
         mesh = group.mesh
-        gather = group.process_group if extent is Extent.SHARD else _group.mesh_group(group)
+        gather = (group.process_group if extent is Extent.SHARD
+                  else _process_group.hsdp_mesh_process_group(group))
         coords = mesh.mesh
         layout = group.layout
         spans = []
@@ -278,10 +279,10 @@ def _check_arguments(model: Any, bucket_size_mb: Any, to_rank: Any) -> int:
     return max(1, int(bucket_size_mb * 2**20))
 
 
-def _check_to_rank(to_rank: int | None, group: dist.ProcessGroup | None) -> None:
+def _check_to_rank(to_rank: int | None, process_group: dist.ProcessGroup | None) -> None:
     if to_rank is None:
         return
-    ranks = (list(dist.get_process_group_ranks(group)) if group is not None
+    ranks = (list(dist.get_process_group_ranks(process_group)) if process_group is not None
              else list(range(dist.get_world_size())) if dist.is_initialized() else [0])
     if to_rank not in ranks:
         raise ValueError(
@@ -341,10 +342,10 @@ def iter_full_weights(
 @torch.no_grad()
 def _stream(model: nn.Module, bucket_bytes: int, to_rank: int | None
             ) -> Iterator[tuple[str, Any]]:
-    group = _group.model_group(model)
-    _check_to_rank(to_rank, group)
-    await_every_rank(_CALL, group)
-    agreed = _group.all_gather((bucket_bytes, to_rank), group)
+    process_group = _process_group.model_process_group(model)
+    _check_to_rank(to_rank, process_group)
+    await_every_rank(_CALL, process_group)
+    agreed = _process_group.all_gather((bucket_bytes, to_rank), process_group)
     if any(a != agreed[0] for a in agreed):
         raise ValueError(
             "iter_full_weights: every rank must pass the same bucket_size_mb and to_rank; got "

@@ -26,7 +26,7 @@ from _checkpoint_safety import (
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import state_of
-from megatron_fsdp_v2.checkpoint._group import model_group
+from megatron_fsdp_v2.checkpoint._process_group import model_process_group
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import OddMLP, TinyGPT
@@ -141,7 +141,7 @@ def _groups_worker(rank: int, world: int, root: str) -> None:
     fully_shard(gpt, sharding_strategy=STRATEGY, timeout=30)
     groups = _groups_of(gpt)
     check("two library groups, the root's first", lambda: _equal(
-        (len(groups), model_group(gpt) is groups[0], groups[0] is units), (2, True, True)))
+        (len(groups), model_process_group(gpt) is groups[0], groups[0] is units), (2, True, True)))
     with recording_collectives() as calls:
         mckpt.load_full_state_dict(gpt, mckpt.get_full_state_dict(gpt, rank0_only=False))
     check("nested units: collectives on the units' groups", lambda: _equal(

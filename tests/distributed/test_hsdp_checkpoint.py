@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import record_of
-from megatron_fsdp_v2.checkpoint._group import dcp_group, model_group
+from megatron_fsdp_v2.checkpoint._process_group import dcp_process_group, model_process_group
 from megatron_fsdp_v2.testing import run_distributed
 
 from _models import OddMLP, TinyGPT, agree, lm_loss, mlp_loss, step_mean_loss
@@ -256,10 +256,10 @@ def _state_dict_worker_2x2(rank: int, world: int, root: str) -> None:
         for strategy in strategies:
             name = f"{kind} {strategy} outer {outer} 2x2"
             model = wrap(make_model(kind, 0), strategy, hsdp=True, outer=outer)
-            group = model_group(model)
+            group = model_process_group(model)
             agree(f"{name}: checkpoint group covers the mesh", lambda: (
                 _check_equal(dist.get_process_group_ranks(group), [0, 1, 2, 3]),
-                _check_equal(dcp_group(model, None), group)))
+                _check_equal(dcp_process_group(model, None), group)))
             _check_forward(f"{name}: before load", model, kind, w0)
             model.load_state_dict(w1)
             _check_forward(f"{name}: after load_state_dict(full)", model, kind, w1)

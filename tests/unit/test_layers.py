@@ -59,7 +59,7 @@ CYCLE_EXCEPTIONS: dict[tuple[str, str], str] = {}
 # (an API function, a hook, an optimizer step hook), that own the process-wide state they read.
 REGISTRY_IMPORTERS: frozenset[str] = frozenset({
     "utils", "testing._pool", "_torch_patches._patch",
-    "checkpoint", "checkpoint._experts", "checkpoint._full_state_dict", "checkpoint._group",
+    "checkpoint", "checkpoint._experts", "checkpoint._full_state_dict", "checkpoint._process_group",
     "checkpoint._streaming",
     "estimator._estimate",
     "_frontend._fsdp2_compat", "_frontend._fsdp2_surface", "_frontend._fsdp_module",

@@ -8,7 +8,8 @@ Every collective of the training step runs on the units' communication group
 reaches a checkpoint call (it raised, or is stuck in user code) makes the others fail after that
 timeout, not the default group's:
 
-* :func:`model_group`: the group of the model's first unit, in ``model.modules()`` order, that
+* :func:`model_process_group`: the group of the model's first unit, in
+  ``model.modules()`` order, that
   owns parameters (the root unit when it does) and whose mesh covers all of the model's ranks.
   All units of a model on one 1-D mesh cover the same ranks, whatever their timeouts. Expert
   parallelism puts units on a part of the ranks (each EP rank's experts on its ``edp``
@@ -19,13 +20,13 @@ timeout, not the default group's:
   none of which covers the others' ranks, is rejected with a ``ValueError`` before any
   collective (:func:`widest_unit`, which ``save`` and ``load`` also run with a caller's
   ``process_group``). Only callers that store experts under global names accept expert units
-  (``model_group(model, experts=True)``); others (``iter_full_weights``) keep the
+  (``model_process_group(model, experts=True)``); others (``iter_full_weights``) keep the
   ``ValueError`` for units over different ranks. A model with no unit (nothing wrapped) has
   no group: ``None``, the default group. ``set_state_dict``'s agreement, ``load_full_state_dict``'s
   agreement and broadcast, and ``get_full_state_dict``'s choice of the receiving rank use it;
   "rank 0" there is the group's first rank (global rank 0 when the mesh spans the job).
   ``get_full_state_dict``'s all-gathers run on each parameter group's own group (the same one).
-* :func:`dcp_group`: ``save`` and ``load`` hand a group to ``dcp.save``/``dcp.load``, which
+* :func:`dcp_process_group`: ``save`` and ``load`` hand a group to ``dcp.save``/``dcp.load``, which
   issue their own collectives on it, and run their agreement, commit and checksum collectives
   on the same group (the two must involve the same ranks, or a failure agreed on one group
   would leave ranks of the other inside DCP). A caller's ``process_group`` keeps DCP's meaning
@@ -40,13 +41,15 @@ timeout, not the default group's:
 
 HSDP (a 2-D mesh, outer ``no_shard``): the units' inner group covers one replica's S ranks
 only, not the job, so it cannot carry agreements that every rank of the mesh must join, nor
-DCP's coordination. :func:`model_group` then returns :func:`mesh_group`: a group over every rank
+DCP's coordination. :func:`model_process_group` then returns
+:func:`hsdp_mesh_process_group`: a group over every rank
 of the 2-D mesh with the units' timeout (created on the first checkpoint call that needs it, by
 every rank of the mesh, like every checkpoint collective; cached with the units' groups under
 the axis ``"mesh"``). Everything above then applies unchanged with "the units' group" read as
 that whole-mesh group: the agreements, ``load_full_state_dict``'s broadcast (so it reaches every
 rank, inner and outer), "rank 0" (the mesh's lowest global rank, global rank 0 when the mesh
-spans the job), and :func:`dcp_group` (the whole-mesh group when it covers the job, else DCP's
+spans the job), and :func:`dcp_process_group` (the whole-mesh group when it covers the job,
+else DCP's
 default group). Only ``get_full_state_dict``'s all-gathers stay on each parameter group's own
 (inner) group: every replica holds the same inner shards, so each replica gathers its own copy
 and no outer collective is needed.
@@ -79,11 +82,11 @@ __all__ = [
     "broadcast_from_coordinator",
     "check_same_path",
     "coordinator",
-    "dcp_group",
+    "dcp_process_group",
     "describe",
     "gather_to_coordinator",
-    "mesh_group",
-    "model_group",
+    "hsdp_mesh_process_group",
+    "model_process_group",
     "widest_unit",
     "no_checkpoint_exception",
     "raise_first",
@@ -99,7 +102,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def mesh_group(group: Any) -> dist.ProcessGroup:
+def hsdp_mesh_process_group(group: Any) -> dist.ProcessGroup:
     """A process group over every rank of ``group``'s 2-D (HSDP) mesh, with the collective
     timeout of its inner communication group (see the note at the top). Collective over the
     mesh's ranks on its first call for a (ranks, timeout, backend); cached afterwards."""
@@ -114,10 +117,11 @@ def mesh_group(group: Any) -> dist.ProcessGroup:
     return whole_mesh_process_group(group.mesh, timeout)
 
 
-def model_group(model: nn.Module, *, experts: bool = False) -> dist.ProcessGroup | None:
+def model_process_group(model: nn.Module, *, experts: bool = False) -> dist.ProcessGroup | None:
     """The communication group of ``model``'s units (see the note at the top), ``None`` when
     it has none or ``torch.distributed`` is not initialized. For units on a 2-D (HSDP) mesh:
-    the group over the whole mesh (:func:`mesh_group`), not the inner group. With expert
+    the group over the whole mesh (:func:`hsdp_mesh_process_group`), not the inner group.
+    With expert
     parallelism (units whose meshes cover a part of the model's ranks, each holding registered
     experts only): the group of the first unit over all of the model's ranks, for callers that
     store experts under their global names (``experts=True``); other callers (e.g.
@@ -129,12 +133,12 @@ def model_group(model: nn.Module, *, experts: bool = False) -> dist.ProcessGroup
     if chosen is None:
         return None
     if chosen.mesh.ndim > 1:
-        return mesh_group(chosen)
+        return hsdp_mesh_process_group(chosen)
     return chosen.process_group
 
 
 def widest_unit(model: nn.Module, *, experts: bool = True) -> Any:
-    """The first parameter group (in module order) whose mesh covers all of the model's ranks
+    """The first flat group (in module order) whose mesh covers all of the model's ranks
     (``None`` without units), after checking the layout a checkpoint accepts: every unit on
     meshes of one dimension, every unit's ranks a part of the chosen one's, and units on a
     strict part holding registered experts only (else a ``ValueError`` naming the first
@@ -179,14 +183,14 @@ def widest_unit(model: nn.Module, *, experts: bool = True) -> Any:
     return chosen
 
 
-def dcp_group(model: nn.Module, process_group: dist.ProcessGroup | None
+def dcp_process_group(model: nn.Module, process_group: dist.ProcessGroup | None
               ) -> dist.ProcessGroup | None:
     """The group ``save``/``load`` pass to DCP and coordinate on (see the note at the top):
     ``process_group`` when given, else the model's group when it covers the whole job, else
     ``None`` (DCP's default group)."""
     if process_group is not None:
         return process_group
-    group = model_group(model, experts=True)
+    group = model_process_group(model, experts=True)
     if group is not None and dist.get_world_size(group) == dist.get_world_size():
         return group
     return None

@@ -35,13 +35,13 @@ from megatron_fsdp_v2._registry import record_of, state_of
 from _models import (
     TinyGPT,
     agree,
-    cat_batch,
     check_all_ranks,
     lm_loss,
     make_batches,
     wrap_blocks,
 )
 from _pool import RankPools
+from _training import train_steps
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 # (when the blocks are compiled relative to fully_shard, how)
@@ -76,46 +76,44 @@ def _compile_blocks(model: TinyGPT, how: str, backend: _CountingBackend) -> None
             blocks[i] = torch.compile(blocks[i], backend=backend, fullgraph=True)
 
 
-def _train(model: nn.Module, rank: int | None, backend: _CountingBackend | None = None
-           ) -> tuple[list[float], list[int], list[tuple[str, str]]]:
+def _compiled_run(model: nn.Module, rank: int | None, backend: _CountingBackend | None = None
+                  ) -> tuple[list[float], list[int], list[tuple[str, str]]]:
     """Adam steps on ``rank``'s micro-batches, the last one of each step marked (``None``: on
     the whole global batch; the unwrapped reference). Returns every step's loss (averaged over
     ranks), how many graphs ``backend`` had compiled after each step, and the event log of the
     last step (wrapped models)."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    batches = make_batches("lm", STEPS, MICRO, WORLD, per_rank=2)
     state = state_of(model) if rank is not None else None
-    losses: list[float] = []
     graphs: list[int] = []
     events: list[tuple[str, str]] = []
-    for step in range(STEPS):
+
+    def log_last_step(step: int) -> None:
         if state is not None and step == STEPS - 1:
             assert state.ctx is not None
             state.ctx.events = events
-        total = torch.zeros(())
-        for i in range(MICRO):
-            if rank is None:
-                batch = cat_batch("lm", batches[step][i])
-            else:
-                model.set_is_last_backward(i == MICRO - 1)  # type: ignore[operator]
-                batch = batches[step][i][rank]
-            loss = lm_loss(model, batch) / MICRO
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        opt.zero_grad()
+
+    def after_step(step: int) -> None:
         if state is not None:
             assert state.ctx is not None
-            dist.all_reduce(total)
-            total /= WORLD
             live = state.ctx.allocator.live_bytes
             check_all_ranks(live == 0,
                             f"step {step}: {live} bytes of gathered buckets still allocated")
-        losses.append(total.item())
         graphs.append(backend.graphs if backend is not None else 0)
+
+    per_step = train_steps(model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                           make_batches("lm", STEPS, MICRO, WORLD, per_rank=2), lm_loss,
+                           rank=rank, before_step=log_last_step, after_step=after_step)
     if state is not None:
         assert state.ctx is not None
         state.ctx.events = None
+    losses: list[float] = []
+    for step_losses in per_step:
+        total = torch.zeros(())
+        for loss in step_losses:
+            total += loss
+        if state is not None:
+            dist.all_reduce(total)
+            total /= WORLD
+        losses.append(total.item())
     return losses, graphs, events
 
 
@@ -168,7 +166,7 @@ def _checked_case(rank: int, world: int, strategy: str, order: str, how: str, ba
         ref = build()
         ref_backend = _CountingBackend(backend)
         _compile_blocks(ref, how, ref_backend)
-        ref_losses, ref_graphs, _ = _train(ref, None, ref_backend)
+        ref_losses, ref_graphs, _ = _compiled_run(ref, None, ref_backend)
         _REFERENCES[ref_key] = (ref_losses, ref_graphs, {
             _plain_name(n): p.detach().clone() for n, p in ref.named_parameters()})
     ref_losses, ref_graphs, ref_params = _REFERENCES[ref_key]
@@ -178,7 +176,7 @@ def _checked_case(rank: int, world: int, strategy: str, order: str, how: str, ba
     if eager_key not in _EAGER_EVENTS:
         eager = build()
         wrap_blocks(eager, strategy)
-        _EAGER_EVENTS[eager_key] = _train(eager, rank)[2]
+        _EAGER_EVENTS[eager_key] = _compiled_run(eager, rank)[2]
     eager_events = _EAGER_EVENTS[eager_key]
 
     torch._dynamo.reset()
@@ -189,7 +187,7 @@ def _checked_case(rank: int, world: int, strategy: str, order: str, how: str, ba
     wrap_blocks(model, strategy)
     if order == "after":
         _compile_blocks(model, how, fsdp_backend)
-    losses, graphs, events = _train(model, rank, fsdp_backend)
+    losses, graphs, events = _compiled_run(model, rank, fsdp_backend)
 
     def parity() -> None:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol,

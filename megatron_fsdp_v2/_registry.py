@@ -39,7 +39,7 @@ _states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Module -> FSDPState
 _records: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor -> ParamRecord
 # Library process groups with a collective timeout, keyed by (mesh ranks, seconds, backend
 # config, mesh axis: "shard", HSDP's "outer", or "mesh"); a value may be the mesh's own group.
-comm_groups: dict[tuple[tuple[int, ...], float, str, str], Any] = {}
+process_groups: dict[tuple[tuple[int, ...], float, str, str], Any] = {}
 # Default 1-D meshes over the whole world, per device type.
 default_meshes: dict[str, Any] = {}
 # Side streams for collectives, per device (see _collectives.CommStreams).
@@ -154,7 +154,7 @@ def reset() -> None:
     working only if re-wrapped."""
     _states.clear()
     _records.clear()
-    comm_groups.clear()
+    process_groups.clear()
     default_meshes.clear()
     comm_streams.clear()
     fsdp_classes.clear()

@@ -173,7 +173,7 @@ def whole_mesh_process_group(mesh: DeviceMesh, timeout: timedelta | None) -> dis
     if _splits_communicators(mesh.get_group(0)):
         return timeout_process_group(mesh._flatten().get_group(), timeout, "mesh")
     config = str(dist.get_backend_config(mesh.get_group(0)))
-    return _cached(_key(ranks, timeout, config, "mesh"), lambda: _members_group(
+    return _cached(_key(ranks, timeout, config, "mesh"), lambda: _members_process_group(
         ranks, config, timeout, "mesh", [mesh.get_group(dim) for dim in range(mesh.ndim)]))
 
 
@@ -203,7 +203,7 @@ def post_forward_process_group(
             )
             assert isinstance(process_group, dist.ProcessGroup)  # every rank is in one subgroup
             return process_group
-        return _members_group(members, config, timeout, "post_forward", [parent])
+        return _members_process_group(members, config, timeout, "post_forward", [parent])
 
     return _cached(_key(members, timeout, config, "post_forward"), create)
 
@@ -213,7 +213,7 @@ def timeout_process_group(
 ) -> dist.ProcessGroup:
     """A group over ``parent``'s ranks with ``timeout``: ``parent`` itself when it has that
     timeout already (``None``: any), else one created from it (see the note above), once per
-    (ranks, timeout, backend config, axis), cached in ``_registry.comm_groups``. Collective over
+    (ranks, timeout, backend config, axis), cached in ``_registry.process_groups``. Collective over
     ``parent``'s ranks on its first call, and only theirs."""
     ranks = tuple(dist.get_process_group_ranks(parent))
     config = str(dist.get_backend_config(parent))
@@ -229,7 +229,7 @@ def timeout_process_group(
             )
             assert isinstance(process_group, dist.ProcessGroup)  # every rank of parent is a member
             return process_group
-        return _members_group(ranks, config, timeout, axis, [parent])
+        return _members_process_group(ranks, config, timeout, axis, [parent])
 
     return _cached(_key(ranks, timeout, config, axis), create)
 
@@ -247,7 +247,7 @@ def _splits_communicators(parent: dist.ProcessGroup) -> bool:
         return False
 
 
-def _members_group(
+def _members_process_group(
     ranks: tuple[int, ...], config: str, timeout: timedelta | None, axis: str,
     connecting: Sequence[dist.ProcessGroup],
 ) -> dist.ProcessGroup:
@@ -281,16 +281,16 @@ def _describe(axis: str, timeout: timedelta | None) -> str:
 
 
 def _cached(key: _Key, create: Callable[[], dist.ProcessGroup]) -> dist.ProcessGroup:
-    process_group = _registry.comm_groups.get(key)
+    process_group = _registry.process_groups.get(key)
     if process_group is None or not process_group_alive(process_group):
-        process_group = _registry.comm_groups[key] = create()
+        process_group = _registry.process_groups[key] = create()
     return process_group
 
 
 def clear_process_groups() -> None:
     """Forget the cached groups, so the next ``fully_shard`` creates fresh ones (tests: after a
     collective timed out, its group no longer matches across ranks and must not be reused)."""
-    _registry.comm_groups.clear()
+    _registry.process_groups.clear()
 
 
 def library_process_groups() -> list[dist.ProcessGroup]:
@@ -301,7 +301,7 @@ def library_process_groups() -> list[dist.ProcessGroup]:
     list does not apply to it). The same on every rank of a mesh, because every rank makes the
     same ``fully_shard`` calls."""
     groups: list[dist.ProcessGroup] = []
-    for key, group in _registry.comm_groups.items():
+    for key, group in _registry.process_groups.items():
         if key[3] not in ("shard", "mesh"):
             continue
         if process_group_alive(group) and all(group is not g for g in groups):

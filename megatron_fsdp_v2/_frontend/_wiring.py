@@ -150,9 +150,10 @@ def build_groups(
                 )
             )
             if post_forward is not None:
-                flat_groups[-1].use_post_forward_group(post_forward)
+                flat_groups[-1].use_post_forward_process_group(post_forward)
             flat_groups[-1].tp_norm_process_groups = [
-                None if face is None else tp_norm_group(face, flat_groups[-1], options.timeout)
+                None if face is None
+                else tp_norm_process_group(face, flat_groups[-1], options.timeout)
                 for face in flat_groups[-1].tp_faces
             ]
     return flat_groups, allocator
@@ -166,7 +167,9 @@ def meta_init_device(options: WrapOptions) -> torch.device:
     return torch.device("meta") if _registry.meta_buffers[0] else mesh_device(options.mesh)
 
 
-def tp_norm_group(face: TPFace, group: FlatParamGroup, timeout: Any) -> dist.ProcessGroup | None:
+def tp_norm_process_group(
+    face: TPFace, group: FlatParamGroup, timeout: Any
+) -> dist.ProcessGroup | None:
     """Where ``clip_grad_norm_`` all-reduces the sum of squares of a tensor-parallel
     parameter's gradients: the ranks across which its optimizer-facing placements shard it
     (dp and TP dims; not HSDP's replicas), or None where only the dp axis shards it (the
@@ -185,14 +188,14 @@ def broadcast_buffers(module: nn.Module, groups: UnitProcessGroups) -> None:
     """``sync_module_states``: buffers of this unit (not of wrapped children, which did their
     own) from the mesh's first rank, as DDP does with module states. Outer axis first, then the
     inner one: every rank gets mesh rank (0, 0)'s buffers."""
-    for axis_group in (groups.outer, groups.inner):
-        if axis_group is None or dist.get_world_size(axis_group) <= 1:
+    for axis_process_group in (groups.outer, groups.inner):
+        if axis_process_group is None or dist.get_world_size(axis_process_group) <= 1:
             continue
         for _, submodule in _registry.owned_modules(module):
             for buffer in submodule._buffers.values():
                 # A meta buffer has no value yet; every rank materializes it alike.
                 if buffer is not None and buffer.numel() > 0 and buffer.device.type != "meta":
-                    broadcast_from_first(buffer, axis_group)
+                    broadcast_from_first(buffer, axis_process_group)
 
 
 def install_unit(

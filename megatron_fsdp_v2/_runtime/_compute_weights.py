@@ -182,13 +182,13 @@ class ComputeWeights:
             return self.free_gathered_weights()
         return False
 
-    def use_post_forward_group(self, process_group: torch.distributed.ProcessGroup) -> None:
+    def use_post_forward_process_group(self, process_group: torch.distributed.ProcessGroup) -> None:
         """Reshard to ``process_group`` (this rank's group of ``n`` consecutive ranks of the
         shard axis) after forward: see [Note: resharding to a smaller group]."""
         size = torch.distributed.get_world_size(process_group)
         assert self.plan.gathers_weights and self.layout.total_numel % size == 0, (
             self.layout.total_numel, size)
-        self.issuer.axis_groups["post_forward"] = process_group
+        self.issuer.axis_process_groups["post_forward"] = process_group
         self.post_forward_size = size
         self.post_forward_rank = torch.distributed.get_rank(process_group)
 
@@ -217,7 +217,7 @@ class ComputeWeights:
         weights are freed whole after forward (or kept), and a slice held now is dropped (its
         unit's next use gathers over the world)."""
         self.drop_post_forward_slice()
-        self.issuer.axis_groups.pop("post_forward", None)
+        self.issuer.axis_process_groups.pop("post_forward", None)
         self.post_forward_size = 0
 
     def drop_post_forward_slice(self) -> None:

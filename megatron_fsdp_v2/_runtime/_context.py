@@ -240,7 +240,7 @@ class FSDPContext:
         """Every process group the tree's collectives run on, with its device."""
         seen: dict[int, tuple[dist.ProcessGroup, torch.device]] = {}
         for group in self.groups:
-            for process_group in group.axis_groups.values():
+            for process_group in group.axis_process_groups.values():
                 seen.setdefault(id(process_group), (process_group, group.device))
         return list(seen.values())
 

@@ -225,7 +225,7 @@ class FlatParamGroup(ComputeWeights):
         if sync_from_rank0:
             # Outer axis first (from its first rank), then the inner one: every rank ends with
             # mesh rank (0, 0)'s values.
-            for group in self.sync_groups:
+            for group in self.sync_process_groups:
                 comm.broadcast_from_first(flat, group)
         return flat
 
@@ -248,10 +248,10 @@ class FlatParamGroup(ComputeWeights):
         return self.issuer.outer_process_group
 
     @property
-    def axis_groups(self) -> dict[str, dist.ProcessGroup]:
+    def axis_process_groups(self) -> dict[str, dist.ProcessGroup]:
         """The process group of each axis a plan step may name: ``"shard"`` (inner),
         ``"outer"`` and ``"mesh"`` (the whole mesh) where they exist."""
-        return self.issuer.axis_groups
+        return self.issuer.axis_process_groups
 
     @property
     def collectives(self) -> GroupCollectives:
@@ -262,10 +262,10 @@ class FlatParamGroup(ComputeWeights):
     def norm_process_group(self) -> dist.ProcessGroup:
         """Where the sum of squares of this group's optimizer-facing gradients is all-reduced
         (``clip_grad_norm_``): the plan's ``norm_axis``."""
-        return self.axis_groups[self.plan.norm_axis]
+        return self.axis_process_groups[self.plan.norm_axis]
 
     @property
-    def sync_groups(self) -> list[dist.ProcessGroup]:
+    def sync_process_groups(self) -> list[dist.ProcessGroup]:
         """The groups a start-from-the-first-rank broadcast runs over, in order (outer axis
         first); groups of one rank are left out."""
         groups = [self.outer_process_group, self.process_group]

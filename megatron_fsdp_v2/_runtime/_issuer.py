@@ -162,11 +162,11 @@ class GroupIssuer:
         self.outer_process_group = outer_process_group
         # The whole mesh, where a plan norms over it (None otherwise).
         self.mesh_process_group = mesh_process_group
-        self.axis_groups: dict[str, dist.ProcessGroup] = {"shard": process_group}
+        self.axis_process_groups: dict[str, dist.ProcessGroup] = {"shard": process_group}
         if outer_process_group is not None:
-            self.axis_groups["outer"] = outer_process_group
+            self.axis_process_groups["outer"] = outer_process_group
         if mesh_process_group is not None:
-            self.axis_groups["mesh"] = mesh_process_group
+            self.axis_process_groups["mesh"] = mesh_process_group
         # Which calls carry this group's collectives, and the count of what ran.
         self.collectives = GroupCollectives(collective_impl)
         self.streams = comm.streams_for(device)
@@ -176,7 +176,7 @@ class GroupIssuer:
         """Run ``collective`` over its axis' process group, in the background when ``async_op``
         (see [Note: asynchronous collectives]); the handle's ``finish()`` waits for it, then
         runs its ``complete``."""
-        group = self.axis_groups[collective.axis]
+        group = self.axis_process_groups[collective.axis]
         if self.debug:
             comm.check_collective_order(
                 group, f"{collective.what} of {self.name} ({self.numel} elements)", self.device

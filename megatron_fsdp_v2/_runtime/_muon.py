@@ -167,7 +167,7 @@ def _process_groups(params: list[torch.Tensor]) -> list[dist.ProcessGroup]:
     for p in params:
         record = _registry.record_of(p)
         assert record is not None
-        groups = [record.group.process_group, *record.group.axis_groups.values()]
+        groups = [record.group.process_group, *record.group.axis_process_groups.values()]
         if record.tp is not None:  # the exchange runs over the whole dp x TP mesh
             groups.append(whole_mesh_process_group(record.tp.dist_mesh,
                                            group_timeout(record.group.process_group)))

@@ -143,7 +143,7 @@ def _layout_blocks(record: ParamRecord) -> tuple[dist.ProcessGroup, list[Block]]
     if placement is Extent.FULL:  # replicated: whole everywhere
         process_group = group.process_group
         return process_group, [(0, shape[0], 0, shape[1])] * dist.get_world_size(process_group)
-    process_group = group.axis_groups["mesh"] if placement is Extent.SUB_SHARD \
+    process_group = group.axis_process_groups["mesh"] if placement is Extent.SUB_SHARD \
         else group.process_group
     blocks = [(*_row_span(record, slot), 0, shape[1])
               for slot in _slots_of_group_ranks(record, process_group)]

@@ -108,7 +108,7 @@ def hsdp_mesh_process_group(group: Any) -> dist.ProcessGroup:
     mesh's ranks on its first call for a (ranks, timeout, backend); cached afterwards."""
     inner = group.process_group
     timeout_s: float | None = None
-    for key, cached in _registry.comm_groups.items():
+    for key, cached in _registry.process_groups.items():
         # The inner group's own key (a reused mesh group may be cached under other axes too).
         if cached is inner and key[3] == "shard" and key[1] >= 0:
             timeout_s = key[1]

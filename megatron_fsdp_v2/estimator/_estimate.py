@@ -427,7 +427,7 @@ def _collectives(groups: list[FlatParamGroup], micro_batches: int,
         payload = count * numel * dtype.itemsize
         totals[kind][0] += count
         totals[kind][1] += payload
-        n = dist.get_world_size(group.axis_groups[axis])
+        n = dist.get_world_size(group.axis_process_groups[axis])
         factor = (2.0 if op is Collective.ALL_REDUCE else 1.0) * (n - 1) / n
         wire[kind] += payload * factor
 

@@ -91,7 +91,7 @@ def test_no_state_left_and_no_allocation_at_scale() -> None:
     assert grown < 4 << 20, f"estimate grew the process by {grown} KiB"
     assert est.memory.main_weights > 250 * 2**30  # the replica it did not allocate
     assert not dist.is_initialized()
-    assert not _registry._states and not _registry.comm_groups and not _registry.meta_buffers[0]
+    assert not _registry._states and not _registry.process_groups and not _registry.meta_buffers[0]
 
 
 def test_gpt_preset_and_predicate_wrap() -> None:

@@ -68,7 +68,7 @@ def test_scan_sees_registry_state() -> None:
     """The scan recognizes the kinds of state the registry holds (else the test above proves
     nothing)."""
     found = _module_state(PACKAGE / "_registry.py")
-    for name in ("comm_groups", "uneven_meshes", "pending_meta_units", "applying_depth",
+    for name in ("process_groups", "uneven_meshes", "pending_meta_units", "applying_depth",
                  "local_step_swaps", "local_step_restore_hooked", "optimizer_state_dict_hooked"):
         assert any(line.endswith(f" {name}") for line in found), (name, found)
 

@@ -69,7 +69,7 @@ def fully_shard(
             is the outer (replicate) axis, dim 1 the inner (shard) axis.
         sharding_strategy: ``"no_shard"`` (0), ``"optim"`` (1), ``"optim_grads"`` (2) or
             ``"optim_grads_params"`` (3), over the mesh (the inner axis of a 2-D mesh). Per
-            parameter group and iteration of N micro-batches (marked with
+            flat group and iteration of N micro-batches (marked with
             ``set_is_last_backward``/``no_sync``) they issue 1 all-reduce; 1 all-gather + 1
             reduce-scatter; 1 all-gather + N reduce-scatters; 2N all-gathers + N
             reduce-scatters.
@@ -125,7 +125,7 @@ def fully_shard(
     ``set_requires_gradient_sync`` are on :class:`FSDPModule`; after the first call,
     ``torch.nn.utils.clip_grad_norm_`` on these parameters runs
     ``megatron_fsdp_v2.clip_grad_norm_``. ``fully_shard([m1, m2])`` makes one unit of several
-    modules, as FSDP2 (returns the list; each module becomes ``FSDP<Class>``): one parameter
+    modules, as FSDP2 (returns the list; each module becomes ``FSDP<Class>``): one flat
     group, gathered before whichever member runs first, reduced after the backward of every
     call of every member (see [Note: several modules as one unit]).
 

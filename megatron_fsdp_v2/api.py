@@ -68,7 +68,7 @@ class ShardingStrategy(str, enum.Enum):
 
 
 class ResolvedDtypes(NamedTuple):
-    """The dtypes of one parameter group's buffers."""
+    """The dtypes of one flat group's buffers."""
 
     model: torch.dtype  # compute weights (what forward/backward see)
     main: torch.dtype  # optimizer-facing weights

@@ -5,7 +5,7 @@ Pure functions over shapes and the world size. No tensors are allocated here and
 ``torch.distributed``.
 
 [Note: row-aligned flat buffers]
-A parameter group is stored as one flat 1-D buffer of ``world_size * shard_numel`` elements. Rank
+A flat group is stored as one flat 1-D buffer of ``world_size * shard_numel`` elements. Rank
 ``r`` owns the contiguous span ``[r * shard_numel, (r + 1) * shard_numel)`` of every buffer role
 (model weights, main weights, main grads), which is exactly the slot that
 ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` assign to it, so collectives run on the

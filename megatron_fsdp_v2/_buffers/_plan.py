@@ -1,4 +1,4 @@
-"""The buffer plan: what a ZeRO strategy means for one flat parameter group, as data.
+"""The buffer plan: what a ZeRO strategy means for one flat group, as data.
 
 [Note: buffer plan]
 A :class:`BufferPlan` is computed once per group from (strategy, dtypes, layout, rank) and

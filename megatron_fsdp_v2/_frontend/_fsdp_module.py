@@ -247,7 +247,7 @@ class FSDPModule(FSDP2Surface):
             group.drop_gathered_views()  # the arena is freed once nothing views it
 
     def collective_stats(self, reset: bool = False) -> dict[tuple[str, str], CollectiveCount]:
-        """The collectives this unit and the units below it issued for their parameter groups
+        """The collectives this unit and the units below it issued for their flat groups
         (gathers, refreshes, gradient reductions) since wrapping or the last reset, on this
         rank: ``{(logical, issued): CollectiveCount(calls, ops, bytes)}``. ``logical`` is what
         the schedule names (``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``),

@@ -2,7 +2,7 @@
 held by one internal module the unit state is built over.
 
 [Note: several modules as one unit]
-FSDP2 accepts a list of modules as one unit: one parameter group (one gather, one reduction),
+FSDP2 accepts a list of modules as one unit: one flat group (one gather, one reduction),
 its state shared by every module of the list, its hooks on each of them, and each module's
 class changed to ``FSDP<Class>``. torchtitan relies on it for ``fully_shard([model.norm,
 model.output], reshard_after_forward=False)``, where its chunked loss calls the head outside

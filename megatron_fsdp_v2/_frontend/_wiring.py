@@ -1,5 +1,5 @@
 """``fully_shard``'s wiring steps for one call, after its validation: the unit's process groups,
-its flat parameter groups, the broadcast of its buffers, and the installation of the unit (its
+its flat groups, the broadcast of its buffers, and the installation of the unit (its
 parameters bound to the flat buffers, its ``FSDPState``, its hooks and its ``FSDP<Class>``).
 Only :func:`install_unit` changes the module; everything before it can still raise and leave the
 module untouched."""
@@ -95,7 +95,7 @@ def add_whole_mesh_process_group(
 def build_groups(
     module: nn.Module, options: WrapOptions, unit: LocalUnit, groups: UnitProcessGroups
 ) -> tuple[list[FlatParamGroup], ScratchAllocator]:
-    """The unit's flat parameter groups: its parameters grouped by (device, dtype,
+    """The unit's flat groups: its parameters grouped by (device, dtype,
     requires_grad) in first-seen order, each split where row alignment would pad it by more than
     ``max_padding_ratio``. Buffers are allocated; the module is not changed yet."""
     managed = unit.managed

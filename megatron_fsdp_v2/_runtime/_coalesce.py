@@ -83,7 +83,7 @@ def validate_bucket_size(value: object, name: str = "reduce_bucket_size_mb") -> 
     if not math.isfinite(value) or value <= 0:
         raise ValueError(
             f"{name} must be a positive, finite number of MiB (e.g. 25), got "
-            f"{value!r}; pass None for one collective per parameter group"
+            f"{value!r}; pass None for one collective per flat group"
         )
     return float(value)
 

@@ -1,4 +1,4 @@
-"""One flat parameter group: its buffers and their lifecycle (compute weights made ready and
+"""One flat group: its buffers and their lifecycle (compute weights made ready and
 freed, gradients staged and reduced), executing the group's :class:`~._plan.BufferPlan`. No
 hooks here (``_state.py`` decides *when*), no collective launch details (the group's
 :class:`~._issuer.GroupIssuer` launches; ``_gather.py`` plans weight gathers and refreshes), no

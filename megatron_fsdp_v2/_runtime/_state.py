@@ -1,4 +1,4 @@
-"""Per-unit hook owner (``FSDPState``): decides *when* parameter groups unshard, reshard and
+"""Per-unit hook owner (``FSDPState``): decides *when* flat groups unshard, reshard and
 reduce; never touches buffer contents itself. Its training state and the primitives the hooks
 call are ``UnitState`` (``_unit_state.py``); the root's first forward runs ``lazy_init``
 (``_lazy_init.py``), and the state the root shares with the whole tree is ``FSDPContext``

@@ -430,7 +430,7 @@ def get_full_state_dict(
     each of theirs, as ``nn.Module.state_dict`` does), managed parameters as their main weights
     (fp32 when a separate main buffer exists). Loadable into the unwrapped model class.
 
-    Every rank must call it (one all-gather per parameter group over the units' communication
+    Every rank must call it (one all-gather per flat group over the units' communication
     group, one group at a time). With ``rank0_only`` (default) only the first rank of the
     model's mesh (global rank 0 when the mesh spans the job) gets the tensors and the others
     return ``{}``; ``cpu_offload`` (default) moves them to CPU as they are gathered. On a 2-D

@@ -25,7 +25,7 @@ timeout, not the default group's:
   no group: ``None``, the default group. ``set_state_dict``'s agreement, ``load_full_state_dict``'s
   agreement and broadcast, and ``get_full_state_dict``'s choice of the receiving rank use it;
   "rank 0" there is the group's first rank (global rank 0 when the mesh spans the job).
-  ``get_full_state_dict``'s all-gathers run on each parameter group's own group (the same one).
+  ``get_full_state_dict``'s all-gathers run on each flat group's own group (the same one).
 * :func:`dcp_process_group`: ``save`` and ``load`` hand a group to ``dcp.save``/``dcp.load``, which
   issue their own collectives on it, and run their agreement, commit and checksum collectives
   on the same group (the two must involve the same ranks, or a failure agreed on one group
@@ -50,7 +50,7 @@ that whole-mesh group: the agreements, ``load_full_state_dict``'s broadcast (so 
 rank, inner and outer), "rank 0" (the mesh's lowest global rank, global rank 0 when the mesh
 spans the job), and :func:`dcp_process_group` (the whole-mesh group when it covers the job,
 else DCP's
-default group). Only ``get_full_state_dict``'s all-gathers stay on each parameter group's own
+default group). Only ``get_full_state_dict``'s all-gathers stay on each flat group's own
 (inner) group: every replica holds the same inner shards, so each replica gathers its own copy
 and no outer collective is needed.
 

@@ -2,7 +2,7 @@
 reduction buckets] in ``megatron_fsdp_v2/_coalesce.py``).
 
 Each case trains the same many-small-units model twice on the same ranks and data: once with
-one delayed collective per parameter group (``reduce_bucket_size_mb=None``) and once coalesced,
+one delayed collective per flat group (``reduce_bucket_size_mb=None``) and once coalesced,
 and requires the same losses and parameters, bitwise (``no_shard`` on 3 ranks: gloo's ring sums
 an all-reduce's chunks from different ranks, so moving a gradient to another offset may change
 its last bit; there the tiny bucket, which issues exactly the uncoalesced collectives, must be

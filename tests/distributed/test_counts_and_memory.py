@@ -17,7 +17,7 @@ STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 
 
 def _expected(strategy: str, micro: int) -> tuple[int, int, int]:
-    """(all-gathers, reduce-scatters, all-reduces) per parameter group per iteration."""
+    """(all-gathers, reduce-scatters, all-reduces) per flat group per iteration."""
     return {
         "no_shard": (0, 0, 1),
         "optim": (1, 1, 0),

@@ -2,7 +2,7 @@
 refresh buckets] in ``megatron_fsdp_v2/_refresh_buckets.py``).
 
 Each case trains a many-small-units model twice on the same ranks and data: once with one
-refresh all-gather per parameter group (``refresh_bucket_size_mb=None``, what the parity tests
+refresh all-gather per flat group (``refresh_bucket_size_mb=None``, what the parity tests
 compare with single-process PyTorch) and once coalesced, and requires bitwise the same losses
 and parameters (copies move bits). The coalesced run must issue fewer all-gathers
 (``CommDebugMode``), report what it coalesced, hold no refresh bucket after a forward, and keep

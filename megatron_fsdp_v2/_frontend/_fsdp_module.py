@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import UnshardHandle as TorchUnshardHandle
 
 from .. import _registry
-from .._comm._collective_impl import CollectiveCount, merge_counts
+from .._comm._collective_impl import CollectiveCount, GroupCollectives, merge_counts
 from .._init import _conversions, _materialize
 from .._runtime._context import TrainingState
 from .._runtime._state import FSDPState
@@ -255,9 +255,11 @@ class FSDPModule(FSDP2Surface):
         ``"auto"`` e.g. ``("reduce_scatter", "all_reduce")`` or ``("all_gather",
         "broadcast")``, with ``ops`` the broadcasts issued). Collectives outside the step's
         schedule (wrap-time broadcasts, clipping's norm all-reduce, checkpoints) are not
-        counted. ``reset=True`` clears the counts after reading them."""
-        groups = [group for state in self._mfsdp_states() for group in state.groups]
-        counts = merge_counts([group.collectives.counts for group in groups])
+        counted. A collective of the tree's reduction or refresh buckets covers groups of
+        several units: the root reports it. ``reset=True`` clears the counts after reading
+        them."""
+        accounts = [group.collectives for state in self._mfsdp_states() for group in state.groups]
+        counts = merge_counts([a.counts for a in accounts + self._tree_bucket_accounts()])
         if reset:
             self.reset_collective_stats()
         return counts
@@ -267,6 +269,15 @@ class FSDPModule(FSDP2Surface):
         for state in self._mfsdp_states():
             for group in state.groups:
                 group.collectives.reset()
+        for account in self._tree_bucket_accounts():
+            account.reset()
+
+    def _tree_bucket_accounts(self) -> list[GroupCollectives]:
+        """On the root: what its tree's buckets issued (their own issuer accounts)."""
+        state = _registry.state_of(self)  # type: ignore[arg-type]
+        if state is None or state.ctx is None or state.ctx.root is not state:
+            return []
+        return state.ctx.bucket_accounts
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         raise TypeError(

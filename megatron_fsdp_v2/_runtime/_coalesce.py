@@ -55,7 +55,7 @@ import torch
 from .. import ops
 from .._buffers._plan import Collective
 from . import _reduce
-from ._issuer import CollectiveLaunch, Deferred, Pending
+from ._issuer import BucketIssuers, CollectiveLaunch, Deferred, Pending
 
 if TYPE_CHECKING:
     from .._buffers._allocator import ScratchAllocator
@@ -112,6 +112,8 @@ class ReductionCoalescer:
     def __init__(self, bucket_size_mb: float, allocator: ScratchAllocator) -> None:
         self.bucket_bytes = max(1, int(bucket_size_mb * (1 << 20)))
         self.allocator = allocator
+        # The buckets' own issuer accounts (see [Note: who issues collectives]).
+        self.issuers = BucketIssuers("reduction buckets")
         self._open: _Bucket | None = None
         self._inflight: list[_Bucket] = []  # issued buckets not finished yet, oldest first
         # What coalescing did, cumulative (tests and users read it): collectives issued for a
@@ -229,9 +231,12 @@ class ReductionCoalescer:
             copy_out()
             allocator.free(key)
 
-        # Through the first member's issuer: its debug order check and its accounting.
-        what = f"coalesced {op.value} of {len(bucket.members)} groups ({total} elements)"
-        return first.issuer.launch(
+        # Through the bucket account of the members' process group (its debug order check and
+        # accounting), with the first member's collective_impl; ``what`` names the bucket.
+        issuer = self.issuers.issuer(first.process_group, device, first.collectives.impl)
+        what = (f"coalesced {op.value} of {len(bucket.members)} groups ({first.name} to "
+                f"{bucket.members[-1][0].name}, {total} elements)")
+        return issuer.launch(
             CollectiveLaunch(op, staging, own, what=what, complete=finish), async_op=True
         )
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .._buffers._allocator import ScratchAllocator
 from .._buffers._trace_pool import TracePoolAllocator
+from .._comm._collective_impl import GroupCollectives
 from .._comm._deadline import WaitBound, collective_timeout_s, group_error
 from .._profiling import traced
 from ._coalesce import ReductionCoalescer
@@ -159,6 +160,12 @@ class FSDPContext:
     def groups(self) -> Iterable[FlatParamGroup]:
         for state in self.states:
             yield from state.groups
+
+    @property
+    def bucket_accounts(self) -> list[GroupCollectives]:
+        """What the tree's reduction and refresh buckets issued (their own issuer accounts)."""
+        return [account for buckets in (self.coalescer, self.refresh_coalescer)
+                if buckets is not None for account in buckets.issuers.accounts]
 
     @traced("mfsdp::final_callback")
     def final_callback(self) -> None:

@@ -14,7 +14,8 @@ back once:
   refreshes, and the tree's buckets in ``_coalesce.py`` and ``_refresh_buckets.py``) prepare
   the buffers the plan names (copy-in, workspace, staging buffer), describe the collective as a
   :class:`CollectiveLaunch` with what completes it (copy-out, freeing a temporary), and hand it
-  to the issuer of the group it is counted for (a bucket's first member);
+  to the issuer of the group it is counted for (a bucket: the tree's bucket account for its
+  process group, :class:`BucketIssuers`, never a member's);
 * :meth:`GroupIssuer.launch` runs the debug order check, then the collective function of
   ``_collectives.py`` on the stream or ``async_op`` of [Note: asynchronous collectives], passing
   its :class:`~.._comm._collective_impl.GroupCollectives` explicitly (which calls carry the
@@ -45,7 +46,7 @@ from .._comm import _collectives as comm
 from .._comm._collective_impl import GroupCollectives
 from .._profiling import traced
 
-__all__ = ["CollectiveLaunch", "Deferred", "Finishable", "GroupIssuer", "Pending"]
+__all__ = ["BucketIssuers", "CollectiveLaunch", "Deferred", "Finishable", "GroupIssuer", "Pending"]
 
 
 class Pending:
@@ -149,12 +150,14 @@ class GroupIssuer:
     collectives])."""
 
     def __init__(
-        self, *, name: str, numel: int, device: torch.device,
+        self, *, name: str, numel: int | None, device: torch.device,
         process_group: dist.ProcessGroup, outer_process_group: dist.ProcessGroup | None,
         mesh_process_group: dist.ProcessGroup | None, collective_impl: str,
     ) -> None:
         self.name = name  # the group's, in the debug order check
-        self.numel = numel  # the group's flat size, in the debug order check
+        # The group's flat size, in the debug order check (None: a bucket account, whose
+        # launches name their own size).
+        self.numel = numel
         self.device = device
         # The inner axis' group: the layout and every collective of the inner schedule.
         self.process_group = process_group
@@ -178,8 +181,9 @@ class GroupIssuer:
         runs its ``complete``."""
         group = self.axis_process_groups[collective.axis]
         if self.debug:
+            size = "" if self.numel is None else f" ({self.numel} elements)"
             comm.check_collective_order(
-                group, f"{collective.what} of {self.name} ({self.numel} elements)", self.device
+                group, f"{collective.what} of {self.name}{size}", self.device
             )
         collectives = self.collectives
 
@@ -200,6 +204,38 @@ class GroupIssuer:
         except RuntimeError as e:
             raise _explained(e, what) from e
         return Pending(handle, collective.complete, what)
+
+
+class BucketIssuers:
+    """The issuer accounts of a tree's buckets of one kind (reduction or refresh buckets): one
+    :class:`GroupIssuer` per process group, device and ``collective_impl``, made on first use.
+    A bucket's collective covers several groups (often of several units), so it is launched,
+    counted (``FSDPModule.collective_stats`` of the root) and named in the debug order check and
+    in timeouts as the bucket's, not as its first member's."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind  # "reduction buckets", "refresh buckets": the accounts' name
+        self._issuers: dict[tuple[int, torch.device, str], GroupIssuer] = {}
+
+    def issuer(self, process_group: dist.ProcessGroup, device: torch.device,
+               collective_impl: str) -> GroupIssuer:
+        """The account of buckets over ``process_group`` on ``device``; ``collective_impl``:
+        the members' (a bucket issues what its first member's setting chooses)."""
+        # The issuer holds the process group, so its id is not reused while the key lives.
+        key = (id(process_group), device, collective_impl)
+        issuer = self._issuers.get(key)
+        if issuer is None:
+            issuer = self._issuers[key] = GroupIssuer(
+                name=f"the tree's {self.kind}", numel=None, device=device,
+                process_group=process_group, outer_process_group=None,
+                mesh_process_group=None, collective_impl=collective_impl,
+            )
+        return issuer
+
+    @property
+    def accounts(self) -> list[GroupCollectives]:
+        """What each account counted (``FSDPModule.collective_stats``)."""
+        return [issuer.collectives for issuer in self._issuers.values()]
 
 
 _TRANSPORT_GAVE_UP = ("timed out", "timeout", "closed by peer", "reset by peer")

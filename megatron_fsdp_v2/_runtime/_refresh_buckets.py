@@ -20,9 +20,10 @@ the same order:
   are separate (the cast-and-copy kernel of the uncoalesced refresh), into its column of this
   rank's slot of a staging scratch buffer (``refresh_staging``): rank-major, rank r's slot holds
   slot r of every member in order;
-* one all-gather of that slot, in place, through the first member's issuer (the debug order
-  check, ``collective_impl`` and the accounting, which counts it for that group only; see
-  [Note: who issues collectives] in ``_issuer.py``);
+* one all-gather of that slot, in place, through the tree's refresh-bucket account for the
+  members' process group (``RefreshCoalescer.issuers``: the debug order check and the
+  accounting, which the root's ``collective_stats`` reports; the first member's
+  ``collective_impl``; see [Note: who issues collectives] in ``_issuer.py``);
 * copy-out, when a member first waits for its weights: every rank's column of each member into
   its replicated ``model_weight`` (one strided copy per member); then the staging buffer is
   freed.
@@ -57,7 +58,7 @@ import torch
 from .. import ops
 from .._buffers._plan import Collective, Refresh
 from .._profiling import traced
-from ._issuer import CollectiveLaunch, Deferred, Pending
+from ._issuer import BucketIssuers, CollectiveLaunch, Deferred, Pending
 
 if TYPE_CHECKING:
     from .._buffers._allocator import ScratchAllocator
@@ -100,6 +101,8 @@ class RefreshCoalescer:
     def __init__(self, bucket_size_mb: float, allocator: ScratchAllocator, overlap: bool) -> None:
         self.bucket_bytes = max(1, int(bucket_size_mb * (1 << 20)))
         self.allocator = allocator
+        # The buckets' own issuer accounts (see [Note: who issues collectives] in _issuer.py).
+        self.issuers = BucketIssuers("refresh buckets")
         self.overlap = overlap  # the root's: prefetch the next bucket when one completes
         self._plan: list[RefreshBucket] = []
         self._next = 0  # the first bucket of the plan not issued yet
@@ -193,9 +196,10 @@ class RefreshCoalescer:
                     column += width
             allocator.free(key)
 
-        what = (f"coalesced refresh all-gather of {len(members)} groups "
-                f"({gathered.numel()} elements)")
-        bucket.pending = first.issuer.launch(CollectiveLaunch(
+        what = (f"coalesced refresh all-gather of {len(members)} groups ({first.name} to "
+                f"{members[-1].name}, {gathered.numel()} elements)")
+        issuer = self.issuers.issuer(first.process_group, first.device, first.collectives.impl)
+        bucket.pending = issuer.launch(CollectiveLaunch(
             Collective.ALL_GATHER, gathered, own, what=what, complete=finish,
         ), async_op)
         shared = Deferred("a refresh bucket's all-gather, then its copy-out",

@@ -47,8 +47,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .. import _registry
-
 __all__ = ["SpmdMesh", "TPFace", "tp_face_of"]
 
 _RULE = (
@@ -85,6 +83,21 @@ class TPFace:
     # SPMD faces: the data-parallel dims of the compute mesh, whose gradient placement
     # local_grad keeps as it arrives ([Note: SPMD parameters]).
     dp_dims: tuple[int, ...] = ()
+    # A plain TP-local parameter annotated by spmd_types ([Note: spmd_types parameters] in
+    # _frontend/_spmd_types.py): the module computes with the plain tensor, whose gradient
+    # arrives plain in these placements on the compute mesh (the annotation's backward type);
+    # ``compute_attrs``: its annotation attributes, which stay on the compute parameter only.
+    plain_grad_placements: tuple[Placement, ...] | None = None
+    compute_attrs: frozenset[str] = frozenset()
+
+    @property
+    def plain_compute(self) -> bool:
+        """The compute parameter is a plain tensor (spmd_types), not a DTensor."""
+        return self.plain_grad_placements is not None
+
+    def local_of(self, param: torch.Tensor) -> torch.Tensor:
+        """``param``'s TP-local tensor: itself when plain, else its DTensor's local tensor."""
+        return param if self.plain_compute else param._local_tensor  # type: ignore[attr-defined]
 
     @property
     def dp_ndim(self) -> int:
@@ -98,7 +111,10 @@ class TPFace:
 
     def compute_dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (a view of this rank's TP-local rows in a weight buffer) as the DTensor
-        the module computes with (on the TP mesh, or the SPMD mesh)."""
+        the module computes with (on the TP mesh, or the SPMD mesh); ``local``
+        itself for a plain (spmd_types) compute parameter."""
+        if self.plain_compute:
+            return local  # type: ignore[return-value]
         mesh, placements = self._compute_spec()
         return DTensor.from_local(local, mesh, placements, run_check=False,
                                   shape=self.shape, stride=self.stride)
@@ -140,9 +156,13 @@ class TPFace:
         all-reduced there); on an SPMD face's data-parallel dims the gradient's own placement
         is kept, as FSDP2 keeps it: a ``Partial()`` there is this rank's share, which the dp
         reduction then averages ([Note: SPMD parameters])."""
-        if not isinstance(grad, DTensor):
-            return grad  # user code assigned a local tensor: taken as the TP-local gradient
         mesh, placements = self._compute_spec()
+        if not isinstance(grad, DTensor):
+            if self.plain_grad_placements is None:
+                return grad  # user code assigned a local tensor: taken as the TP-local gradient
+            # spmd_types: what the plain gradient is, per the annotation's backward type.
+            grad = DTensor.from_local(grad, mesh, self.plain_grad_placements, run_check=False,
+                                      shape=self.shape, stride=self.stride)
         if self.dp_dims:
             placements = tuple(grad.placements[i] if i in self.dp_dims else p
                                for i, p in enumerate(placements))
@@ -197,20 +217,8 @@ def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh,
     except RuntimeError as error:
         raise ValueError(f"{what}, which cannot be combined with the data-parallel mesh "
                          f"{dp_mesh} ({error}). {_RULE}") from None
-    _refuse_meta(what, param)
     shape = param.shape
     return TPFace(tp_mesh, tuple(param.placements), shape, _contiguous_stride(shape), dist_mesh)
-
-
-def _refuse_meta(what: str, param: torch.Tensor) -> None:
-    # The estimator wraps meta models with storage-free buffers (see [Note: meta buffers] in
-    # _registry): there the TP-local meta shapes are all it needs.
-    if param.device.type == "meta" and not _registry.meta_buffers[0]:
-        raise NotImplementedError(
-            f"{what}, on the meta device: fully_shard composes with tensor parallelism for "
-            "materialized models; call module.to_empty(device=...) and initialize before "
-            "fully_shard"
-        )
 
 
 # [Note: SPMD parameters]
@@ -253,7 +261,6 @@ def _spmd_face(what: str, param: DTensor, dp_mesh: DeviceMesh, spmd: SpmdMesh) -
                 "distribute it Replicate() over the data-parallel dims (fully_shard shards it "
                 "there) and with its tensor-parallel placements over the others"
             )
-    _refuse_meta(what, param)
     tp_names = tuple(n for n in names if n not in spmd.dp_names)
     tp_placements = tuple(placements[names.index(n)] for n in tp_names)
     tp_mesh = (None if not tp_names

@@ -3,11 +3,8 @@ time by ``_wrap_checks.collect_managed_params``, before any buffer is built."""
 
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .. import _registry
 from .._runtime._subclass_gather import has_all_gather_extensions, values_names
@@ -73,43 +70,10 @@ def extension_refusal(param: torch.Tensor) -> str | None:
     return None
 
 
-# [Note: spmd_types parameters]
-# ``spmd_types`` (meta-pytorch/spmd_types; torchtitan's default SPMD backend) marks plain tensors
-# with a local SPMD type (the ``_local_type`` attribute its ``get_local_type`` reads): a
-# tensor-parallel parameter is then this rank's TP-local piece as a plain tensor, and only the
-# annotation says so. FSDP2 (torch 2.14) reads it and builds the DTensor; the flat buffers would
-# take the piece for the whole parameter and shard it over the data-parallel ranks as such --
-# wrong values in state dicts and checkpoints, a wrong gradient norm, wrong initialisation from a
-# full tensor -- so a parameter annotated as varying (``V``: a shard) or partial (``P``) on any
-# axis is refused until the library reads the annotations; replicated (``R``) or invariant
-# (``I``) on every axis is the whole parameter, as a plain one. Only looked at when
-# ``spmd_types`` is imported (no annotation can exist otherwise).
-_SPMD_LOCAL_TYPE_ATTR = "_local_type"
-
-
-def check_spmd_annotation(fqn: str, param: torch.Tensor) -> None:
-    """Refuse a plain parameter that carries a ``spmd_types`` local type (see [Note: spmd_types
-    parameters])."""
-    spmd = sys.modules.get("spmd_types")
-    if spmd is None or isinstance(param, DTensor):
-        return
-    local_type = getattr(param, _SPMD_LOCAL_TYPE_ATTR, None) or {}
-    whole = (spmd.R, spmd.I)
-    if any(axis_type not in whole for axis_type in local_type.values()):
-        raise NotImplementedError(
-            f"parameter '{fqn}' carries spmd_types annotations (local type {local_type}): it "
-            "may be one rank's tensor-parallel piece, which fully_shard cannot tell from a whole "
-            "parameter (it does not read spmd_types). Make tensor-parallel parameters DTensors "
-            "instead (parallelize_module; in torchtitan --parallelism.spmd_backend full_dtensor, "
-            "with fully_shard after the model is materialized), or use FSDP2 for this model"
-        )
-
-
 def check_param_class(fqn: str, param: torch.Tensor) -> None:
     """Refuse a parameter of a tensor subclass the flat buffers cannot hold, naming it, its class
-    and what to do (see [Note: tensor-subclass parameters]), and a plain parameter with
-    ``spmd_types`` annotations (see [Note: spmd_types parameters])."""
-    check_spmd_annotation(fqn, param)
+    and what to do (see [Note: tensor-subclass parameters]). (Plain parameters annotated by
+    ``spmd_types``: [Note: spmd_types parameters] in ``_spmd_types.py``.)"""
     cls = type(param)
     if _is_plain_parameter_class(cls):
         return

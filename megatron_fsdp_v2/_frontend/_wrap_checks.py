@@ -24,6 +24,7 @@ from .._dtensor._tp_params import SpmdMesh, TPFace, tp_face_of
 from .._runtime._subclass_gather import has_all_gather_extensions
 from ..api import SUPPORTED_DTYPES, MixedPrecisionPolicy, ShardingStrategy
 from ._param_classes import check_param_class
+from ._spmd_types import spmd_types_face
 
 __all__ = [
     "ManagedParam",
@@ -119,7 +120,7 @@ class ManagedParam:
     @property
     def local(self) -> torch.Tensor:
         """What the flat buffers hold: the parameter, or its TP-local tensor."""
-        return self.param._local_tensor if self.tp is not None else self.param  # type: ignore[attr-defined]
+        return self.param if self.tp is None else self.tp.local_of(self.param)
 
 
 def _is_wrapped(module: nn.Module) -> bool:
@@ -192,9 +193,12 @@ def collect_managed_params(
                     "Also wrap children before their parents: a parent's unit already manages "
                     "its children's parameters"
                 )
-            tp = tp_face_of(fqn, param, mesh, spmd)  # None for a plain tensor; raises if unusable
-            check_param_class(fqn, param if tp is None else param._local_tensor)
-            if tp is not None and has_all_gather_extensions(param._local_tensor):
+            # None for a plain tensor; raises if unusable. A plain one annotated by spmd_types
+            # is read as the DTensor it denotes ([Note: spmd_types parameters]).
+            tp = spmd_types_face(fqn, param, mesh, spmd) or tp_face_of(fqn, param, mesh, spmd)
+            local = param if tp is None else tp.local_of(param)
+            check_param_class(fqn, local)
+            if tp is not None and has_all_gather_extensions(local):
                 raise NotImplementedError(
                     f"parameter '{fqn}' is a tensor-parallel DTensor whose local tensor is a "
                     f"{type(param._local_tensor).__name__} with FSDP2 all-gather extensions: FP8 "

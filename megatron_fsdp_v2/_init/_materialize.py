@@ -147,6 +147,7 @@ def materialize(root: nn.Module) -> None:
         for _, submodule in _registry.owned_modules(module):
             owner[id(submodule)] = unit
     pending_groups = {id(g) for _, unit in units.values() for g in unit.groups if g.pending_init}
+    _refuse_tensor_parallel(units)
     pending_of: dict[int, list[tuple[str, str]]] = {}
     for module in (m for r in roots for m in r.modules()):
         if id(module) in owner:
@@ -212,6 +213,25 @@ def _pass_roots(
             units[id(module)] = (module, unit)
             roots.extend(m for m in unit.members if id(m) not in in_tree)
     return roots, units
+
+
+def _refuse_tensor_parallel(units: dict[int, tuple[nn.Module, PendingUnit]]) -> None:
+    """Tensor-parallel parameters built on meta are initialized by the user (``to_empty``, then
+    the model's init through the DTensor parameters or a checkpoint load), as with FSDP2: a
+    module's ``reset_parameters`` on a rank's TP-local piece would draw other values (and
+    another fan-in) than on the whole parameter. Refused before anything is drawn or written."""
+    for _, unit in units.values():
+        for group in unit.groups:
+            face_index = next((i for i, f in enumerate(group.tp_faces) if f is not None), None)
+            if group.pending_init and face_index is not None:
+                raise RuntimeError(
+                    f"parameter '{group.fqns[face_index]}' is tensor-parallel and was built on "
+                    "the meta device: fully_shard does not initialize tensor-parallel "
+                    "parameters itself (reset_parameters on one rank's piece would not give "
+                    "the whole parameter's values). Call model.to_empty(device=...) after "
+                    "fully_shard and initialize the model (its init through the parameters, "
+                    "or a checkpoint load), as with FSDP2; nothing was materialized"
+                )
 
 
 def _covered_modules(calls: list[InitCall]) -> set[int]:

@@ -60,8 +60,9 @@ __all__ = ["ComputeWeights", "set_compute_local"]
 def set_compute_local(record: ParamRecord, local: torch.Tensor) -> None:
     """Make ``local`` what the compute parameter computes with: its ``.data``, or for a
     tensor-parallel DTensor parameter its local tensor (the DTensor keeps its TP mesh and
-    placements; see [Note: 2-D parameters] in ``_dtensor/_tp_params.py``)."""
-    if record.tp is None:
+    placements; see [Note: 2-D parameters] in ``_dtensor/_tp_params.py``); a plain
+    spmd_types-annotated one is bound like a plain parameter."""
+    if record.tp is None or record.tp.plain_compute:
         record.compute_param.data = local
     else:
         record.compute_param._local_tensor = local  # type: ignore[attr-defined]

@@ -174,7 +174,7 @@ class FlatParamGroup(ComputeWeights):
             None if self.pending_init else self._initial_flat(params, sync_from_rank0)
         )
         self.records = [
-            ParamRecord(fqn, self, index, item, self._compute_param(param),
+            ParamRecord(fqn, self, index, item, self._compute_param(param, self.tp_faces[index]),
                         self._build_dist_param(param, index), self._local_rows(index),
                         self.tp_faces[index])
             for index, (param, fqn, item) in enumerate(zip(params, fqns, layout.items))
@@ -219,7 +219,7 @@ class FlatParamGroup(ComputeWeights):
         flat = torch.zeros(self.layout.total_numel, dtype=params[0].dtype, device=self.device)
         offsets = [item.offset for item in self.layout.items]
         # .contiguous() copies only the rare non-contiguous parameter (e.g. a strided view).
-        locals_ = [p if face is None else p._local_tensor  # type: ignore[attr-defined]
+        locals_ = [p if face is None else face.local_of(p)
                    for p, face in zip(params, self.tp_faces)]
         ops.pack_([inner_values(p).contiguous().view(-1) for p in locals_], offsets, flat)
         if sync_from_rank0:
@@ -300,14 +300,16 @@ class FlatParamGroup(ComputeWeights):
         # that moved): graphs built before must not be backwarded (FSDPState._pre_backward).
         self.views_generation = 0
 
-    def _compute_param(self, param: nn.Parameter) -> nn.Parameter:
+    def _compute_param(self, param: nn.Parameter, face: TPFace | None) -> nn.Parameter:
         """The compute parameter of ``param``: ``param`` itself, or for a meta parameter (whose
         storage cannot be replaced by one on another device) a new placeholder on the buffers'
-        device with the same attributes, which fully_shard registers in ``param``'s modules."""
+        device with the same attributes, which fully_shard registers in ``param``'s modules (a
+        DTensor in the compute placements for a tensor-parallel DTensor parameter)."""
         if param.device.type != "meta":
             return param
+        empty = torch.empty(0, dtype=param.dtype, device=self.device)
         fresh = nn.Parameter(
-            torch.empty(0, dtype=param.dtype, device=self.device),
+            empty if face is None else face.compute_dtensor(empty),
             requires_grad=param.requires_grad,
         )
         for name, value in vars(param).items():
@@ -370,8 +372,13 @@ class FlatParamGroup(ComputeWeights):
         if self.extension is not None:  # the subclass over its rows; its inner state not copied
             local = self.extension.wrap_local(index, local)
         dist_param = as_parameter(self.to_dtensor(local, index), param.requires_grad)
-        # Optimizer grouping and user code read attributes set on the original parameters.
+        # Optimizer grouping and user code read attributes set on the original parameters
+        # (not a tensor-parallel face's compute-only ones: spmd_types annotations).
+        face = self.tp_faces[index]
+        compute_only = face.compute_attrs if face is not None else frozenset()
         for name, value in vars(param).items():
+            if name in compute_only:
+                continue
             if self.extension is None or not name.startswith("_"):
                 setattr(dist_param, name, value)
         return dist_param

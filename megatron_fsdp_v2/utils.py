@@ -86,7 +86,10 @@ def _all_reduce_parts(
     total = _grad_norm.local_norm_part(replicated, p, device, foreach)
     for key, process_group in ordered:
         part = _grad_norm.local_norm_part(sharded.get(key, []), p, device, foreach)
+        if part.device.type == "cpu":  # CPU offload: host gradients; NCCL wants the device
+            part = part.to(_group_device(process_group))
         dist.all_reduce(part, op=_grad_norm.reduce_op(p), group=process_group)
+        part = part.to(device)
         total = _grad_norm.combine(total, part, p)
     return _grad_norm.finish(total, p)
 

@@ -18,7 +18,8 @@
 #                  (default_backend.py)
 #   profile        one bf16 ZeRO-3 step: communication on side streams overlapping compute,
 #                  peak memory within 15% of memory_report (profile_step.py)
-#   then the CUDA runtime tests, examples/train.py on one GPU, the kernel benchmark, HSDP when
+#   then the CUDA runtime tests, CPUOffloadPolicy's CUDA path (test_cpu_offload.py -m gpu),
+#   examples/train.py on one GPU, the kernel benchmark, HSDP when
 #   4 GPUs are visible, and last the race check under TORCH_CUDA_SANITIZER=1 (the slowest:
 #   it gets what is left of the budget, never the other steps' time).
 #
@@ -285,7 +286,13 @@ later_checks() {
   # failed steps with collectives in flight on the side streams recover (bounded event
   # waits) and then train bitwise as if they had not failed.
   pytest_step "CUDA runtime tests (pytest -m gpu tests/distributed)" 90 \
-    -m gpu tests/distributed -q -p no:cacheprovider -s
+    -m gpu tests/distributed -q -p no:cacheprovider -s \
+    --ignore=tests/distributed/test_cpu_offload.py
+  # CPUOffloadPolicy's copying path on CUDA (pinned host buffers, non-blocking H2D/D2H copies,
+  # the window's event sync) at world 1 and 2 against the run without offload; on CPU its
+  # logic is tested through a switch, this is where the CUDA side runs ([Note: host offload]).
+  pytest_step "CPUOffloadPolicy CUDA path (pytest -m gpu test_cpu_offload.py)" 60 \
+    -m gpu tests/distributed/test_cpu_offload.py -q -p no:cacheprovider -s
   # The training example as torchrun starts it (init_process_group with device_id), one GPU.
   local strategy
   for strategy in optim optim_grads_params; do

@@ -40,7 +40,8 @@ pytestmark = pytest.mark.timeout(900)  # the dry run spawns ranks; slow on a loa
 STEPS = [
     "build (TORCH_CUDA_ARCH_LIST", "build_info reports CUDA kernels", "op tests",
     "race amplifier", "host-sync audit", "2 and 3 gloo ranks", "init_process_group() without",
-    "profiled bf16 ZeRO-3 step", "CUDA runtime tests", "examples/train.py 1 GPU optim ",
+    "profiled bf16 ZeRO-3 step", "CUDA runtime tests", "CPUOffloadPolicy CUDA path",
+    "examples/train.py 1 GPU optim ",
     "examples/train.py 1 GPU optim_grads_params", "examples/train.py 1 GPU --optimizer muon",
     "bench_kernels", "HSDP 2x2 checks",
     "race check under TORCH_CUDA_SANITIZER=1",
@@ -50,7 +51,7 @@ RUNS_ON_CPU = [
     "profiled bf16 ZeRO-3 step",
 ]
 NEEDS_CUDA = [name for name in STEPS if name not in RUNS_ON_CPU]
-PYTEST_STEPS = ["op tests", "CUDA runtime tests"]
+PYTEST_STEPS = ["op tests", "CUDA runtime tests", "CPUOffloadPolicy CUDA path"]
 _ROW = re.compile(r"^(PASS|FAIL|SKIP)  (.+?) +(\d+)s  ?(.*)$")
 _PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)?)?$")
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
@@ -363,7 +364,7 @@ def test_gpu_run_builds_with_pip_and_runs_every_step_through_python3(
     assert all(call.env["PYTHONPATH"].split(os.pathsep)[0] == ROOT for call in calls)
     assert all("cpu" not in call.argv for call in calls)
     modules = [call.argv[1] for call in calls if call.argv[0] == "-m"]
-    assert modules == ["pip", "pytest", "pytest", "torch.distributed.run",
+    assert modules == ["pip", "pytest", "pytest", "pytest", "torch.distributed.run",
                        "torch.distributed.run", "torch.distributed.run"], modules
     assert calls[-1].env["TORCH_CUDA_SANITIZER"] == "1" and calls[-1].argv[0].endswith("race.py")
     assert [call for call in calls if call.env["TORCH_CUDA_SANITIZER"]] == calls[-1:]

@@ -30,7 +30,17 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from _fsdp2_api import TIMEOUT_S, Net, _batches, _loss, _net, _train, _wrap
+from _fsdp2_api import (
+    TIMEOUT_S,
+    Net,
+    _batches,
+    _gathers,
+    _loss,
+    _net,
+    _reduce_scatters,
+    _train,
+    _wrap,
+)
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -40,7 +50,10 @@ from megatron_fsdp_v2 import FSDPModule, MixedPrecisionPolicy, estimate, fully_s
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2._runtime._offload import FORCE_COPIES_ENV, OffloadConfig
+from megatron_fsdp_v2.testing import run_distributed
+from megatron_fsdp_v2.utils import clip_grad_norm_
 
+from _comm_counts import CollectiveCounts
 from _pool import RankPools
 
 pytestmark = pytest.mark.timeout(600)
@@ -468,10 +481,42 @@ def test_checkpoints_round_trip_on_the_copying_path(ranks: RankPools, tmp_path: 
 
 # ---------------------------------------------------------------------- the CUDA path (GPU set)
 
+def _cuda_train(model: nn.Module, ref: nn.Module, steps: int, micro: int) -> dict[str, Any]:
+    """``_train``'s loop with the batches on the current CUDA device, the last step clipped
+    (our clip_grad_norm_ on the host gradients, torch's on the reference)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, ref_losses, norms, counts = [], [], [], None
+    for step, parts in enumerate(_batches(steps, micro)):
+        comm = CollectiveCounts()
+        with comm if step == 1 else contextlib.nullcontext():
+            for i, (x, y) in enumerate(parts):
+                model.set_is_last_backward(i == micro - 1)  # type: ignore[operator]
+                batch = (x.cuda(), y.cuda())
+                loss = _loss(model, batch) / micro
+                loss.backward()
+                ref_loss = _loss(ref, batch) / micro
+                ref_loss.backward()
+                losses.append(loss.item())
+                ref_losses.append(ref_loss.item())
+        if step == steps - 1:
+            norms = [clip_grad_norm_(list(model.parameters()), 0.5).item(),
+                     torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item()]
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        if step == 1:
+            counts = (_gathers(comm), _reduce_scatters(comm))
+    state_devices = sorted({t.device.type for s in opt.state.values() for t in s.values()})
+    return {"losses": losses, "ref_losses": ref_losses, "norms": norms, "counts": counts,
+            "state_devices": state_devices}
+
+
 def _cuda_worker(rank: int, world: int, case: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.cuda.set_device(rank)
     mesh = init_device_mesh("cuda", (world,))
     ours_kw, _, _ = _CASES[case]
     runs: dict[str, Any] = {}
@@ -488,8 +533,9 @@ def _cuda_worker(rank: int, world: int, case: str) -> dict[str, Any]:
                 where[group.name] = (group.main_weight.device.type,
                                      group.main_weight.is_pinned(),
                                      group.model_weight.numel())
-        runs[name] = _train(model, ref, steps=3, micro=2, count_step=1)
+        runs[name] = _cuda_train(model, ref, steps=3, micro=2)
         runs[name]["params"] = [t.cpu() for t in _final_params(model)]
+        runs[name]["ref_params"] = [t.detach().cpu() for t in ref.parameters()]
         runs[name]["param_devices"] = sorted({p.to_local().device.type
                                               for p in model.parameters()})
         runs[name]["where"] = where
@@ -501,26 +547,30 @@ def _cuda_worker(rank: int, world: int, case: str) -> dict[str, Any]:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("case", ["fp32", "bf16-fp32-main"])
-def test_cuda_path_equals_no_offload(ranks: RankPools, world: int, case: str) -> None:
-    """On CUDA: main weights in pinned host memory (``pin_memory=True``; pageable with
-    ``False``), no device shard, the optimizer's parameters on the CPU, and training equal to
-    the run without offload and one process within the case's tolerance (the copies move bits,
-    but the step runs on the CPU, whose AdamW kernels may round differently from CUDA's); the
-    same collectives."""
+def test_cuda_path_equals_no_offload(world: int, case: str) -> None:
+    """On CUDA (NCCL): main weights in pinned host memory (``pin_memory=True``; pageable with
+    ``False``), no device shard, the optimizer's parameters and state on the CPU, and training
+    (the last step clipped) equal to the run without offload and to one process within the
+    case's tolerance (the copies move bits, but the step runs on the CPU, whose AdamW kernels
+    may round differently from CUDA's); the same collectives."""
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices")
     tol = _CASES[case][2]
-    for rank, runs in enumerate(ranks.run(_cuda_worker, world, case, timeout_s=TIMEOUT_S)):
+    results = run_distributed(_cuda_worker, world, case, backend="nccl", timeout_s=TIMEOUT_S)
+    for rank, runs in enumerate(results):
         plain = runs["plain"]
         for name, pinned in (("offload", True), ("unpinned", False)):
             run = runs[name]
             assert run["param_devices"] == ["cpu"], (rank, name, run["param_devices"])
+            assert run["state_devices"] == ["cpu"], (rank, name, run["state_devices"])
             assert all(w == ("cpu", pinned, 0) for w in run["where"].values()), (
                 rank, name, run["where"])
             assert run["offloaded"] > 0, (rank, name)
             assert run["counts"] == plain["counts"], (rank, name, run["counts"], plain["counts"])
             torch.testing.assert_close(run["losses"], plain["losses"], rtol=tol, atol=1e-6)
             torch.testing.assert_close(run["losses"], run["ref_losses"], rtol=tol, atol=1e-6)
+            torch.testing.assert_close(run["norms"][0], plain["norms"][0], rtol=tol, atol=1e-6)
+            torch.testing.assert_close(run["norms"][0], run["norms"][1], rtol=tol, atol=1e-6)
             for got, want in zip(run["params"], plain["params"]):
                 torch.testing.assert_close(got, want, rtol=tol, atol=1e-6)
         assert plain["param_devices"] == ["cuda"], (rank, plain["param_devices"])

@@ -23,30 +23,15 @@ from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import record_of, state_of
 
 from _comm_counts import CollectiveCounts
+
+# The tests' model (inp -> Linear+Tanh blocks -> out), imported from here as ``Net``.
+from _models import LinearTanhStack as Net
 from _models import shard_rows
 
 TIMEOUT_S = 240  # per case, generous: the CPUs are shared
 
 
 # ---------------------------------------------------------------------- model and helpers
-
-class Net(nn.Module):
-    """An input layer, ``layers`` blocks (each wrapped as a unit) and an output layer (root)."""
-
-    def __init__(self, dim: int = 8, layers: int = 3) -> None:
-        super().__init__()
-        self.inp = nn.Linear(5, dim)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(layers)
-        )
-        self.out = nn.Linear(dim, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h)
-
 
 def _net(seed: int = 0) -> tuple[Net, Net]:
     torch.manual_seed(seed)

@@ -109,6 +109,163 @@ class ThinMLP(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+class MLPBlock(nn.Module):
+    """Residual MLP block ``x + fc2(tanh(fc1(x)))``; ``hidden`` (default ``2 * dim + 1``) odd,
+    so shards are uneven.
+
+    ``checkpoint="inner"``: activation checkpoint inside forward (bypasses the unit's forward
+    hooks on recompute), reentrant or not by ``reentrant``. ``unused``: a Linear forward never
+    calls. ``extra``: a Linear used only while ``self.use_extra`` is true. Parameters are
+    created in the order fc1, fc2, unused, extra (the initialisation draws follow it)."""
+
+    def __init__(self, dim: int, *, hidden: int | None = None, checkpoint: str | None = None,
+                 reentrant: bool = True, unused: bool = False, extra: bool = False) -> None:
+        super().__init__()
+        width = 2 * dim + 1 if hidden is None else hidden
+        self.fc1 = nn.Linear(dim, width)
+        self.fc2 = nn.Linear(width, dim)
+        self.inner_checkpoint = checkpoint == "inner"
+        self.reentrant = reentrant
+        if unused:
+            self.unused = nn.Linear(dim, dim)
+        self.use_extra = extra
+        if extra:
+            self.extra = nn.Linear(dim, dim)
+
+    def _body(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.fc2(torch.tanh(self.fc1(x)))
+        if self.use_extra:
+            h = h + torch.tanh(self.extra(h))
+        return h
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.inner_checkpoint and torch.is_grad_enabled():
+            return checkpoint(self._body, x, use_reentrant=self.reentrant)
+        return self._body(x)
+
+
+class MLPStack(nn.Module):
+    """inp -> blocks (:class:`MLPBlock`, each a unit when wrapped) -> [frozen] -> head; the root
+    unit owns inp, frozen and head.
+
+    ``inp_tanh``: tanh after inp. ``checkpoint``: "outer" (around each block call, so the
+    recompute runs the block's forward hooks) or "inner" (inside each block's forward),
+    reentrant or not by ``reentrant``. ``unused`` / ``extra``: block 0's unused / extra Linear
+    (see :class:`MLPBlock`). ``frozen``: a Linear without gradients before the head. Control
+    flow set per step: ``skip`` (block indices forward leaves out), ``twice`` (blocks called
+    twice: one unit, two forward calls), ``discard`` (blocks whose output is dropped: no
+    backward reaches them)."""
+
+    DIN, DIM, DOUT = 5, 6, 3
+
+    def __init__(self, layers: int = 2, dim: int = DIM, *, inp_tanh: bool = True,
+                 checkpoint: str | None = None, reentrant: bool = True, unused: bool = False,
+                 extra: bool = False, frozen: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(self.DIN, dim)
+        self.blocks = nn.ModuleList(
+            MLPBlock(dim, checkpoint=checkpoint, reentrant=reentrant, unused=unused and i == 0,
+                     extra=extra and i == 0)
+            for i in range(layers)
+        )
+        if frozen:
+            self.frozen = nn.Linear(dim, dim)
+            for p in self.frozen.parameters():
+                p.requires_grad_(False)
+        self.head = nn.Linear(dim, self.DOUT)
+        self.inp_tanh = inp_tanh
+        self.outer_checkpoint = checkpoint == "outer"
+        self.reentrant = reentrant
+        self.skip: set[int] = set()
+        self.twice: set[int] = set()
+        self.discard: set[int] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        if self.inp_tanh:
+            h = torch.tanh(h)
+        for i, block in enumerate(self.blocks):
+            if i in self.skip:
+                continue
+            for _ in range(2 if i in self.twice else 1):
+                if self.outer_checkpoint and torch.is_grad_enabled():
+                    out = checkpoint(block, h, use_reentrant=self.reentrant)
+                else:
+                    out = block(h)
+                h = h if i in self.discard else out
+        if hasattr(self, "frozen"):
+            h = h + torch.tanh(self.frozen(h))
+        return self.head(h)
+
+
+class TanhResidual(nn.Module):
+    """``h + tanh(ff(h))``: the smallest residual block (one Linear)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.ff = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.ff(h))
+
+
+class SharedLayerNet(nn.Module):
+    """inp -> block (an :class:`MLPBlock` of hidden width 7 with an unused Linear: uneven
+    shards, a 3-element bias that leaves ranks of world 3 empty-handed) -> shared (one unit,
+    called twice) -> head; the root owns inp and head. ``ckpt``: None, "reentrant" or
+    "non_reentrant" checkpointing inside the block."""
+
+    def __init__(self, ckpt: str | None = None) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 3)
+        self.block = MLPBlock(3, hidden=7, checkpoint=None if ckpt is None else "inner",
+                              reentrant=ckpt == "reentrant", unused=True)
+        self.shared = nn.Linear(3, 3)
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(torch.tanh(self.inp(x)))
+        h = self.shared(torch.tanh(self.shared(h)))
+        return self.head(h)
+
+
+class LinearTanhStack(nn.Module):
+    """An input layer, ``layers`` blocks ``Sequential(Linear, Tanh)`` (each wrapped as a unit)
+    and an output layer (root)."""
+
+    def __init__(self, dim: int = 8, layers: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, dim), nn.Tanh()) for _ in range(layers)
+        )
+        self.out = nn.Linear(dim, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+class UnusedRootNet(nn.Module):
+    """inp -> block (a unit) -> head; the root owns inp and head (and ``unused``, a parameter no
+    rank uses, when asked for)."""
+
+    def __init__(self, unused: bool) -> None:
+        super().__init__()
+        # 16 inputs: at world 2 both ranks hold rows of inp.weight (the write variants of
+        # test_host_syncs write into it on every rank; see [Note: gradients known without a
+        # host read]).
+        self.inp = nn.Linear(16, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 3)
+        self.unused = nn.Linear(8, 8) if unused else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.block(self.inp(x))))
+
+
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))

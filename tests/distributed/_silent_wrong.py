@@ -21,11 +21,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import record_of
 
+# The cases' model (inp -> residual MLP blocks -> head), imported from here as ``Net``.
+from _models import MLPStack as Net
 from _models import (
     all_ranks_ok,
     assert_close_to_reference,
@@ -42,74 +43,6 @@ _BASE_TIMEOUT_S = 30.0
 _variant_timeout_s = _BASE_TIMEOUT_S  # set per variant by _run_cases
 
 Variant = tuple[str, Callable[[], None]]
-
-
-# ------------------------------------------------------------------------------------------ models
-
-class MLPBlock(nn.Module):
-    """Residual MLP block (odd hidden width, so shards are uneven).
-
-    ``checkpoint="inner"``: reentrant activation checkpoint inside forward (bypasses the unit's
-    forward hooks on recompute). ``unused``: a Linear forward never calls. ``extra``: a Linear
-    used only while ``self.use_extra`` is true."""
-
-    def __init__(self, dim: int, *, checkpoint: str | None = None, unused: bool = False,
-                 extra: bool = False) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, 2 * dim + 1)
-        self.fc2 = nn.Linear(2 * dim + 1, dim)
-        self.inner_checkpoint = checkpoint == "inner"
-        if unused:
-            self.unused = nn.Linear(dim, dim)
-        self.use_extra = extra
-        if extra:
-            self.extra = nn.Linear(dim, dim)
-
-    def _body(self, x: torch.Tensor) -> torch.Tensor:
-        h = x + self.fc2(torch.tanh(self.fc1(x)))
-        if self.use_extra:
-            h = h + torch.tanh(self.extra(h))
-        return h
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.inner_checkpoint and torch.is_grad_enabled():
-            return checkpoint(self._body, x, use_reentrant=True)
-        return self._body(x)
-
-
-class Net(nn.Module):
-    """inp -> blocks (each a nested unit) -> [frozen] -> head; the root unit owns inp, frozen and
-    head. ``checkpoint="outer"``: reentrant checkpoint around each block call (the recompute runs
-    the block's forward hooks)."""
-
-    DIN, DIM, DOUT = 5, 6, 3
-
-    def __init__(self, layers: int = 2, checkpoint: str | None = None, unused: bool = False,
-                 extra: bool = False, frozen: bool = False) -> None:
-        super().__init__()
-        self.inp = nn.Linear(self.DIN, self.DIM)
-        self.blocks = nn.ModuleList(
-            MLPBlock(self.DIM, checkpoint=checkpoint, unused=unused and i == 0,
-                     extra=extra and i == 0)
-            for i in range(layers)
-        )
-        if frozen:
-            self.frozen = nn.Linear(self.DIM, self.DIM)
-            for p in self.frozen.parameters():
-                p.requires_grad_(False)
-        self.head = nn.Linear(self.DIM, self.DOUT)
-        self.outer_checkpoint = checkpoint == "outer"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.inp(x))
-        for block in self.blocks:
-            if self.outer_checkpoint and torch.is_grad_enabled():
-                h = checkpoint(block, h, use_reentrant=True)
-            else:
-                h = block(h)
-        if hasattr(self, "frozen"):
-            h = h + torch.tanh(self.frozen(h))
-        return self.head(h)
 
 
 # ----------------------------------------------------------------------------------------- helpers

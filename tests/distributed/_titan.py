@@ -20,16 +20,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from _models import TanhResidual
+
 VOCAB, DIM, SEQ, BATCH = 11, 4, 5, 2
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ff = nn.Linear(DIM, DIM)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + torch.tanh(self.ff(h))
 
 
 class Decoder(nn.Module):
@@ -39,7 +32,7 @@ class Decoder(nn.Module):
     def __init__(self, layers: int = 2) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(layers))
+        self.layers = nn.ModuleList(TanhResidual(DIM) for _ in range(layers))
         self.norm = nn.LayerNorm(DIM)
         self.output = nn.Linear(DIM, VOCAB, bias=False)
 

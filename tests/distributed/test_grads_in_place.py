@@ -26,13 +26,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
 import megatron_fsdp_v2._runtime._grads as grads_module
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2._registry import record_of, state_of
 
-from _models import agree, local_detached, shard_rows
+from _models import SharedLayerNet, agree, local_detached, shard_rows
 from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -43,43 +42,7 @@ PER_RANK = 2
 STEPS = 2
 
 
-class Block(nn.Module):
-    """Odd widths (uneven shards, a 3-element bias that leaves ranks of world 3 empty-handed),
-    a parameter nothing uses, optional activation checkpointing of the body."""
-
-    def __init__(self, dim: int, ckpt: str | None = None) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, 7)
-        self.fc2 = nn.Linear(7, dim)
-        self.unused = nn.Linear(dim, dim)
-        self.ckpt = ckpt
-
-    def _body(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.ckpt is not None and torch.is_grad_enabled():
-            return checkpoint(self._body, x, use_reentrant=self.ckpt == "reentrant")
-        return self._body(x)
-
-
-class Net(nn.Module):
-    """inp -> block -> shared (one unit, called twice) -> head; the root owns inp and head."""
-
-    def __init__(self, ckpt: str | None = None) -> None:
-        super().__init__()
-        self.inp = nn.Linear(5, 3)
-        self.block = Block(3, ckpt)
-        self.shared = nn.Linear(3, 3)
-        self.head = nn.Linear(3, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.block(torch.tanh(self.inp(x)))
-        h = self.shared(torch.tanh(self.shared(h)))
-        return self.head(h)
-
-
-def _wrap(model: Net, strategy: str, mp: str) -> Net:
+def _wrap(model: SharedLayerNet, strategy: str, mp: str) -> SharedLayerNet:
     policy = {
         "fp32": None,
         "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16),
@@ -178,7 +141,7 @@ def _case(rank: int, world: int, strategy: str, mp: str, micro: int, variant: st
     optimizer clears with ``zero_grad(set_to_none=False)``: the next window finds zeroed
     gradients and accumulates on them in place, on the one-collective path)."""
     torch.manual_seed(0)
-    base = Net(ckpt)
+    base = SharedLayerNet(ckpt)
     ref = copy.deepcopy(base)
     ours = _wrap(copy.deepcopy(base), strategy, mp)
     staged = _wrap(copy.deepcopy(base), strategy, mp)
@@ -309,7 +272,7 @@ def _where_grads_live(rank: int, world: int, strategy: str) -> list[tuple[str, s
     (``main_grad`` on the accumulate path, the unit's ``staged_grad`` scratch buffer on the
     reduce-each path) or elsewhere (autograd's own tensor, staged at the post-backward)."""
     torch.manual_seed(0)
-    model = _wrap(Net(), strategy, "fp32")
+    model = _wrap(SharedLayerNet(), strategy, "fp32")
     seen: list[tuple[str, str]] = []
 
     def hook_for(group: Any) -> Callable[[torch.Tensor], None]:

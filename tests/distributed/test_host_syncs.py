@@ -27,6 +27,7 @@ import megatron_fsdp_v2
 from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import state_of
 
+from _models import UnusedRootNet
 from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -86,23 +87,6 @@ def counting_value_reads() -> Iterator[list[str]]:
             setattr(torch.Tensor, name, original)
 
 
-class Net(nn.Module):
-    """inp -> block (a unit) -> head; the root owns inp and head (and ``unused``, a parameter no
-    rank uses, when asked for)."""
-
-    def __init__(self, unused: bool) -> None:
-        super().__init__()
-        # 16 inputs: at world 2 both ranks hold rows of inp.weight (the write variants write
-        # into it on every rank; see [Note: gradients known without a host read]).
-        self.inp = nn.Linear(16, 8)
-        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
-        self.head = nn.Linear(8, 3)
-        self.unused = nn.Linear(8, 8) if unused else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.block(self.inp(x))))
-
-
 STEPS = 4
 SETUP_STEPS = 2  # lazy init, the first install, the first zero_grad of what was installed
 MICRO = 2
@@ -138,7 +122,7 @@ def _train(rank: int, world: int, strategy: str, variant: str, unused: bool
     collectives issued, the mismatches against torch, and whether a group set installed
     gradients aside (a ``window_carry`` scratch buffer)."""
     torch.manual_seed(0)
-    model = Net(unused)
+    model = UnusedRootNet(unused)
     ref = copy.deepcopy(model)
     fully_shard(model.block, sharding_strategy=strategy)
     fully_shard(model, sharding_strategy=strategy)
@@ -255,7 +239,7 @@ def _backward_to_inputs(rank: int, world: int, strategy: str) -> list[str]:
     to the input only (every unit's pre-backward runs, no parameter receives a gradient), then
     a normal step. Returns the gradients and parameters that differ from torch's."""
     torch.manual_seed(0)
-    model = Net(False)
+    model = UnusedRootNet(False)
     ref = copy.deepcopy(model)
     fully_shard(model.block, sharding_strategy=strategy)
     fully_shard(model, sharding_strategy=strategy)

@@ -23,16 +23,15 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard, memory_report
 from megatron_fsdp_v2._comm import _collectives
 from megatron_fsdp_v2._registry import state_of
 
+from _models import MLPStack
 from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -41,45 +40,18 @@ WARMUP = 3  # steps that may record and plan (an alternating trace needs two of 
 TIMEOUT_S = 240.0
 
 
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, 2 * dim + 1)  # odd widths: uneven, sometimes empty shards
-        self.fc2 = nn.Linear(2 * dim + 1, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
-class Stack(nn.Module):
-    """inp -> blocks (each a unit) -> head (the root unit owns inp and head). ``skip``: indices
-    of blocks forward leaves out; ``ckpt``: non-reentrant checkpoint around each block call."""
-
-    def __init__(self, layers: int = 4, dim: int = 6, ckpt: bool = False) -> None:
-        super().__init__()
-        self.inp = nn.Linear(5, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
-        self.head = nn.Linear(dim, 3)
-        self.ckpt = ckpt
-        self.skip: set[int] = set()
-        self.twice: set[int] = set()  # blocks called twice (one unit, two forward calls)
-        self.discard: set[int] = set()  # blocks whose output is dropped (no backward for them)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for i, block in enumerate(self.blocks):
-            if i in self.skip:
-                continue
-            for _ in range(2 if i in self.twice else 1):
-                out = checkpoint(block, h, use_reentrant=False) if self.ckpt else block(h)
-                h = h if i in self.discard else out
-        return self.head(h)
+def _stack(ckpt: bool = False) -> MLPStack:
+    """inp -> 4 residual MLP blocks (odd widths: uneven, sometimes empty shards; each a unit) ->
+    head (the root unit owns inp and head); ``ckpt``: non-reentrant checkpoint around each block
+    call. A step sets ``skip`` / ``twice`` / ``discard`` (see :class:`MLPStack`)."""
+    return MLPStack(layers=4, inp_tanh=False, checkpoint="outer" if ckpt else None,
+                    reentrant=False)
 
 
 def _wrap(world: int, pool: bool, strategy: str, mp: str, outer: str | None,
-          ckpt: bool, **extra: Any) -> Stack:
+          ckpt: bool, **extra: Any) -> MLPStack:
     torch.manual_seed(0)
-    model = Stack(ckpt=ckpt)
+    model = _stack(ckpt=ckpt)
     kwargs: dict[str, Any] = dict(sharding_strategy=strategy, timeout=60.0,
                                   enable_trace_pool=pool, **extra)
     if mp == "bf16":
@@ -268,10 +240,10 @@ def test_trace_pool_matches_storage_freeing(ranks: RankPools, name: str, world: 
 def _errors(rank: int, world: int) -> list[str]:
     seen = []
     try:
-        fully_shard(Stack(), enable_trace_pool=1)  # type: ignore[arg-type]
+        fully_shard(_stack(), enable_trace_pool=1)  # type: ignore[arg-type]
     except TypeError as e:
         seen.append(f"TypeError: {e}")
-    mixed = Stack()
+    mixed = _stack()
     for block in mixed.blocks:
         fully_shard(block, enable_trace_pool=True, timeout=60.0)
     fully_shard(mixed, timeout=60.0)

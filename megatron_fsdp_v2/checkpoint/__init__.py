@@ -283,20 +283,20 @@ def save(
     # DCP's coordination group: the caller's, else the units' group if it covers the job
     # (see [Note: checkpoint collectives] in _process_group.py).
     _process_group.widest_unit(model)  # the layout checks, also with a caller's process_group
-    group = _process_group.dcp_process_group(model, process_group)
+    process_group = _process_group.dcp_process_group(model, process_group)
     root = local_dir(checkpoint_id, storage_writer)
     # Before anything is built or written: every rank names the same checkpoint, and the
     # registered experts' global names fit together.
-    _process_group.check_same_path(root if root is not None else checkpoint_id, group,
-                           "checkpoint.save", ExpertNames(model))
+    _process_group.check_same_path(root if root is not None else checkpoint_id, process_group,
+                                   "checkpoint.save", ExpertNames(model))
     if root is not None:
         return atomic_save(lambda: _build_state(model, optimizers, extra), root, storage_writer,
-                           group, checksums)
+                           process_group, checksums)
     state = _build_state(model, optimizers, extra)
     with _process_group.no_checkpoint_exception(f"checkpoint.save to {checkpoint_id!r}"):
         return dcp.save(
             state, checkpoint_id=checkpoint_id, storage_writer=storage_writer,
-            process_group=group,
+            process_group=process_group,
         )
 
 
@@ -335,11 +335,11 @@ def load(
     the checks, DCP and the agreement use the same group as :func:`save`.
     """
     _process_group.widest_unit(model)  # as in save
-    group = _process_group.dcp_process_group(model, process_group)
+    process_group = _process_group.dcp_process_group(model, process_group)
     root = local_dir(checkpoint_id, storage_reader)
     experts = ExpertNames(model)
-    held = _process_group.check_same_path(root if root is not None else checkpoint_id, group,
-                                  "checkpoint.load", experts)
+    held = _process_group.check_same_path(root if root is not None else checkpoint_id,
+                                          process_group, "checkpoint.load", experts)
     if storage_reader is None:
         if checkpoint_id is None:
             raise ValueError("load needs a checkpoint_id or a storage_reader")
@@ -348,15 +348,15 @@ def load(
     state = _build_state(model, optimizers, extra)
     elsewhere = experts.held_elsewhere(held, MODEL_KEY)
     if root is None:
-        _load_into(state, storage_reader, checkpoint_id, None, None, group, strict, extra,
+        _load_into(state, storage_reader, checkpoint_id, None, None, process_group, strict, extra,
                    checksums=False, elsewhere=elsewhere)
     else:
         # Every read goes through one opened directory: a save that commits to this path
         # meanwhile cannot make this load read some files of each checkpoint.
         with pinned_directory(root) as pinned:
             try:
-                _load_into(state, storage_reader, pinned, root, pinned, group, strict, extra,
-                           checksums, elsewhere=elsewhere)
+                _load_into(state, storage_reader, pinned, root, pinned, process_group, strict,
+                           extra, checksums, elsewhere=elsewhere)
             finally:
                 storage_reader.reset(root)  # the caller's reader points at the checkpoint again
     set_state_dict(
@@ -369,7 +369,7 @@ def load(
 
 def _load_into(
     state: dict[str, Any], storage_reader: Any, read_id: Any, root: Any, pinned: Any,
-    group: dist.ProcessGroup | None, strict: bool, extra: dict[str, Any], checksums: bool,
+    process_group: dist.ProcessGroup | None, strict: bool, extra: dict[str, Any], checksums: bool,
     elsewhere: Callable[[str], bool] | None = None,
 ) -> None:
     """``load``'s checks and ``dcp.load`` from ``read_id`` (a local checkpoint's pinned path,
@@ -391,10 +391,10 @@ def _load_into(
         error = check_against_metadata(state, metadata, strict=strict, extra=extra,
                                        elsewhere=elsewhere)
         if error is None and checksums:
-            error = verify_checksums(root, metadata, group, read_from=pinned)
+            error = verify_checksums(root, metadata, process_group, read_from=pinned)
     # One agreement: the first rank's error, else whether every rank opened the same save (a
     # commit between two ranks' opens would make them read different ones).
-    found = _process_group.all_gather((error, save_id), group)
+    found = _process_group.all_gather((error, save_id), process_group)
     error = next((e for e, _ in found if e is not None), None)
     if error is None and root is not None and any(i != found[0][1] for _, i in found):
         error = (f"checkpoint '{root}' was replaced by another save while this load opened "
@@ -407,12 +407,13 @@ def _load_into(
     staged = staging_copy(state, complete=strict)
     try:
         dcp.load(staged, checkpoint_id=read_id, storage_reader=storage_reader,
-                 process_group=group,
+                 process_group=process_group,
                  planner=dcp.DefaultLoadPlanner(allow_partial_load=not strict))
     except CheckpointException as exc:  # raised on every rank alike: the diagnosis is agreed
-        damage = (find_unreadable_item(root, metadata, group, read_from=pinned)
+        damage = (find_unreadable_item(root, metadata, process_group, read_from=pinned)
                   if root is not None else None)
-        damage = next((d for d in _process_group.all_gather(damage, group) if d is not None), None)
+        damage = next((d for d in _process_group.all_gather(damage, process_group)
+                       if d is not None), None)
         raise RuntimeError(
             f"checkpoint.load of {str(shown)!r} failed, nothing was loaded (the model and "
             f"optimizers are unchanged): {damage + '; ' if damage else ''}"
@@ -448,15 +449,15 @@ def get_full_state_dict(
     # Every rank of each gather's group must be here: name the one that is not, instead of
     # waiting in the transport (see [Note: arrival check]).
     await_every_rank("checkpoint.get_full_state_dict", _first_unit_group(model))
-    group = _process_group.model_process_group(model, experts=True)
-    keep = not rank0_only or _process_group.rank_and_size(group)[0] == 0
+    process_group = _process_group.model_process_group(model, experts=True)
+    keep = not rank0_only or _process_group.rank_and_size(process_group)[0] == 0
     experts = ExpertNames(model)
     if not experts:
         return _full.full_state_dict(model, keep=keep, cpu_offload=cpu_offload)
     leader = experts.leads()
     full = _full.full_state_dict(model, keep=keep or leader, cpu_offload=cpu_offload)
     return _full.with_all_experts(full, experts, keep=keep, leader=leader,
-                                  process_group=group, to_all=not rank0_only)
+                                  process_group=process_group, to_all=not rank0_only)
 
 
 def _first_unit_group(model: nn.Module) -> dist.ProcessGroup | None:
@@ -500,9 +501,9 @@ def load_full_state_dict(
     is broadcast.
     """
     expected = expected_entries(model)
-    group = _process_group.model_process_group(model, experts=True)
+    process_group = _process_group.model_process_group(model, experts=True)
     experts = ExpertNames(model)
-    rank, size = _process_group.rank_and_size(group)
+    rank, size = _process_group.rank_and_size(process_group)
     distributed = size > 1
     is_source = not broadcast_from_rank0 or not distributed or rank == 0
     error: str | None = None
@@ -517,10 +518,10 @@ def load_full_state_dict(
                 for k, v in experts.model_to_local(full_state_dict).items()
             }
             error = first_mismatch(expected, found, strict=strict)
-    _process_group.raise_if_any_rank(error, group)
+    _process_group.raise_if_any_rank(error, process_group)
     if broadcast_from_rank0 and distributed:
         full_state_dict = _full.broadcast_rows(
-            model, full_state_dict, group, rename=experts.to_local if experts else None,
+            model, full_state_dict, process_group, rename=experts.to_local if experts else None,
             # rank 0 checked its own experts only: every rank checks its own from the header
             check=(lambda found: first_mismatch(expected, found, strict=strict))
             if experts else None)

@@ -30,8 +30,8 @@ if TYPE_CHECKING:
     from ._runtime._state import FSDPState
 
 __all__ = [
-    "group_of", "owned_modules", "record_of", "register_records", "reset", "set_state", "state_of",
-    "unit_states",
+    "group_of", "managed_dist_params", "owned_modules", "record_of", "register_records", "reset",
+    "set_state", "state_of", "unit_states",
 ]
 
 _states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # nn.Module -> FSDPState
@@ -135,6 +135,16 @@ def record_of(param: torch.Tensor) -> ParamRecord | None:
         return _records.get(param)
     except TypeError:  # not weak-referenceable (e.g. a plain Python number)
         return None
+
+
+def managed_dist_params(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Every name (tied parameters under each of theirs) of a DTensor parameter managed by a
+    unit, relative to ``module``. Outside forward/backward, where the DTensors are registered."""
+    return {
+        name: param
+        for name, param in module.named_parameters(remove_duplicate=False)
+        if record_of(param) is not None
+    }
 
 
 def group_of(param: torch.Tensor) -> FlatParamGroup | None:

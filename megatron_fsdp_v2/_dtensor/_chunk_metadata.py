@@ -53,15 +53,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Shard
 
-from .._buffers._plan import Extent
-
 if TYPE_CHECKING:
-    from .._runtime._flat_param_group import FlatParamGroup
+    from ._row_layout import RowLayout
 
 __all__ = [
     "ROWS_ATTR",
     "attach_chunk_metadata",
-    "is_row_sharded",
     "make_picklable",
     "mark_rows",
     "mark_unsupported",
@@ -230,20 +227,11 @@ def strip_metadata(tensors: Any) -> None:
                     delattr(target, attr)
 
 
-def is_row_sharded(group: FlatParamGroup) -> bool:
-    """Whether ``group``'s optimizer-facing DTensors hold rows of their own on each rank."""
-    # SHARD (1-D, HSDP outer no_shard) or SUB_SHARD (HSDP outer optim).
-    return group.plan.optimizer_placement is not Extent.FULL
-
-
-def row_mismatch(value: DTensor, group: FlatParamGroup, index: int, key: str) -> str | None:
-    """Why ``value`` does not follow the row sharding of parameter ``index``, or None."""
-    face = group.tp_faces[index]
-    shape = group.layout.items[index].shape if face is None else face.shape
-    placements = (
-        tuple(group._placements) if face is None else face.dist_placements(group._placements)
-    )
-    lo, hi = group.local_row_range(index)
+def row_mismatch(value: DTensor, layout: RowLayout, key: str) -> str | None:
+    """Why ``value`` does not follow the row sharding of the parameter laid out as ``layout``,
+    or None."""
+    shape, placements = layout.shape, layout.placements
+    lo, hi = layout.rows
     local = value._local_tensor
     if (
         tuple(value.placements) != placements
@@ -262,20 +250,20 @@ def row_mismatch(value: DTensor, group: FlatParamGroup, index: int, key: str) ->
     return None
 
 
-def attach_chunk_metadata(value: DTensor, group: FlatParamGroup, index: int, key: str) -> None:
-    """Give ``value`` (a ``Shard(0)`` DTensor shaped like parameter ``index`` of ``group`` in its
-    first dimension) chunk metadata at this rank's true row offset. No-op for ``Replicate()``."""
-    if not is_row_sharded(group) or not any(isinstance(p, Shard) for p in value.placements):
+def attach_chunk_metadata(value: DTensor, layout: RowLayout, key: str) -> None:
+    """Give ``value`` (a ``Shard(0)`` DTensor shaped like the parameter laid out as ``layout`` in
+    its first dimension) chunk metadata at this rank's true row offset. No-op for
+    ``Replicate()``."""
+    if not layout.row_sharded or not any(isinstance(p, Shard) for p in value.placements):
         return
-    error = row_mismatch(value, group, index, key)
+    error = row_mismatch(value, layout, key)
     if error is not None:
         raise ValueError(error)
-    lo, hi = group.local_row_range(index)
+    lo, hi = layout.rows
     local = value._local_tensor
     offsets = (lo,) + (0,) * (value.dim() - 1)
-    face = group.tp_faces[index]
-    if face is not None:  # rows of the TP-local tensor, which sits at TP's own offsets
-        offsets = tuple(a + b for a, b in zip(offsets, face.tp_offsets()))
+    if layout.tp_offsets is not None:  # rows of the TP-local tensor, at TP's own offsets
+        offsets = tuple(a + b for a, b in zip(offsets, layout.tp_offsets))
     sizes = tuple(local.shape)
     _mark(
         local,

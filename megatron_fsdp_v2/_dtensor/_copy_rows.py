@@ -9,10 +9,9 @@ from typing import Any, cast
 
 from torch.distributed.tensor import Replicate, Shard
 
-from .. import _registry
 from ._chunk_metadata import ROWS_ATTR
 from ._uneven_gather import ALTERNATIVE, gather_sizes, is_shard_like
-from ._uneven_meshes import mesh_kind
+from ._uneven_meshes import any_mesh_registered, mesh_kind
 
 __all__ = ["copy_rows"]
 
@@ -62,7 +61,7 @@ def _copy_needs_check(dst: Any, src: Any) -> tuple[int, int] | None:
     mesh with the same placements; None when there is nothing to check."""
     from torch.distributed.tensor import DTensor
 
-    if not (isinstance(dst, DTensor) and isinstance(src, DTensor)) or not _registry.uneven_meshes:
+    if not (isinstance(dst, DTensor) and isinstance(src, DTensor)) or not any_mesh_registered():
         return None
     mesh = dst.device_mesh
     if src.device_mesh != mesh or src.placements != dst.placements or dst.shape != src.shape:

@@ -2,52 +2,34 @@
 parameter (``local_row_range``, not ``torch.chunk``), which rows an incoming state-dict DTensor
 holds, and the conversion of a state-dict entry into the parameter's exact layout for
 ``load_state_dict`` (no communication; see [Note: uneven shards in state dicts] in
-``_chunk_metadata.py``). Also the lookups from a managed parameter to its group and index.
+``_chunk_metadata.py``). Each function takes the parameter's :class:`RowLayout`
+(``ParamRecord.row_layout``) from its caller.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from .. import _registry
-from ._chunk_metadata import ROWS_ATTR, is_row_sharded, mark_rows
+from ._chunk_metadata import ROWS_ATTR, mark_rows
+from ._row_layout import RowLayout
 
-if TYPE_CHECKING:
-    from .._runtime._flat_param_group import FlatParamGroup
-
-__all__ = ["convert_for_load", "managed_dist_params", "local_rows_dtensor", "flat_position"]
+__all__ = ["convert_for_load", "local_rows_dtensor"]
 
 
-def flat_position(param: nn.Parameter) -> tuple[FlatParamGroup, int]:
-    """The flat group and index behind a managed DTensor parameter."""
-    record = _registry.record_of(param)
-    assert record is not None
-    return record.group, record.index
-
-
-def managed_dist_params(module: nn.Module) -> dict[str, nn.Parameter]:
-    """Every name (tied parameters under each of theirs) of a DTensor parameter managed by a
-    unit, relative to ``module``. Outside forward/backward, where the DTensors are registered."""
-    return {
-        name: param
-        for name, param in module.named_parameters(remove_duplicate=False)
-        if _registry.record_of(param) is not None
-    }
-
-
-def local_rows_dtensor(param: nn.Parameter, full: torch.Tensor, copy: bool = False) -> DTensor:
-    """This rank's part of ``full`` (a whole, unsharded tensor shaped like ``param``) as a DTensor
-    with ``param``'s placements and layout, ready for ``param.copy_``; ``copy``: own its rows
-    instead of viewing ``full``."""
-    group, index = flat_position(param)
+def local_rows_dtensor(
+    param: nn.Parameter, layout: RowLayout, full: torch.Tensor, copy: bool = False
+) -> DTensor:
+    """This rank's part of ``full`` (a whole, unsharded tensor shaped like ``param``, laid out as
+    ``layout``) as a DTensor with ``param``'s placements and layout, ready for ``param.copy_``;
+    ``copy``: own its rows instead of viewing ``full``."""
     dparam: DTensor = param  # type: ignore[assignment]
     local = dparam._local_tensor
-    if is_row_sharded(group):
-        lo, hi = group.local_row_range(index)
+    if layout.row_sharded:
+        lo, hi = layout.rows
         rows = full[lo:hi]
     else:
         lo, hi = 0, full.shape[0]
@@ -80,13 +62,12 @@ def _carries_rows(value: DTensor) -> bool:
     return hasattr(value._local_tensor, ROWS_ATTR) or ROWS_ATTR in value.__dict__
 
 
-def convert_for_load(key: str, param: nn.Parameter, value: Any) -> Any:
+def convert_for_load(key: str, param: nn.Parameter, layout: RowLayout, value: Any) -> Any:
     """Turn a full tensor, or a DTensor laid out differently but convertible without
-    communication, into a DTensor with ``param``'s exact layout."""
-    group, index = flat_position(param)
+    communication, into a DTensor with ``param``'s exact layout (``layout``)."""
     dparam: DTensor = param  # type: ignore[assignment]
     if not isinstance(value, DTensor):
-        return local_rows_dtensor(param, value.detach())
+        return local_rows_dtensor(param, layout, value.detach())
     if value.device_mesh != dparam.device_mesh:
         raise ValueError(
             f"state-dict entry '{key}' is a DTensor on mesh {value.device_mesh}, but the model's "
@@ -94,8 +75,8 @@ def convert_for_load(key: str, param: nn.Parameter, value: Any) -> Any:
             "layout through megatron_fsdp_v2.checkpoint.load (torch.distributed.checkpoint)"
         )
     if all(isinstance(p, Replicate) for p in value.placements):
-        return local_rows_dtensor(param, value._local_tensor.detach())
-    lo, hi = group.local_row_range(index) if is_row_sharded(group) else (0, dparam.shape[0])
+        return local_rows_dtensor(param, layout, value._local_tensor.detach())
+    lo, hi = layout.rows if layout.row_sharded else (0, dparam.shape[0])
     if value.placements == dparam.placements and _incoming_rows(value) == (lo, hi):
         return value
     if value.placements == dparam.placements and not _carries_rows(value):

@@ -57,7 +57,7 @@ dispatcher's implicit redistribution of an argument *into* ``Shard`` next to one
 two DTensors of the same placements but different rows (``p.copy_(distribute_tensor(...))``:
 ``_copy_rows.py``), and torch's full optimizer state dict, which pairs each rank's states in
 its own order while a rank with an empty shard of a parameter has no state for it
-(``_optim_state_check.py`` refuses that case on every rank before any gather).
+(``_runtime/_optim_state_check.py`` refuses that case on every rank before any gather).
 
 Not covered: gradients flowing back *into* a parameter through ``full_tensor()``/
 ``redistribute()`` (``Replicate -> Shard`` in backward produces ``torch.chunk`` rows, not the
@@ -72,9 +72,8 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from .. import _registry
 from ._uneven_gather import ALTERNATIVE, gather_shard, gather_sizes, is_shard_like
-from ._uneven_meshes import mesh_kind, tp_dims_of
+from ._uneven_meshes import any_mesh_registered, mesh_kind, tp_dims_of
 
 __all__ = ["redistribute_local_args", "redistribute_local_tensor"]
 
@@ -91,7 +90,7 @@ def redistribute_local_tensor(
     """``redistribute_local_tensor`` with uneven shards on registered meshes gathered right;
     ``torch_redistribute`` (torch's function) does everything else."""
     mesh = current_spec.mesh
-    outer_optim = mesh_kind(mesh) if _registry.uneven_meshes else None
+    outer_optim = mesh_kind(mesh) if any_mesh_registered() else None
     if outer_optim is None or mesh != target_spec.mesh:
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
     source, target = tuple(current_spec.placements), tuple(target_spec.placements)
@@ -237,7 +236,7 @@ def redistribute_local_args(
     that argument's true rows instead (one small all-gather of the sizes)."""
     before = tuple(op_info.local_args)
     torch_redistribute_args(op_info, suggested_input_schema, use_val_from_redistribute_schema)
-    if not _registry.uneven_meshes:
+    if not any_mesh_registered():
         return
     from torch.distributed.tensor._dtensor_spec import DTensorSpec
     from torch.utils import _pytree as pytree

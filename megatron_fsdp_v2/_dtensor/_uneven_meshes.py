@@ -1,6 +1,8 @@
 """The meshes ``fully_shard`` shards over, whose ``Shard`` DTensors may hold uneven row ranges
 (see [Note: uneven redistribution] in ``_redistribute.py``). Every DTensor interception of the
-library asks :func:`mesh_kind` first and leaves DTensors on other meshes to torch."""
+library asks :func:`mesh_kind` first and leaves DTensors on other meshes to torch. This module
+is the one reader and writer of the registry's list of those meshes (``_registry.uneven_meshes``,
+registered by the frontend's wiring): the other DTensor paths ask it."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .. import _registry
 
-__all__ = ["mesh_is_registered", "mesh_kind", "register_mesh", "tp_dims_of"]
+__all__ = ["any_mesh_registered", "mesh_is_registered", "mesh_kind", "register_mesh", "tp_dims_of"]
 
 
 def register_mesh(mesh: DeviceMesh, *, outer_optim: bool, tp_dims: tuple[int, ...] = ()) -> None:
@@ -24,6 +26,12 @@ def register_mesh(mesh: DeviceMesh, *, outer_optim: bool, tp_dims: tuple[int, ..
             entry[1] = entry[1] or outer_optim
             return
     _registry.uneven_meshes.append([mesh, outer_optim, tuple(tp_dims)])
+
+
+def any_mesh_registered() -> bool:
+    """Whether ``fully_shard`` registered any mesh (a cheap first test on torch's DTensor paths:
+    without one, nothing of ours can be involved)."""
+    return bool(_registry.uneven_meshes)
 
 
 def mesh_is_registered(mesh: DeviceMesh) -> bool:

@@ -5,6 +5,7 @@ parameters, the registry, the extension gathers, clipping) need not import the g
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .._buffers._layout import ItemLayout
+from .._buffers._plan import Extent
+from .._dtensor._row_layout import RowLayout
 from .._dtensor._tp_params import TPFace
 
 if TYPE_CHECKING:
@@ -33,6 +36,22 @@ class ParamRecord:
     dist_param: nn.Parameter  # the optimizer-facing DTensor parameter
     local_rows: tuple[int, int]  # dim-0 rows (of the TP-local tensor, if tp) of the local shard
     tp: TPFace | None = None  # a tensor-parallel parameter (see [Note: 2-D parameters])
+
+    @functools.cached_property
+    def row_layout(self) -> RowLayout:
+        """This parameter's rows on this rank, the value the DTensor paths of state dicts and
+        checkpoints take (built once: the group's plan and layout never change)."""
+        group = self.group
+        placements = tuple(group._placements)
+        if self.tp is not None:
+            placements = self.tp.dist_placements(placements)
+        return RowLayout(
+            row_sharded=group.plan.optimizer_placement is not Extent.FULL,
+            rows=self.local_rows,
+            shape=self.item.shape if self.tp is None else self.tp.shape,
+            placements=placements,
+            tp_offsets=None if self.tp is None else self.tp.tp_offsets(),
+        )
 
 
 def mesh_device(mesh: DeviceMesh) -> torch.device:

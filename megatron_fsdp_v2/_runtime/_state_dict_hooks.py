@@ -18,16 +18,15 @@ from .. import _registry
 from .._dtensor._chunk_metadata import (
     ROWS_ATTR,
     attach_chunk_metadata,
-    is_row_sharded,
     make_picklable,
     mark_unsupported,
     row_mismatch,
     skip_on_save,
     strip_metadata,
 )
-from .._dtensor._local_rows import convert_for_load, flat_position, managed_dist_params
+from .._dtensor._local_rows import convert_for_load
+from .._dtensor._row_layout import RowLayout
 from ._expert_names import lost_on_dcp, lost_on_dcp_params
-from ._flat_param_group import FlatParamGroup
 from ._state_dict_checks import expected_entries, first_mismatch, tensor_shape
 
 __all__ = [
@@ -50,12 +49,14 @@ def state_dict_post_hook(
     if state is None:
         return
     own = {id(g) for g in state.groups}
-    for name, param in managed_dist_params(module).items():
-        group, index = flat_position(param)
+    for name, param in _registry.managed_dist_params(module).items():
+        record = _registry.record_of(param)
+        assert record is not None
         value = state_dict.get(prefix + name)
         # keep_vars=True returns the live parameters: leave them alone (see strip_metadata).
-        if id(group) in own and isinstance(value, DTensor) and not isinstance(value, nn.Parameter):
-            attach_chunk_metadata(value, group, index, prefix + name)
+        if (id(record.group) in own and isinstance(value, DTensor)
+                and not isinstance(value, nn.Parameter)):
+            attach_chunk_metadata(value, record.row_layout, prefix + name)
             make_picklable(value)
             rows = value._local_tensor.__dict__.get(ROWS_ATTR)
             if rows is not None:
@@ -73,24 +74,22 @@ def state_dict_post_hook(
 
 # ---------------------------------------------------------------------- optimizer hooks
 
-def _optimizer_state_alias(
-    value: Any, group: FlatParamGroup, index: int, key: str
-) -> Any:
+def _optimizer_state_alias(value: Any, layout: RowLayout, key: str) -> Any:
     """A detached alias of one optimizer state value, marked for DCP (see
     :func:`optimizer_state_dict_post_hook`); non-tensors as they are."""
     if not isinstance(value, torch.Tensor):
         return value
     alias = value.detach()  # same storage: dcp.load writes into the live state
     if isinstance(alias, DTensor):
-        if not is_row_sharded(group) or not any(isinstance(p, Shard) for p in alias.placements):
+        if not layout.row_sharded or not any(isinstance(p, Shard) for p in alias.placements):
             return alias
-        error = row_mismatch(alias, group, index, key)
+        error = row_mismatch(alias, layout, key)
         if error is None:
-            attach_chunk_metadata(alias, group, index, key)
+            attach_chunk_metadata(alias, layout, key)
         else:
             mark_unsupported(alias, error)
-    elif is_row_sharded(group):
-        lo, hi = group.local_row_range(index)
+    elif layout.row_sharded:
+        lo, hi = layout.rows
         if hi == lo:
             skip_on_save(alias)
     return alias
@@ -121,7 +120,7 @@ def optimizer_state_dict_post_hook(
                 continue
             state[pid] = {
                 name: _optimizer_state_alias(
-                    value, record.group, record.index, f"state.{record.fqn}.{name}"
+                    value, record.row_layout, f"state.{record.fqn}.{name}"
                 )
                 for name, value in entries.items()
             }
@@ -172,10 +171,12 @@ def load_state_dict_pre_hook(
     if state is None:
         return
     own = {id(g) for g in state.groups}
-    for name, param in managed_dist_params(module).items():
+    for name, param in _registry.managed_dist_params(module).items():
         key = prefix + name
-        if key in state_dict and id(flat_position(param)[0]) in own:
-            state_dict[key] = convert_for_load(key, param, state_dict[key])
+        record = _registry.record_of(param)
+        assert record is not None
+        if key in state_dict and id(record.group) in own:
+            state_dict[key] = convert_for_load(key, param, record.row_layout, state_dict[key])
 
 
 def mark_all_loaded(module: nn.Module) -> None:

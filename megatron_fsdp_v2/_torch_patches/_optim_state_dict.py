@@ -1,5 +1,5 @@
 """Patch: ``torch.distributed.checkpoint.state_dict._get_optim_state_dict``, with
-``_dtensor/_optim_state_check.py``'s check in front (every rank refuses a full optimizer state
+``_runtime/_optim_state_check.py``'s check in front (every rank refuses a full optimizer state
 dict that would pair different tensors)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ __all__ = ["PATCH", "install", "is_installed", "uninstall"]
 def _plan() -> Plan:
     from torch.distributed.checkpoint import state_dict as dsd
 
-    from .._dtensor._optim_state_check import check_full_optim_state_dict
+    from .._runtime._optim_state_check import check_full_optim_state_dict
 
     torch_fn = dsd._get_optim_state_dict
 

@@ -17,8 +17,7 @@ from torch.distributed.tensor import DTensor
 from .. import _registry
 from .._buffers._plan import Extent
 from .._comm._backends import collective_device
-from .._dtensor._chunk_metadata import is_row_sharded
-from .._dtensor._local_rows import flat_position, local_rows_dtensor, managed_dist_params
+from .._dtensor._local_rows import local_rows_dtensor
 from .._init._materialize import materialize
 from .._runtime._flat_param_group import FlatParamGroup
 from ._experts import ExpertNames
@@ -54,7 +53,7 @@ def gather_full_params(
     out: dict[tuple[int, int], torch.Tensor] = {}
     for group in _unique_groups(module.parameters()):
         main = group.main_weight.detach()
-        if is_row_sharded(group):
+        if group.plan.optimizer_placement is not Extent.FULL:  # rows of its own on each rank
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             shard = main.contiguous()
             if group.plan.optimizer_placement is Extent.SUB_SHARD:
@@ -84,13 +83,13 @@ def full_state_dict(model: nn.Module, *, keep: bool, cpu_offload: bool) -> dict[
     """``model.state_dict()`` with every managed parameter's full main weights in place of its
     DTensor (``{}`` unless ``keep``; every rank must call it)."""
     full = gather_full_params(model, keep=keep, cpu_offload=cpu_offload)
-    managed = managed_dist_params(model)
+    managed = _registry.managed_dist_params(model)
     out: dict[str, Any] = {}
     for key, value in model.state_dict().items():
         param = managed.get(key)
-        if param is not None:
-            group, index = flat_position(param)
-            value = full.get((id(group), index))
+        record = _registry.record_of(param) if param is not None else None
+        if record is not None:
+            value = full.get((id(record.group), record.index))
         elif isinstance(value, DTensor):
             # A DTensor fully_shard does not manage (e.g. an ignored tensor-parallel weight):
             # its own gather, on its own mesh, run on every rank in the same order.
@@ -185,7 +184,7 @@ def broadcast_rows(
             if local is not None:
                 shapes[local] = None if meta is None else torch.Size(meta[0])
         raise_if_any_rank(check(shapes), process_group)
-    managed = managed_dist_params(model)
+    managed = _registry.managed_dist_params(model)
     targets = model.state_dict(keep_vars=True)
     # The device the group's collectives move natively (CUDA under NCCL, however it was named).
     device = collective_device(process_group)
@@ -206,9 +205,10 @@ def broadcast_rows(
         if key is None:
             continue
         param = managed.get(key)
-        if param is not None:
+        record = _registry.record_of(param) if param is not None else None
+        if param is not None and record is not None:
             # Keep a copy of this rank's rows only, not the whole broadcast tensor.
-            out[key] = local_rows_dtensor(param, tensor, copy=True)
+            out[key] = local_rows_dtensor(param, record.row_layout, tensor, copy=True)
         else:
             target = targets.get(key)
             out[key] = tensor.to(target.device) if isinstance(target, torch.Tensor) else tensor

@@ -58,7 +58,6 @@ from torch.distributed.tensor import DTensor
 from .. import _registry, ops
 from .._buffers._plan import Extent
 from .._comm._arrival import await_every_rank
-from .._dtensor._local_rows import flat_position, managed_dist_params
 from .._init._materialize import materialize
 from .._runtime._flat_param_group import FlatParamGroup
 from . import _process_group
@@ -148,7 +147,9 @@ def _plan_buckets(entries: list[tuple[str, Any]], managed: dict[str, nn.Paramete
         param = managed.get(name)
         if param is None:
             continue
-        group, index = flat_position(param)
+        record = _registry.record_of(param)
+        assert record is not None
+        group, index = record.group, record.index
         h = holders.get(id(group))
         if h is None:
             h = holders[id(group)] = _Holders(group)
@@ -353,7 +354,7 @@ def _stream(model: nn.Module, bucket_bytes: int, to_rank: int | None
         )
     keep = to_rank is None or not dist.is_initialized() or dist.get_rank() == to_rank
     materialize(model)  # a model built on the meta device: values first (no collective)
-    managed = managed_dist_params(model)
+    managed = _registry.managed_dist_params(model)
     entries = list(model.state_dict().items())
     where, buckets = _plan_buckets(entries, managed, bucket_bytes)
     buffers = {d: _Buffer(buckets, d, keep) for d in {b.device for b in buckets}}

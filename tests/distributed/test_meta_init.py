@@ -344,7 +344,9 @@ def _conversions(rank: int, world: int, strategy: str) -> None:
 
 def _rows_like(p: torch.Tensor, full: torch.Tensor) -> DTensor:
     """``full`` as a DTensor laid out like the fully_shard parameter ``p`` (its local rows)."""
-    return local_rows_dtensor(p, full)  # type: ignore[arg-type]
+    record = record_of(p)
+    assert record is not None
+    return local_rows_dtensor(p, record.row_layout, full)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -68,6 +68,7 @@ REGISTRY_IMPORTERS: frozenset[str] = frozenset({
     "_runtime._expert_names", "_runtime._lazy_init", "_runtime._memory",
     "_runtime._module_tree", "_runtime._muon", "_runtime._optimizer_hooks",
     "_runtime._optimizer_local", "_runtime._state_dict_hooks", "_runtime._whole_matrices",
+    "_runtime._optim_state_check",
 })
 
 # Importers of ``_registry`` below the entry points, still to be given their values as
@@ -77,13 +78,12 @@ REGISTRY_EXCEPTIONS: dict[str, str] = {
     "_runtime._subclass_gather": "the record of a parameter",
     "_init._materialize": "the meta-device units waiting for values",
     "_init._conversions": "the depth of conversions in progress",
-    "_dtensor._copy_rows": "the record of a parameter (its group's rows)",
-    "_dtensor._local_rows": "the record of a parameter (its group's layout and rows)",
-    "_dtensor._uneven_meshes": "the meshes of units",
-    "_dtensor._redistribute": "the meshes of units and the records of parameters",
+    "_dtensor._uneven_meshes": (
+        "the meshes of units (the frontend registers them; torch's patched DTensor paths ask "
+        "this module, the one reader of that list)"
+    ),
     "_dtensor._tp_params": "the estimator's meta-buffer flag",
     "_dtensor._torch_full_state_dict": "the records of parameters",
-    "_dtensor._optim_state_check": "the records of parameters (plan, layout, rows)",
     "_comm._process_groups": "the library's process groups and default meshes",
     "_comm._collectives": "the side streams of collectives",
     "_comm._arrival": "the arrival counts of calls",

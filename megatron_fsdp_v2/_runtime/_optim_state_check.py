@@ -4,7 +4,8 @@ each state tensor rank by rank, in the order of each rank's own ``optimizer.stat
 whose shard of a parameter is empty holds a zero-row gradient of it, hence state (empty
 tensors), like every other rank; but a parameter only some ranks used (or an optimizer loaded
 with state on some ranks only) leaves the ranks pairing different tensors. Refused on every
-rank, before any gather."""
+rank, before any gather. It reads the records of the optimizer's parameters (their groups'
+plans and process groups), hence its place in the runtime, beside the optimizer hooks."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from .. import _registry
-from ._uneven_gather import ALTERNATIVE
+from .._buffers._plan import Extent
+from .._dtensor._uneven_gather import ALTERNATIVE
 
 __all__ = ["check_full_optim_state_dict"]
 
@@ -29,8 +31,6 @@ def check_full_optim_state_dict(optimizers: Any, info: Any) -> None:
 
 def _check_states_everywhere(optimizer: torch.optim.Optimizer) -> None:
     """Raise on every rank when some rank lacks state for a sharded parameter others have."""
-    from .._buffers._plan import Extent
-
     # Per process group over which the parameters' shards differ: (name, has state), device.
     by_process_group: dict[Any, tuple[list[tuple[str, bool]], torch.device]] = {}
     for param_group in optimizer.param_groups:

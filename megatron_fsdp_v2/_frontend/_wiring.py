@@ -111,7 +111,7 @@ def build_groups(
                 "=True/False for this unit"
             )
         post_forward = post_forward_process_group(groups.inner, options.post_forward_group_size,
-                                          options.timeout)
+                                                  options.timeout)
     by_kind: dict[tuple[Any, ...], list[int]] = {}
     for i, m in enumerate(managed):
         # Parameters gathered through all-gather extensions (FP8) form groups of their own.

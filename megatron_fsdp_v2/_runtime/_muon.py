@@ -170,7 +170,7 @@ def _process_groups(params: list[torch.Tensor]) -> list[dist.ProcessGroup]:
         groups = [record.group.process_group, *record.group.axis_process_groups.values()]
         if record.tp is not None:  # the exchange runs over the whole dp x TP mesh
             groups.append(whole_mesh_process_group(record.tp.dist_mesh,
-                                           group_timeout(record.group.process_group)))
+                                                   group_timeout(record.group.process_group)))
         for process_group in groups:
             if dist.get_world_size(process_group) > 1:
                 seen.setdefault(id(process_group), process_group)

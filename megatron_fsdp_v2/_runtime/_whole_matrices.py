@@ -183,7 +183,7 @@ def _tp_blocks(records: list[tuple[int, ParamRecord]]
         first = members[0][1]
         assert first.tp is not None
         process_group = whole_mesh_process_group(first.tp.dist_mesh,
-                                         group_timeout(first.group.process_group))
+                                                 group_timeout(first.group.process_group))
         mine = [_tp_block(record) for _, record in members]
         everyone: list[list[Block] | None] = [None] * dist.get_world_size(process_group)
         dist.all_gather_object(everyone, mine, group=process_group)

@@ -183,8 +183,9 @@ def widest_unit(model: nn.Module, *, experts: bool = True) -> Any:
     return chosen
 
 
-def dcp_process_group(model: nn.Module, process_group: dist.ProcessGroup | None
-              ) -> dist.ProcessGroup | None:
+def dcp_process_group(
+    model: nn.Module, process_group: dist.ProcessGroup | None
+) -> dist.ProcessGroup | None:
     """The group ``save``/``load`` pass to DCP and coordinate on (see the note at the top):
     ``process_group`` when given, else the model's group when it covers the whole job, else
     ``None`` (DCP's default group)."""

@@ -146,14 +146,14 @@ class FSDPContext:
         while len(self.reducing) > keep:
             state = self.reducing.popleft()
             for group in state.groups:
-                group.grads.wait_for_reduction(coalesced=False)
+                group.finish_reductions(coalesced=False)
             finished.append(state)
         for state in finished:
             if not state.is_last_backward:
                 continue
             for group in state.groups:
-                group.grads.reduce_across_replicas(async_op=True)
-            if any(g.grads.reduction_holds_temporary for g in state.groups):
+                group.launch_window_steps(async_op=True)
+            if any(g.reduction_holds_temporary for g in state.groups):
                 self.reducing.append(state)
 
     @property
@@ -186,7 +186,7 @@ class FSDPContext:
                 # run in this one: the last backward must still reduce what they hold.
                 if state.needs_post_backward or (
                     state.is_last_backward
-                    and any(g.grads.awaits_last_reduction for g in state.groups)
+                    and any(g.awaits_last_reduction for g in state.groups)
                 ):
                     state.run_post_backward()
             if self.coalescer is not None:
@@ -203,7 +203,7 @@ class FSDPContext:
                         group.wait_for_compute_weights()
                     else:
                         group.free_gathered_weights()
-                    group.grads.wait_for_reduction()
+                    group.finish_reductions()
             # The end of the window (GroupGrads.end_window): collectives over the reduced
             # shards (the plan's window steps, HSDP's outer all-reduce; nothing on a 1-D mesh)
             # that drain_reductions did not launch already (overlap=False, a group that reduced
@@ -305,7 +305,7 @@ class FSDPContext:
                     if error is None:
                         try:
                             group.wait_for_compute_weights()
-                            group.grads.wait_for_reduction()
+                            group.finish_reductions()
                         except Exception as e:  # noqa: BLE001 - reported below
                             error = e
                     if error is not None:
@@ -313,9 +313,7 @@ class FSDPContext:
                         # into (and wait for no further one: each could take the timeout).
                         continue
                     group.free_gathered_weights()
-                    group.grads.drop_compute_grads()
-                    if discard_grads:
-                        group.grads.zero_grad(set_to_none=True)
+                    group.discard_gradients(unconsumed=discard_grads)
         if error is None and any(d.type == "cuda" for _, d in groups):
             # Event waits complete when NCCL's watchdog aborted the communicator too.
             failed = group_error(groups)

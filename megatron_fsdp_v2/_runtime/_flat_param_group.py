@@ -52,6 +52,7 @@ from ._param_record import ParamRecord, contiguous_stride, mesh_device
 from ._subclass_gather import ExtensionGather, has_all_gather_extensions, inner_values
 
 if TYPE_CHECKING:
+    from ._coalesce import ReductionCoalescer
     from ._refresh_buckets import RefreshBucket
 
 __all__ = ["FlatParamGroup"]
@@ -420,6 +421,62 @@ class FlatParamGroup(ComputeWeights):
                 self.mark_main_weights_updated()
 
         return Deferred("gradient window end, then main weights marked updated", finish)
+
+    # ------------------------------------------------------------------ gradients (GroupGrads)
+    # What the hooks (_state.py, _unit_state.py) and the tree's callbacks (_context.py) ask of
+    # the group's gradients: they talk to the group, the group to its GroupGrads.
+
+    def use_reduction_buckets(self, coalescer: ReductionCoalescer | None) -> None:
+        """The tree's reduction buckets the delayed reduction goes into (None: its own)."""
+        self.grads.coalescer = coalescer
+
+    def prepare_gradients(self) -> None:
+        """Before a backward: let autograd write the gradients into the flat buffers where the
+        plan allows (see [Note: gradients in place] in ``_grad_staging.py``)."""
+        self.grads.prepare_backward()
+
+    def sweep_gradients(self) -> None:
+        """Take in the installed gradients the optimizer cleared since they were shown."""
+        self.grads.sweep()
+
+    def reduce_gradients(self, is_last_backward: bool, async_op: bool) -> bool:
+        """A unit's post-backward: stage and reduce this micro-batch's gradients as the plan
+        says (:meth:`GroupGrads.reduce`); whether anything was staged or reduced."""
+        return self.grads.reduce(is_last_backward, async_op)
+
+    def finish_reductions(self, coalesced: bool = True) -> None:
+        """Wait for the in-flight gradient reductions and fold them into ``main_grad``;
+        ``coalesced=False`` leaves one queued in a reduction bucket (the final callback's)."""
+        self.grads.wait_for_reduction(coalesced)
+
+    def launch_window_steps(self, async_op: bool) -> None:
+        """A window ended and its inner reductions finished: launch the plan's window steps
+        (HSDP's outer reduction; nothing on a 1-D mesh; see [Note: outer reductions in
+        backward] in ``_context.py``)."""
+        self.grads.reduce_across_replicas(async_op)
+
+    def discard_gradients(self, unconsumed: bool) -> None:
+        """Recovery after a failed forward or backward: the compute parameters' ``.grad`` are
+        dropped; ``unconsumed`` (a failed backward): every gradient no optimizer step consumed
+        too, as ``zero_grad(set_to_none=True)``."""
+        self.grads.drop_compute_grads()
+        if unconsumed:
+            self.grads.zero_grad(set_to_none=True)
+
+    @property
+    def reduction_holds_temporary(self) -> bool:
+        """An in-flight reduction holds a scratch buffer until finished."""
+        return self.grads.reduction_holds_temporary
+
+    @property
+    def awaits_last_reduction(self) -> bool:
+        """Locally accumulated micro-batches wait for the window's delayed collective."""
+        return self.grads.awaits_last_reduction
+
+    @property
+    def awaits_window_steps(self) -> bool:
+        """The plan's window steps (HSDP's outer reduction) are still to be launched."""
+        return self.grads.awaits_window_steps
 
     # ------------------------------------------------------------------ accounting
 

@@ -57,7 +57,7 @@ def lazy_init(root: FSDPState) -> None:
         state.allocator = ctx.allocator
         for index, group in enumerate(state.groups):
             group.allocator = ctx.allocator
-            group.grads.coalescer = ctx.coalescer
+            group.use_reduction_buckets(ctx.coalescer)
             group.name = f"unit '{state.fqn}' group {index}"
     # A model built on the meta device gets its values now, in whole-tree module order.
     materialize(root.module)

@@ -234,7 +234,7 @@ class FSDPState(UnitState):
             for group in self.ctx.groups:
                 group.drop_gathered_views()  # of the replaced arena, so it can be freed
         for group in self.ctx.groups:
-            group.grads.sweep()
+            group.sweep_gradients()
             group.detect_main_weight_edits()
         order = self.ctx.forward_order or self.ctx.states
         buckets = self.ctx.refresh_coalescer
@@ -436,7 +436,7 @@ class FSDPState(UnitState):
         ctx.drain_reductions(ctx.max_inflight_reductions - 1)
         reduced = False
         for group in self.groups:
-            reduced |= group.grads.reduce(self.is_last_backward, async_op=ctx.overlap)
+            reduced |= group.reduce_gradients(self.is_last_backward, async_op=ctx.overlap)
         if reduced:
             ctx.log("reduce", self)
             # Only reductions that hold a scratch buffer are drained early. One in place into
@@ -447,8 +447,8 @@ class FSDPState(UnitState):
             # A window's end is listed too: its outer reduction is launched when the next
             # drain has finished the inner one (see [Note: outer reductions in backward]).
             if ctx.overlap and any(
-                g.grads.reduction_holds_temporary
-                or (self.is_last_backward and g.grads.awaits_window_steps) for g in self.groups
+                g.reduction_holds_temporary
+                or (self.is_last_backward and g.awaits_window_steps) for g in self.groups
             ):
                 ctx.reducing.append(self)
         self.backward_done = True

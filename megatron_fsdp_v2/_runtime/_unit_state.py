@@ -211,4 +211,4 @@ class UnitState:
             accumulates = group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE
             if self.owns_nested_units and not accumulates:
                 continue
-            group.grads.prepare_backward()
+            group.prepare_gradients()

@@ -82,7 +82,6 @@ REGISTRY_EXCEPTIONS: dict[str, str] = {
         "the meshes of units (the frontend registers them; torch's patched DTensor paths ask "
         "this module, the one reader of that list)"
     ),
-    "_dtensor._tp_params": "the estimator's meta-buffer flag",
     "_dtensor._torch_full_state_dict": "the records of parameters",
     "_comm._process_groups": "the library's process groups and default meshes",
     "_comm._collectives": "the side streams of collectives",

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: the units' parameter groups (flat buffers) a checkpoint must round-trip
 from megatron_fsdp_v2._registry import state_of
 
 from _models import OddMLP, TinyGPT, all_ranks_ok, lm_loss, mlp_loss, step_mean_loss

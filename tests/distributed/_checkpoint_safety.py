@@ -18,6 +18,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: the units' parameter groups (flat buffers) a failed load must leave unchanged
 from megatron_fsdp_v2._registry import state_of
 
 from _models import OddMLP, all_ranks_ok, mlp_loss

@@ -22,7 +22,12 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: lowers the gloo rule table's size floors (impl.RULES) so every collective takes the
+#   substitute path
 from megatron_fsdp_v2._comm import _collective_impl as impl
+
+# private: counts the units' parameter groups (state_of(unit).groups)
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import CollectiveCounts

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: tells our parameters from FSDP2's (record_of) and counts the units' parameter groups
 from megatron_fsdp_v2._registry import record_of, state_of
 
 from _comm_counts import CollectiveCounts

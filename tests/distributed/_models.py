@@ -14,6 +14,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: a parameter's global shard rows (record_of(p).local_rows), to compare with the reference
 from megatron_fsdp_v2._registry import record_of
 
 

@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: tells our parameters from FSDP2's (record_of is None for FSDP2's)
 from megatron_fsdp_v2._registry import record_of
 
 # The cases' model (inp -> residual MLP blocks -> head), imported from here as ``Net``.

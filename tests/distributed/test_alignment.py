@@ -31,7 +31,11 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: records the buffer sizes the flat collectives are called with
 from megatron_fsdp_v2._comm import _collectives as comm
+
+# private: the units' parameter groups and their flat-buffer row layout
 from megatron_fsdp_v2._registry import state_of
 
 from _models import agree, assert_close_to_reference, reference_copy

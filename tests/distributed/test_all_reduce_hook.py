@@ -25,6 +25,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: counts the units' parameter groups (state_of(unit).groups)
 from megatron_fsdp_v2._registry import state_of
 
 from _models import all_ranks_ok

@@ -23,9 +23,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
 
+# private: saves and clears the process-wide default meshes (_registry.default_meshes)
 from megatron_fsdp_v2 import _registry, fully_shard
+
+# private: the backend a group resolves to (impl.backend_of) and the collective-kind names
 from megatron_fsdp_v2._comm import _collective_impl as impl
+
+# private: intercepts the mesh default_mesh() builds (_process_groups.init_device_mesh)
 from megatron_fsdp_v2._comm import _process_groups
+
+# private: the device type the library's collectives run on
 from megatron_fsdp_v2._comm._backends import collective_device_type
 from megatron_fsdp_v2.checkpoint import load_full_state_dict
 from megatron_fsdp_v2.testing import run_distributed

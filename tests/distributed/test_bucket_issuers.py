@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from test_refresh_buckets import Units
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: reads the tree's runtime context (its bucket issuers)
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import CollectiveCounts

@@ -25,6 +25,8 @@ from _checkpoint_safety import (
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
+
+# private: the units' parameter groups (flat buffers) a checkpoint writes
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.checkpoint._process_group import model_process_group
 from megatron_fsdp_v2.testing import run_distributed

@@ -27,6 +27,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy
 from megatron_fsdp_v2 import checkpoint as mckpt
+
+# private: a parameter's shard rows (record_of(p)) to check the state dict's local shards
 from megatron_fsdp_v2._registry import record_of
 
 from _models import OddMLP, agree

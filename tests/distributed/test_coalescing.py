@@ -26,7 +26,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: reads the reduction coalescer's counters, the group count and the allocator's peak
 from megatron_fsdp_v2._registry import state_of
+
+# private: the coalescer's in-flight bound and its flush/complete methods (recorded)
 from megatron_fsdp_v2._runtime._coalesce import MAX_BUCKETS_IN_FLIGHT, ReductionCoalescer
 
 from _comm_counts import CollectiveCounts

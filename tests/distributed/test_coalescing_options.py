@@ -16,6 +16,8 @@ from test_coalescing import (
 )
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: a refused wrap leaves no unit state behind (state_of(module) is None)
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import CollectiveCounts

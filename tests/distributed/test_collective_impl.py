@@ -20,7 +20,11 @@ from _collective_impl import (
 )
 
 from megatron_fsdp_v2 import CollectiveCount, fully_shard
+
+# private: the collective-implementation rule table and its choices (impl.choose)
 from megatron_fsdp_v2._comm import _collective_impl as impl
+
+# private: a refused wrap leaves no unit state behind (state_of(model) is None)
 from megatron_fsdp_v2._registry import state_of
 
 from _models import TinyGPT

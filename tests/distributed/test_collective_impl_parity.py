@@ -23,6 +23,7 @@ from _collective_impl import (
 )
 from torch.distributed.device_mesh import init_device_mesh
 
+# private: the collective-kind names of collective_stats (impl.BROADCASTS)
 from megatron_fsdp_v2._comm import _collective_impl as impl
 
 from _pool import RankPools

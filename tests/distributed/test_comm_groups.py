@@ -25,8 +25,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: forgets the cached library process groups between cases
 from megatron_fsdp_v2._comm import _process_groups
+
+# private: the timeout a process group was created with
 from megatron_fsdp_v2._comm._backends import group_timeout
+
+# private: the process group a unit communicates on
 from megatron_fsdp_v2._registry import state_of
 
 from _models import TinyGPT, agree, lm_loss, make_batches

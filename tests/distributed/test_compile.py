@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+# private: the hook event log and live bytes of the tree's runtime (state_of), shard rows
+#   (record_of)
 from megatron_fsdp_v2._registry import record_of, state_of
 
 from _models import (

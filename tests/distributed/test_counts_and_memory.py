@@ -7,6 +7,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard, memory_report
+
+# private: the units' parameter groups, whose buffer sizes the counts are checked against
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import CollectiveCounts

@@ -22,7 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, distribute_tensor
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: forgets the cached process groups; the default collective timeout
 from megatron_fsdp_v2._comm import _process_groups
+
+# private: the process group each unit's parameter group uses
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import run_distributed
 

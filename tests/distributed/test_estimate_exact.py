@@ -22,6 +22,8 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, fully_shard, memory_report
+
+# private: the units' parameter groups the estimate is compared with
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import RankPools, release_process_groups
 

@@ -37,6 +37,8 @@ from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, memory_report
+
+# private: the units' parameter groups the estimate is compared with
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import RankPools, release_process_groups
 

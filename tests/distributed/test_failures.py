@@ -14,7 +14,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+# private: forgets the cached process groups after a timed-out collective
 from megatron_fsdp_v2._comm import _process_groups
+
+# private: the units' runtime state after a failure (recovered, nothing in flight)
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import DistributedTestError, run_distributed
 

@@ -38,6 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: switches the fused float8 gather off (ExtensionGather.fuse_float8)
 from megatron_fsdp_v2._runtime._subclass_gather import ExtensionGather
 
 from _models import agree, shard_rows

@@ -23,6 +23,8 @@ from test_fp8_params import DIMS, _batches, _model, _train
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard, memory_report
+
+# private: the tree's allocator (bytes of gathered float8 buckets)
 from megatron_fsdp_v2._registry import state_of
 
 from _models import agree

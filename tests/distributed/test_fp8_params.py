@@ -43,7 +43,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: the units' parameter groups and allocator (float8 buckets)
 from megatron_fsdp_v2._registry import state_of
+
+# private: switches the fused float8 gather on and off (ExtensionGather.fuse_float8)
 from megatron_fsdp_v2._runtime._subclass_gather import ExtensionGather
 
 from _models import agree

@@ -29,6 +29,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: reads the tree's runtime context (where the policy's buffers went)
 from megatron_fsdp_v2._registry import state_of
 
 from _models import shard_rows

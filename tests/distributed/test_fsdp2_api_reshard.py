@@ -20,6 +20,7 @@ from _fsdp2_api import (
 )
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
+# private: whether each parameter group is gathered (reshard schedule)
 from megatron_fsdp_v2._registry import state_of
 
 from _pool import RankPools

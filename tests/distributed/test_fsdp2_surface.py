@@ -22,6 +22,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import FSDPModule, fully_shard
+
+# private: the table of FSDP2 arguments refused with a reason
 from megatron_fsdp_v2._frontend._fsdp2_surface import REFUSED
 
 from _pool import RankPools
@@ -92,6 +94,7 @@ def _surface_worker(rank: int, world: int) -> list[str]:
     model.set_reduce_scatter_unused_params(True)
     model.set_reduce_scatter_unused_params(False, recurse=False)
     model.set_force_sum_reduction_for_comms(True)
+    # private: the unit's force_sum_reduction_for_comms flag
     from megatron_fsdp_v2._registry import state_of
     if not state_of(model).force_sum_reduction_for_comms:  # type: ignore[union-attr]
         found.append("force_sum_reduction_for_comms not kept")
@@ -264,6 +267,7 @@ def _unused_params_worker(rank: int, world: int) -> dict[str, float]:
     for model in (ours, theirs):
         model(xs[rank], rank).square().mean().backward()
     sum(ref(xs[r], r).square().mean() for r in range(world)).div(world).backward()
+    # private: a parameter's shard rows (record_of(p).local_rows)
     from megatron_fsdp_v2._registry import record_of
 
     def rows(model: nn.Module, p: Any) -> tuple[int, int]:

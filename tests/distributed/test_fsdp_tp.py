@@ -36,6 +36,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_modul
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: a TP parameter's flat-buffer record (its rows and layout)
 from megatron_fsdp_v2._registry import record_of
 
 from _models import check_all_ranks

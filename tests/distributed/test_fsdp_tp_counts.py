@@ -31,6 +31,7 @@ from _tp_common import (
 )
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+# private: counts the units' parameter groups (state_of(unit).groups)
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import COUNTED_OPS, CollectiveCounts

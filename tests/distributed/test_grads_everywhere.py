@@ -26,6 +26,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: a parameter's shard rows (record_of), to read the local gradient rows
 from megatron_fsdp_v2._registry import record_of
 
 from _models import all_ranks_ok

@@ -27,8 +27,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+# private: records the gradient groups' copies (GroupGrads) to prove gradients land in place
 import megatron_fsdp_v2._runtime._grads as grads_module
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: the compute parameter and the groups' records (where gradients are written)
 from megatron_fsdp_v2._registry import record_of, state_of
 
 from _models import SharedLayerNet, agree, local_detached, shard_rows

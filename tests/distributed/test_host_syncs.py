@@ -25,6 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_fsdp_v2
 from megatron_fsdp_v2 import fully_shard
+
+# private: whether a group holds a window_carry scratch buffer
 from megatron_fsdp_v2._registry import state_of
 
 from _models import UnusedRootNet

@@ -55,6 +55,8 @@ from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import iter_full_weights
+
+# private: a parameter's shard rows (record_of(p).local_rows)
 from megatron_fsdp_v2._registry import record_of
 
 from _models import agree

@@ -42,8 +42,14 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
+
+# private: forgets the cached process groups after a timed-out collective
 from megatron_fsdp_v2._comm import _process_groups
+
+# private: the arrival check's wait and timeout (await_every_rank)
 from megatron_fsdp_v2._comm._arrival import arrival_wait, await_every_rank
+
+# private: the process group a unit communicates on
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import RankPools
 

@@ -39,6 +39,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import FSDPModule
+
+# private: tells our parameters from FSDP2's (record_of is None for FSDP2's)
 from megatron_fsdp_v2._registry import record_of
 
 from _models import shard_rows

@@ -20,6 +20,7 @@ from _hsdp_common import train_against_reference
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
+# private: records the outer all-reduces the library issues (collectives.all_reduce_inplace)
 import megatron_fsdp_v2._comm._collectives as collectives
 from megatron_fsdp_v2 import (
     FSDPModule,
@@ -29,6 +30,8 @@ from megatron_fsdp_v2 import (
     memory_report,
 )
 from megatron_fsdp_v2 import checkpoint as mckpt
+
+# private: the units' parameter groups (inner and outer layout)
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import CollectiveCounts

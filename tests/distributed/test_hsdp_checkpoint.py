@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2 import fully_shard
+
+# private: a parameter's shard rows and its group's outer process group
 from megatron_fsdp_v2._registry import record_of
 from megatron_fsdp_v2.checkpoint._process_group import dcp_process_group, model_process_group
 from megatron_fsdp_v2.testing import run_distributed

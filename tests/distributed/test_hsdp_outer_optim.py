@@ -19,6 +19,7 @@ from _hsdp_common import train_against_reference
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
+# private: records each library collective and its group's ranks
 import megatron_fsdp_v2._comm._collectives as collectives
 from megatron_fsdp_v2 import (
     FSDPModule,
@@ -28,6 +29,8 @@ from megatron_fsdp_v2 import (
     memory_report,
 )
 from megatron_fsdp_v2 import checkpoint as mckpt
+
+# private: the units' parameter groups (outer optimizer-state layout)
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import CollectiveCounts

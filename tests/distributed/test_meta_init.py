@@ -17,7 +17,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, checkpoint, fully_shard
+
+# private: builds the expected local rows of a parameter from its row layout
 from megatron_fsdp_v2._dtensor._local_rows import local_rows_dtensor
+
+# private: a parameter's flat-buffer record (its row layout)
 from megatron_fsdp_v2._registry import record_of
 
 from _models import (

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: the parameter groups still pending a reduction
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import run_distributed
 
@@ -68,6 +70,7 @@ def test_debug_check_names_mismatched_collectives(strategy: str) -> None:
 def _agreeing_control_flow(rank: int, world: int) -> tuple[int, list[float]]:
     """Trains with the debug check on: how many checks ran, and the losses (the check must not
     change them: the same run without it is the reference)."""
+    # private: counts the collective-order checks (_collectives.check_collective_order)
     from megatron_fsdp_v2._comm import _collectives
 
     checks = [0]

@@ -26,6 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from megatron_fsdp_v2 import checkpoint, fully_shard
+
+# private: a refused call leaves no unit state behind (state_of(model) is None)
 from megatron_fsdp_v2._registry import state_of
 
 from _models import assert_close_to_reference

@@ -25,6 +25,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
 from megatron_fsdp_v2 import FSDPModule, fully_shard
+
+# private: which modules share one unit's state, and its parameter groups
 from megatron_fsdp_v2._registry import state_of, unit_states
 
 from _models import all_ranks_ok

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+# private: the Muon plan's count of exchanged matrices (_registry.muon_plans)
 from megatron_fsdp_v2 import MixedPrecisionPolicy, _registry, checkpoint, fully_shard
 
 from _models import agree, local_detached, shard_rows

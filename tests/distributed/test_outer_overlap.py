@@ -17,7 +17,11 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: the tree's runtime context (forward order, events)
 from megatron_fsdp_v2._registry import state_of
+
+# private: records the launches of GroupIssuer.launch (when outer collectives start)
 from megatron_fsdp_v2._runtime._issuer import CollectiveLaunch, GroupIssuer
 
 from _models import TinyGPT, lm_loss, make_batches

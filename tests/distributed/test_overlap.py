@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: the tree's runtime context (prefetch event log)
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import run_distributed
 

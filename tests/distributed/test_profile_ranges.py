@@ -13,6 +13,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_fsdp_v2 import clip_grad_norm_, fully_shard
+
+# private: the names of the library's profiler ranges
 from megatron_fsdp_v2._profiling import PHASES
 
 from _models import TinyGPT, lm_loss, make_batches

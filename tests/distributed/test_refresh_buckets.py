@@ -23,6 +23,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
+
+# private: the refresh coalescer's counters and the allocator's live and peak bytes
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import CollectiveCounts

@@ -24,6 +24,8 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, estimate, fully_shard, memory_report
+
+# private: each parameter group's post-forward slice and gathered state
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing import RankPools
 

@@ -28,7 +28,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard, memory_report
+
+# private: counts the library's collectives by name (wraps _collectives' functions)
 from megatron_fsdp_v2._comm import _collectives
+
+# private: the tree's allocator (trace-pool arena, buckets handed out)
 from megatron_fsdp_v2._registry import state_of
 
 from _models import MLPStack

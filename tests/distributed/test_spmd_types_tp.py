@@ -20,12 +20,14 @@ anything changes, as FSDP2 refuses it."""
 from __future__ import annotations
 
 import copy
+import os
 from collections import Counter
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
@@ -33,10 +35,11 @@ from test_fsdp_tp_counts import GroupCommMode, _label, _per_axis
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    set_model_state_dict,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import state_of
@@ -283,4 +286,197 @@ def _count_errors(mesh: DeviceMesh, counts: dict[str, list[tuple[Counter, Counte
 def test_parity_with_fsdp2(ranks: RankPools, case: str, strategy: str) -> None:
     failures = [e for r in ranks.run(_parity_worker, WORLD, case, strategy,
                                      timeout_s=TIMEOUT_S) for e in r]
+    assert not failures, "\n".join(failures[:20])
+
+
+# ---------------------------------------------------------------- checkpoints across tp sizes
+
+def _checkpoint_worker(rank: int, world: int, path: str) -> list[str]:
+    """Saved (DCP, torch's ``get_model_state_dict``) after two steps at dp 2 x tp 2 by ours and
+    by FSDP2; each loaded at tp 1, dp 4 by ours and by FSDP2 (plain parameters on a 1-D mesh):
+    the full parameters are single-process training's, and a further step from them too."""
+    mesh, dims = _mesh("fsdp_tp")
+    dp_rank, dp = _dp_rank(mesh)
+    torch.manual_seed(0)
+    base = SpMlp()
+    ref = copy.deepcopy(base)
+    data = _batches(2, dp)
+    _train(ref, data, None)
+    want_params = _full(ref)
+    more = _batches(3, 4)[2:]  # a global batch for dp 4
+    want_more = _train(copy.deepcopy(ref), more, None)
+    ref_after = copy.deepcopy(ref)
+    _train(ref_after, more, None)
+    errors: list[str] = []
+    for who, wrap in (("ours", fully_shard), ("FSDP2", fsdp2_fully_shard)):
+        model = _annotate(copy.deepcopy(base), mesh)
+        if who == "ours":
+            wrap(model, mesh=mesh, dp_mesh_dims=dims)
+        else:
+            wrap(model, mesh=_fsdp2_mesh(mesh), dp_mesh_dims=dims)
+        _train(model, data, dp_rank)
+        dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(path, who))
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for saved in ("ours", "FSDP2"):
+        for who, wrap in (("ours", fully_shard), ("FSDP2", fsdp2_fully_shard)):
+            model = SpMlp()
+            wrap(model, mesh=flat)
+            state = get_model_state_dict(model)
+            dcp.load(state, checkpoint_id=os.path.join(path, saved))
+            set_model_state_dict(model, state)
+            what = f"saved by {saved} at tp 2, loaded by {who} at tp 1"
+            errors += _close(what, _full(model), want_params)
+            got = _train(model, more, flat.get_local_rank())
+            if not torch.allclose(torch.tensor(got), torch.tensor(want_more), rtol=1e-5):
+                errors.append(f"{what}: the next step's loss and norm {got} vs {want_more}")
+            errors += _close(f"{what}, one step on", _full(model), _full(ref_after))
+    if not all_ranks_ok(not errors):
+        errors = errors or ["failed on another rank"]
+    return [f"rank {rank}: {e}" for e in errors]
+
+
+def test_checkpoint_across_tp_sizes(ranks: RankPools, tmp_path: Any) -> None:
+    failures = [e for r in ranks.run(_checkpoint_worker, WORLD, str(tmp_path),
+                                     timeout_s=TIMEOUT_S) for e in r]
+    assert not failures, "\n".join(failures[:20])
+
+
+# ---------------------------------------------------------------- built on the meta device
+
+def _dtensor_params(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """``test_dp_mesh_dims_tp``'s ``Mlp`` as the ``full_dtensor`` backend leaves it: DTensors on
+    the SPMD mesh (``a`` colwise, ``b`` rowwise over tp, ``Replicate()`` on dp), built from the
+    TP-local pieces (on meta too)."""
+    tp = mesh.get_local_rank("tp"), mesh.size((mesh.mesh_dim_names or ()).index("tp"))
+    for layer, tp_w, tp_b in ((model.a, Shard(0), Shard(0)), (model.b, Shard(1), Replicate())):
+        for name, placement in (("weight", tp_w), ("bias", tp_b)):
+            value = getattr(layer, name).detach()
+            shape, stride = value.shape, value.stride()
+            if isinstance(placement, Shard):
+                value = value.chunk(tp[1], dim=placement.dim)[tp[0]]
+            placements = [placement if n == "tp" else Replicate()
+                          for n in mesh.mesh_dim_names or ()]
+            layer.register_parameter(name, nn.Parameter(
+                DTensor.from_local(value.clone(), mesh, placements, run_check=False,
+                                   shape=shape, stride=stride)))
+    return model
+
+
+def _meta_worker(rank: int, world: int, kind: str, path: str) -> list[str]:
+    """TP parameters built on meta (``spmd_types`` annotated, or DTensors), wrapped, then
+    ``to_empty`` and the values loaded from a DCP checkpoint of the model built on the device
+    (torchtitan's checkpoint-initialized start: ``get_model_state_dict``, ``dcp.load``,
+    ``set_model_state_dict``), by ours and by FSDP2: the same
+    training as from the model built on the device. Without ``to_empty`` ours refuses to
+    materialize them (its ``reset_parameters`` on a piece would not draw the whole values)."""
+    from test_dp_mesh_dims_tp import Mlp
+    from test_dp_mesh_dims_tp import _train as train_dtensor
+
+    mesh, dims = _mesh("fsdp_tp")
+    dp_rank, dp = _dp_rank(mesh)
+    cls = SpMlp if kind == "spmd_types" else Mlp
+    torch.manual_seed(0)
+    base = cls()
+    dcp.save(base.state_dict(), checkpoint_id=path)  # plain tensors: replicated
+
+    def build() -> nn.Module:
+        with torch.device("meta"):
+            model = cls()
+        return _annotate(model, mesh) if kind == "spmd_types" else _dtensor_params(model, mesh)
+
+    def train(model: nn.Module) -> list[float]:
+        if kind == "spmd_types":
+            return _train(model, _batches(2, dp), None if model is ref else dp_rank)
+        return train_dtensor(model, None if model is ref else mesh, dp_rank, dp)
+
+    ref = copy.deepcopy(base)
+    want = train(ref)
+    errors: list[str] = []
+    for who, wrap in (("ours", fully_shard), ("FSDP2", fsdp2_fully_shard)):
+        model = build()
+        wrap(model, mesh=mesh if who == "ours" else _fsdp2_mesh(mesh), dp_mesh_dims=dims)
+        model.to_empty(device="cpu")
+        state = get_model_state_dict(model)
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(model, state)
+        got = train(model)
+        if not torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5):
+            errors.append(f"{who}: losses and norms {got} vs single process {want}")
+        errors += _close(f"{who}: parameter", _full(model), _full(ref))
+    model = build()
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    try:
+        model.state_dict()  # would materialize
+        errors.append("ours: materialized tensor-parallel meta parameters")
+    except RuntimeError as e:
+        first = "'n1'" if kind == "spmd_types" else "'a.weight'"
+        if "to_empty" not in str(e) or first not in str(e):
+            errors.append(f"ours: unclear refusal: {e}")
+    if not all_ranks_ok(not errors):
+        errors = errors or ["failed on another rank"]
+    return [f"{kind} rank {rank}: {e}" for e in errors]
+
+
+@pytest.mark.parametrize("kind", ["spmd_types", "dtensor"])
+def test_meta_tp_params(ranks: RankPools, kind: str, tmp_path: Any) -> None:
+    failures = [e for r in ranks.run(_meta_worker, WORLD, kind, str(tmp_path),
+                                     timeout_s=TIMEOUT_S) for e in r]
+    assert not failures, "\n".join(failures[:20])
+
+
+# ---------------------------------------------------------------- refused as FSDP2 refuses
+
+# (case, a.weight's annotation on (dp, tp), our error type, message needle, FSDP2 refuses too)
+BAD = [
+    ("bare V", (spmd.R, spmd.V), ValueError, "without a partition spec", True),
+    ("V on dp", (spmd.V, spmd.S(0)), ValueError, "requires R there", True),
+    ("no tp type", (spmd.R, None), ValueError, "no type on the mesh dim 'tp'", True),
+    ("P on tp", (spmd.R, spmd.P), NotImplementedError, "P (partial)", False),
+]
+
+
+def _errors_worker(rank: int, world: int) -> list[str]:
+    """Each refusal names the parameter and the fix, before any collective but fully_shard's
+    cross-rank agreement on the wrap, the module left as it was; FSDP2 (the control) refuses
+    the same annotations, except a partial ``P`` parameter (stored as a ``Partial()`` DTensor)."""
+    mesh, dims = _mesh("fsdp_tp")
+    errors = []
+    for case, (on_dp, on_tp), error, needle, fsdp2_refuses in BAD:
+        for who in ("ours", "FSDP2"):
+            torch.manual_seed(0)
+            model = _annotate(SpMlp(), mesh)
+            param = nn.Parameter(model.a.weight.detach().clone())
+            model.a.register_parameter("weight", param)
+            types = {mesh.get_group("dp"): on_dp}
+            if on_tp is not None:
+                types[mesh.get_group("tp")] = on_tp
+            spmd.assert_type(param, types)
+            try:
+                with GroupCommMode() as comm:
+                    if who == "ours":
+                        fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+                    else:
+                        fsdp2_fully_shard(model, mesh=_fsdp2_mesh(mesh), dp_mesh_dims=dims)
+            except (ValueError, NotImplementedError) as e:
+                if who == "FSDP2":
+                    if not fsdp2_refuses:
+                        errors.append(f"{case}: FSDP2 refused it ({e})")
+                    continue
+                if type(e) is not error or needle not in str(e) or "'a.weight'" not in str(e):
+                    errors.append(f"{case}: {type(e).__name__}: {e}")
+                # Only fully_shard's cross-rank agreement on the wrap (one all-gather), which
+                # makes every rank raise together.
+                if set(op for op, _ in _label(comm.by_group, {})) - {"AG"} or sum(
+                        comm.by_group.values()) > 1 or type(model) is not SpMlp:
+                    errors.append(f"{case}: collectives {dict(comm.by_group)} or module changed")
+            else:
+                if who == "ours" or fsdp2_refuses:
+                    errors.append(f"{case}: {who} accepted it")
+    if not all_ranks_ok(not errors):
+        errors = errors or ["failed on another rank"]
+    return [f"rank {rank}: {e}" for e in errors]
+
+
+def test_refusals_match_fsdp2(ranks: RankPools) -> None:
+    failures = [e for r in ranks.run(_errors_worker, WORLD, timeout_s=TIMEOUT_S) for e in r]
     assert not failures, "\n".join(failures[:20])

@@ -231,6 +231,13 @@ class FSDP2Surface(TorchFSDPModule):
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         groups = self._own_state().groups
+        if any(g.host_offload is not None for g in groups):
+            raise NotImplementedError(
+                f"set_all_reduce_hook on {type(self).__name__} with offload_policy="
+                "CPUOffloadPolicy(): its reduced gradients are in host memory, where a hook's "
+                "collective (a replica all-reduce) cannot run on an accelerator backend. Leave "
+                "offload_policy unset for this unit, or reduce across replicas with an HSDP mesh"
+            )
         if stream is not None:
             if any(g.mesh.ndim > 1 for g in groups):
                 raise ValueError(

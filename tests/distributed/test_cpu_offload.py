@@ -574,3 +574,23 @@ def test_cuda_path_equals_no_offload(world: int, case: str) -> None:
             for got, want in zip(run["params"], plain["params"]):
                 torch.testing.assert_close(got, want, rtol=tol, atol=1e-6)
         assert plain["param_devices"] == ["cuda"], (rank, plain["param_devices"])
+
+
+def _hook_refusal_worker(rank: int, world: int) -> str:
+    model, _ = _net()
+    with _forced_copies():
+        _wrap(model, offload_policy=CPUOffloadPolicy())
+    try:
+        model.set_all_reduce_hook(lambda reduced: None)  # type: ignore[operator]
+    except NotImplementedError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_all_reduce_hook_is_refused_on_the_copying_path(ranks: RankPools) -> None:
+    """FSDP2's all-reduce hook would get the reduced gradients in host memory, where its
+    collective cannot run on NCCL: refused naming the policy, on every rank."""
+    for rank, message in enumerate(ranks.run(_hook_refusal_worker, 2, timeout_s=TIMEOUT_S)):
+        for needle in ("set_all_reduce_hook", "CPUOffloadPolicy()", "host memory",
+                       "Leave offload_policy unset"):
+            assert needle in message, (rank, message)

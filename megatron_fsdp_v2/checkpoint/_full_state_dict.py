@@ -52,7 +52,8 @@ def gather_full_params(
     materialize(module)  # a model built on the meta device: values first (no collective)
     out: dict[tuple[int, int], torch.Tensor] = {}
     for group in _unique_groups(module.parameters()):
-        main = group.main_weight.detach()
+        # CPU offload keeps the main weights in host memory: gathered on the group's device.
+        main = group.main_weight.detach().to(group.device)
         if group.plan.optimizer_placement is not Extent.FULL:  # rows of its own on each rank
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             shard = main.contiguous()

@@ -154,7 +154,8 @@ def _plan_buckets(entries: list[tuple[str, Any]], managed: dict[str, nn.Paramete
         if h is None:
             h = holders[id(group)] = _Holders(group)
         item = group.layout.items[index]
-        dtype, device = group.main_weight.dtype, group.main_weight.device
+        # The group's device: CPU offload keeps main weights in host memory, gathered here.
+        dtype, device = group.main_weight.dtype, group.device
         pieces = [group.layout.local_item_range(index, *span) for span in h.spans]
         sizes = [hi - lo for lo, hi in pieces]
         bucket = buckets[-1] if buckets else None
@@ -223,13 +224,15 @@ def _gather(bucket: _Bucket, buffer: _Buffer, assemble: bool) -> torch.Tensor | 
     assembly = buffer.assembly_region(bucket) if assemble else None
     if bucket.gather_process_group is None:
         if assembly is not None and bucket.send:
-            ops.pack_([t for t, _ in bucket.send], [o for _, o in bucket.send], assembly)
+            ops.pack_([t.to(assembly.device) for t, _ in bucket.send],
+                      [o for _, o in bucket.send], assembly)
         return assembly
     await_every_rank(_CALL, bucket.gather_process_group)
     gathered = buffer.gather_region(bucket)
     slot = gathered[bucket.slot * bucket.slot_numel : (bucket.slot + 1) * bucket.slot_numel]
-    if bucket.send:
-        ops.pack_([t for t, _ in bucket.send], [o for _, o in bucket.send], slot)
+    if bucket.send:  # host rows (CPU offload) copied to the device first
+        ops.pack_([t.to(slot.device) for t, _ in bucket.send], [o for _, o in bucket.send],
+                  slot)
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     gather(gathered, slot, group=bucket.gather_process_group)
     if assembly is not None and bucket.recv:

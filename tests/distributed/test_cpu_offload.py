@@ -46,7 +46,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecisionPo
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor
 
-from megatron_fsdp_v2 import FSDPModule, MixedPrecisionPolicy, estimate, fully_shard, memory_report
+from megatron_fsdp_v2 import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    estimate,
+    fully_shard,
+    iter_full_weights,
+    memory_report,
+)
 from megatron_fsdp_v2 import checkpoint as mckpt
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2._runtime._offload import FORCE_COPIES_ENV, OffloadConfig
@@ -317,6 +324,23 @@ def _final_params(model: nn.Module) -> list[torch.Tensor]:
     return [p.to_local().detach().clone() for p in model.parameters()]
 
 
+def _full_weights(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """The full weights on the host, through get_full_state_dict and iter_full_weights (both
+    gather the main weights, which the copying path keeps in host memory)."""
+    full = mckpt.get_full_state_dict(model, rank0_only=False)
+    streamed = {n: t.detach().to("cpu", copy=True)
+                for n, t in iter_full_weights(model, bucket_size_mb=1)}
+    return {"full": {n: t.detach().cpu() for n, t in full.items()}, "streamed": streamed}
+
+
+def _same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                  tol: float = 0.0) -> list[str]:
+    if list(got) != list(want):
+        return [f"names {list(got)} != {list(want)}"]
+    return [name for name in got if not torch.allclose(got[name], want[name], rtol=tol,
+                                                       atol=tol and 1e-6)]
+
+
 def _copies_worker(rank: int, world: int, case: str) -> dict[str, Any]:
     ours_kw, fsdp2_kw, _ = _CASES[case]
     runs: dict[str, Any] = {}
@@ -331,6 +355,8 @@ def _copies_worker(rank: int, world: int, case: str) -> dict[str, Any]:
             _wrap(model, wrap, **kw)
         runs[name] = _train(model, ref, steps=3, micro=2, count_step=1)
         runs[name]["params"] = _final_params(model)
+        if name != "fsdp2":
+            runs[name].update(_full_weights(model))
         if name == "copies":
             runs[name]["problems"] = _host_layout_problems(model)
     return runs
@@ -350,6 +376,8 @@ def test_copying_path_equals_no_offload_fsdp2_and_one_process(ranks: RankPools,
         assert copies["losses"] == plain["losses"], (rank, copies["losses"], plain["losses"])
         for got, want in zip(copies["params"], plain["params"]):
             assert torch.equal(got, want), (rank, got, want)
+        for how in ("full", "streamed"):  # the full weights, gathered from the host buffers
+            assert not _same_weights(copies[how], plain[how]), (rank, how)
         torch.testing.assert_close(copies["losses"], fsdp2["losses"], rtol=tol, atol=1e-6)
         torch.testing.assert_close(copies["losses"], copies["ref_losses"], rtol=tol, atol=1e-6)
         if tol <= 1e-5:
@@ -540,6 +568,7 @@ def _cuda_worker(rank: int, world: int, case: str) -> dict[str, Any]:
                                               for p in model.parameters()})
         runs[name]["where"] = where
         runs[name]["offloaded"] = memory_report(model).offloaded_bytes
+        runs[name].update(_full_weights(model))
     return runs
 
 
@@ -573,6 +602,8 @@ def test_cuda_path_equals_no_offload(world: int, case: str) -> None:
             torch.testing.assert_close(run["norms"][0], run["norms"][1], rtol=tol, atol=1e-6)
             for got, want in zip(run["params"], plain["params"]):
                 torch.testing.assert_close(got, want, rtol=tol, atol=1e-6)
+            for how in ("full", "streamed"):  # gathered from the host buffers over NCCL
+                assert not _same_weights(run[how], plain[how], tol), (rank, name, how)
         assert plain["param_devices"] == ["cuda"], (rank, plain["param_devices"])
 
 

@@ -22,7 +22,11 @@ import torch.nn.functional as F
 from test_refresh_buckets import Units
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: the tree's runtime context (what the schedule waits on)
 from megatron_fsdp_v2._registry import state_of
+
+# private: the issuer's wait handles (Pending / Deferred)
 from megatron_fsdp_v2._runtime import _issuer
 
 from _comm_counts import CollectiveCounts

@@ -51,6 +51,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: counts the units' parameter groups (state_of(unit).groups)
 from megatron_fsdp_v2._registry import state_of
 
 from _models import Block, agree

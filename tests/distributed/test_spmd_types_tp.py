@@ -42,6 +42,8 @@ from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: counts the units' parameter groups (state_of(unit).groups)
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing._pool import _clear_dtensor_caches
 

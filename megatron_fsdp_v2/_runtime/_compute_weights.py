@@ -34,6 +34,7 @@ between forward and backward: ``T/n`` per unit instead of nothing (or ``T`` with
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
 import torch
@@ -54,7 +55,26 @@ if TYPE_CHECKING:
     from ._refresh_buckets import RefreshBucket
     from ._subclass_gather import ExtensionGather
 
-__all__ = ["ComputeWeights", "set_compute_local"]
+__all__ = ["ComputeWeights", "WeightState", "set_compute_local"]
+
+
+class WeightState(enum.Enum):
+    """Where a group's compute weights stand (FSDP2's ``ShardedState``, with what is in
+    flight). A group that gathers (ZeRO-3): ``SHARDED`` -> ``GATHERING`` (issued) ->
+    ``GATHERED`` (waited on) -> ``SHARDED`` (freed). A group whose compute weights are
+    replicated: ``REPLICATED``, ``REFRESHING`` while a refresh from updated main weights is in
+    flight (whether they are stale is ``needs_refresh``)."""
+
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    GATHERED = "gathered"
+    REPLICATED = "replicated"
+    REFRESHING = "refreshing"
+
+
+_GATHERED_STATES = frozenset({WeightState.GATHERING, WeightState.GATHERED})
+_IN_FLIGHT = {WeightState.GATHERING: WeightState.GATHERED,  # -> what waiting makes it
+              WeightState.REFRESHING: WeightState.REPLICATED}
 
 
 def set_compute_local(record: ParamRecord, local: torch.Tensor) -> None:
@@ -88,7 +108,7 @@ class ComputeWeights:
     views_generation: int
     _views_bound: bool
     _bound_to: torch.Tensor | None
-    _gathered: bool
+    weight_state: WeightState
     _weights_stale: bool
     _pending_weights: Finishable | None
     _main_version: int
@@ -139,9 +159,10 @@ class ComputeWeights:
         """The compute parameters are about to be used (forward, recompute, backward): tensors
         autograd saves may view the gathered scratch buffer until backward, so it must get the same
         memory whenever it is gathered again in this iteration (``ScratchAllocator.pin``)."""
-        if self._gathered and self.extension is not None:
+        gathered = self.is_gathered
+        if gathered and self.extension is not None:
             self.extension.pin_scratch()
-        elif self._gathered:
+        elif gathered:
             self.allocator.pin(self.temporary_key("unsharded_model_weight"))
 
     def drop_gathered_views(self) -> None:
@@ -151,10 +172,10 @@ class ComputeWeights:
         gradient aliases cached over a scratch buffer (any group)."""
         self.grads.forget_temporary_aliases()
         if self.extension is not None:
-            if self.plan.gathers_weights and not self._gathered:
+            if self.plan.gathers_weights and not self.is_gathered:
                 self.extension.forget_compute_params()
             return
-        if not self.plan.gathers_weights or self._gathered or not self._views_bound:
+        if not self.plan.gathers_weights or self.is_gathered or not self._views_bound:
             return
         self.bind()
         self._views_bound = False
@@ -179,7 +200,7 @@ class ComputeWeights:
         changed, so the forward gathers them again; returns whether it freed them."""
         if self._post_forward_generation not in (None, self.main_generation):
             self.drop_post_forward_slice()
-        if self._gathered and self._gathered_generation != self.main_generation:
+        if self.is_gathered and self._gathered_generation != self.main_generation:
             return self.free_gathered_weights()
         return False
 
@@ -202,7 +223,7 @@ class ComputeWeights:
         self.wait_for_compute_weights()
         key = self.temporary_key("unsharded_model_weight")
         unsharded = self.allocator.get(key)
-        if not self._gathered or unsharded is None or not self.allocator.is_allocated(key):
+        if not self.is_gathered or unsharded is None or not self.allocator.is_allocated(key):
             return self.free_gathered_weights()
         slot_numel = self.layout.total_numel // self.post_forward_size
         start = self.post_forward_rank * slot_numel
@@ -246,7 +267,7 @@ class ComputeWeights:
         Returns whether a collective was issued."""
         # Nothing to do (every pre-forward and pre-backward of a ready unit asks): skip the
         # inference-mode context, a measurable per-unit cost on many small units.
-        if self._gathered if self.plan.gathers_weights else not self._weights_stale:
+        if self.is_gathered if self.plan.gathers_weights else not self._weights_stale:
             return False
         # Scratch buffers and views made under inference mode could never be updated in place again.
         with torch.inference_mode(False):
@@ -255,7 +276,7 @@ class ComputeWeights:
             return self._refresh(async_op)
 
     def _gather(self, async_op: bool) -> bool:
-        if self._gathered:
+        if self.is_gathered:
             return False
         self._gathered_generation = self.main_generation
         if self.extension is not None:
@@ -265,7 +286,7 @@ class ComputeWeights:
                 outer = self.extension.refresh_inner_shard(async_op)
             self._weights_stale = False
             self._pending_weights = self.extension.gather_scratch(async_op, after=outer)
-            self._gathered = True
+            self._now(WeightState.GATHERING)
             return True
         if self._post_forward_generation is not None:
             if self._post_forward_generation == self.main_generation:
@@ -301,7 +322,7 @@ class ComputeWeights:
             self._pending_weights = gather_weights(
                 output, self.model_weight, self.issuer, async_op, after=refresh,
             )
-        self._gathered = True
+        self._now(WeightState.GATHERING)
         return True
 
     def _gather_from_post_forward_slice(self, async_op: bool) -> bool:
@@ -321,15 +342,19 @@ class ComputeWeights:
             output, kept, self.issuer, async_op, axis="post_forward",
             complete=lambda: self.allocator.free(key),
         )
-        self._gathered = True
+        self._now(WeightState.GATHERING)
         return True
 
     def _refresh(self, async_op: bool) -> bool:
         if not self._weights_stale:
             return False
+        # Stale again while a refresh is in flight (a step after ``unshard(async_op=True)``):
+        # that one finishes first, its handle is never dropped unwaited.
+        self.wait_for_compute_weights()
         if self.extension is not None and not self.plan.keeps_model_weight:
             self._weights_stale = False
             self._pending_weights = self.extension.refresh_persistent(async_op)
+            self._now(WeightState.REFRESHING)
             return True
         bucket = self.refresh_bucket
         if bucket is not None:  # issuing it makes this group fresh (take_refresh)
@@ -338,17 +363,32 @@ class ComputeWeights:
         self._pending_weights = refresh_weights(
             self.plan, self.main_weight, self.model_weight, self.issuer, async_op,
         )
-        return self._pending_weights is not None
+        if self._pending_weights is None:
+            return False
+        self._now(WeightState.REFRESHING)
+        return True
 
     def take_refresh(self, pending: Finishable) -> None:
         """This group's refresh was issued as part of a bucket; ``pending`` completes it."""
         self.wait_for_compute_weights()
         self._weights_stale = False
         self._pending_weights = pending
+        self._now(WeightState.REFRESHING)
+
+    def _now(self, state: WeightState) -> None:
+        """A gather or refresh was issued: its handle is ``_pending_weights``."""
+        # Issued from rest only: nothing in flight is ever overwritten unwaited.
+        assert self.weight_state is (
+            WeightState.SHARDED if state is WeightState.GATHERING else WeightState.REPLICATED
+        ), (self.weight_state, state)
+        self.weight_state = state
 
     def wait_for_compute_weights(self) -> None:
         pending, self._pending_weights = self._pending_weights, None
         if pending is not None:
+            # Settled before finishing: a wait that raises leaves them gathered (freed by the
+            # recovery) rather than in flight forever.
+            self.weight_state = _IN_FLIGHT.get(self.weight_state, self.weight_state)
             pending.finish()
 
     @traced("mfsdp::free")
@@ -357,21 +397,23 @@ class ComputeWeights:
         an in-flight gather or refresh first (one launched for a unit that control flow then
         skipped must finish before its buffer is reused or overwritten)."""
         self.wait_for_compute_weights()
-        if not self._gathered:
+        if not self.is_gathered:
             return False
         if self.extension is not None:
             self.extension.free_scratch()
         else:
             self.allocator.free(self.temporary_key("unsharded_model_weight"))
-        self._gathered = False
+        self.weight_state = WeightState.SHARDED
         return True
 
     @property
     def is_gathered(self) -> bool:
-        return self._gathered
+        """A group that gathers holds its gathered weights (or their gather is in flight)."""
+        return self.weight_state in _GATHERED_STATES
 
     @property
     def holds_weight_work(self) -> bool:
         """Gathered weights or an in-flight gather or refresh: what
         :meth:`free_gathered_weights` acts on (a cheap check for the many hooks that ask)."""
-        return self._gathered or self._pending_weights is not None
+        return self.weight_state is not WeightState.SHARDED \
+            and self.weight_state is not WeightState.REPLICATED

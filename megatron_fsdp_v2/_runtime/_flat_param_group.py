@@ -44,7 +44,7 @@ from .._comm._collective_impl import GroupCollectives
 from .._dtensor._parameter import as_parameter
 from .._dtensor._tp_params import TPFace
 from ..api import ResolvedDtypes, ShardingStrategy
-from ._compute_weights import ComputeWeights
+from ._compute_weights import ComputeWeights, WeightState
 from ._grads import GroupGrads
 from ._issuer import Deferred, Finishable, GroupIssuer
 from ._offload import HostOffload, OffloadConfig
@@ -187,7 +187,9 @@ class FlatParamGroup(ComputeWeights):
         # The refresh bucket planned for this group's next refresh, if any (see [Note: refresh
         # buckets] in _refresh_buckets.py).
         self.refresh_bucket: RefreshBucket | None = None
-        self._gathered = False
+        self.weight_state = (  # see WeightState
+            WeightState.SHARDED if self.plan.gathers_weights else WeightState.REPLICATED
+        )
         self._main_version = self.dist_param_version()
         # [Note: gathered weights never older than the main weights] (in _compute_weights.py).
         self.main_generation = 0

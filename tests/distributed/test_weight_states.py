@@ -1,0 +1,58 @@
+"""A flat group's compute weights have one explicit state (``WeightState`` in
+``megatron_fsdp_v2/_runtime/_compute_weights.py``, FSDP2's ``ShardedState`` with what is in
+flight) instead of booleans: a group that gathers goes SHARDED -> GATHERING -> GATHERED ->
+SHARDED, a replicated one REPLICATED -> REFRESHING -> REPLICATED. Walked through the public
+``unshard``/``reshard`` and a training step, and the weights each state claims checked against
+the module's parameters of a single-process copy."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2._registry import state_of
+
+TIMEOUT_S = 120.0
+
+
+def _walk(rank: int, world: int, strategy: str) -> list[str]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    fully_shard(model[0], sharding_strategy=strategy)
+    fully_shard(model, sharding_strategy=strategy)
+    group = state_of(model[0]).groups[0]  # type: ignore[union-attr]
+    seen = [group.weight_state.value]
+    if strategy == "optim":  # replicated compute weights: refreshed after a step
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        x = torch.randn(world, 4, 8, generator=torch.Generator().manual_seed(1))
+        model(x[rank]).sum().backward()
+        reference(x.reshape(-1, 8)).sum().div(world).backward()
+        opt.step()
+        ref_opt.step()
+        seen.append("stale" if group.needs_refresh else "current")
+    handle = model[0].unshard(async_op=True)  # type: ignore[operator]
+    seen.append(group.weight_state.value)
+    handle.wait()
+    seen.append(group.weight_state.value)
+    # What GATHERED / REPLICATED claims: the module computes with the current weights.
+    torch.testing.assert_close(model[0].weight.detach(), reference[0].weight.detach())
+    model[0].reshard()  # type: ignore[operator]
+    seen.append(group.weight_state.value)
+    return seen
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy,expected", [
+    ("optim_grads_params", ["sharded", "gathering", "gathered", "sharded"]),
+    ("optim", ["replicated", "stale", "refreshing", "replicated", "replicated"]),
+])
+def test_weight_states(ranks: Any, strategy: str, expected: list[str]) -> None:
+    for rank, seen in enumerate(ranks.run(_walk, 2, strategy, timeout_s=TIMEOUT_S)):
+        assert seen == expected, (rank, seen)

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from .. import _registry
 from .._buffers._plan import Collective, Refresh
 from .._profiling import traced
 from ._float8_cast import fused_float8_cast
@@ -146,8 +147,6 @@ class ExtensionGather:
         self._viewed = None
 
     def _set_compute_param(self, record: ParamRecord, param: nn.Parameter) -> None:
-        from .. import _registry  # noqa: PLC0415 - _registry imports this package for typing
-
         record.compute_param = param
         _registry.register_records([record])
         self.group.views_generation += 1

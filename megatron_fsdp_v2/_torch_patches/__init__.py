@@ -17,7 +17,8 @@ running and tested versions and the fix (pin torch, or opt in with
 Dependency direction: this package holds only the mechanics (finding the targets, saving the
 originals, rebinding, restoring; ``_patch.py``, ``_targets.py``, ``_op_handlers.py``). What a
 replacement does lives with the layer it belongs to (``_dtensor/`` for DTensor and state-dict
-paths, ``_frontend/_fsdp2_compat.py`` for the clipping route) as plain functions that take
+paths, ``_runtime/`` for those that read records and for the clipping route) as plain
+functions that take
 torch's original as their first argument. The patch modules import that logic (at install
 time) and pass the originals in; the logic never
 imports this package and holds no torch original of its own. So: ``_frontend._fully_shard`` ->

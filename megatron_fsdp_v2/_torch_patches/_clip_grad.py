@@ -1,5 +1,5 @@
 """Patch: ``torch.nn.utils.clip_grad_norm_`` (both names) and ``get_total_norm``, routed by
-``_frontend/_fsdp2_compat.py`` (see [Note: torch clip_grad_norm_ route] there)."""
+``_runtime/_clip_route.py`` (see [Note: torch clip_grad_norm_ route] there)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ __all__ = ["PATCH", "install", "is_installed", "uninstall"]
 
 
 def _plan() -> Plan:
-    from .._frontend._fsdp2_compat import routed_clip_grad_norm_, routed_get_total_norm
+    from .._runtime._clip_route import routed_clip_grad_norm_, routed_get_total_norm
 
     torch_clip = clip_grad.clip_grad_norm_
 

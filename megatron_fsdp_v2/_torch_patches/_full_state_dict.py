@@ -1,6 +1,6 @@
 """Patch: ``torch.distributed._state_dict_utils._distribute_state_dict`` and
 ``_distribute_tensors`` (and their names in ``checkpoint.state_dict``), with
-``_dtensor/_torch_full_state_dict.py``'s cut at our rows, and ``checkpoint.state_dict.
+``_runtime/_torch_full_state_dict.py``'s cut at our rows, and ``checkpoint.state_dict.
 _load_model_state_dict``, with its rank-agreed model load in the combined ``set_state_dict``
 with ``broadcast_from_rank0`` (see [Note: torch's full-state-dict loads] there)."""
 
@@ -38,7 +38,7 @@ def _wrap_returning(torch_fn: Callable[..., Any], logic: Callable[..., Any]
 def _plan() -> Plan:
     from torch.distributed import _state_dict_utils as utils
 
-    from .._dtensor import _torch_full_state_dict as logic
+    from .._runtime import _torch_full_state_dict as logic
 
     plan: Plan = []
     for name, replacement in (("_distribute_state_dict", logic.distribute_state_dict),

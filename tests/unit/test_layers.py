@@ -41,16 +41,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 # (importer, imported) -> why this import points up. Module names are relative to the package.
-UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {
-    ("_frontend._fsdp2_compat", "utils"): (
-        "the clipping route that torch's clip_grad_norm_ patch runs calls the public "
-        "clip_grad_norm_/get_total_norm, whose implementation lives in utils.py"
-    ),
-    ("_torch_patches._clip_grad", "_frontend._fsdp2_compat"): (
-        "the clip_grad_norm_ patch installs the clipping route, which lives with the other "
-        "FSDP2-compatibility logic in the frontend"
-    ),
-}
+UPWARD_EXCEPTIONS: dict[tuple[str, str], str] = {}
 
 # Imports that close a cycle, allowed for now: (importer, imported) -> why.
 CYCLE_EXCEPTIONS: dict[tuple[str, str], str] = {}
@@ -68,24 +59,38 @@ REGISTRY_IMPORTERS: frozenset[str] = frozenset({
     "_runtime._expert_names", "_runtime._lazy_init", "_runtime._memory",
     "_runtime._module_tree", "_runtime._muon", "_runtime._optimizer_hooks",
     "_runtime._optimizer_local", "_runtime._state_dict_hooks", "_runtime._whole_matrices",
-    "_runtime._optim_state_check",
+    "_runtime._optim_state_check", "_runtime._torch_full_state_dict", "_runtime._clipping",
+    "_runtime._clip_route",
 })
 
-# Importers of ``_registry`` below the entry points, still to be given their values as
-# arguments: module -> what it reads there today.
+# Importers of ``_registry`` below the entry points, each with why it cannot be handed its value
+# (yet): module -> reason. Most own one piece of process-wide state, kept in the registry so
+# that ``reset()`` forgets it; the others read what changes after wrapping, at hook time.
 REGISTRY_EXCEPTIONS: dict[str, str] = {
-    "_runtime._registered_params": "the unit state of a module",
-    "_runtime._subclass_gather": "the record of a parameter",
-    "_init._materialize": "the meta-device units waiting for values",
-    "_init._conversions": "the depth of conversions in progress",
-    "_dtensor._uneven_meshes": (
-        "the meshes of units (the frontend registers them; torch's patched DTensor paths ask "
-        "this module, the one reader of that list)"
+    "_runtime._registered_params": (
+        "its checks at each hook read which modules a unit owns and which parameters are "
+        "managed, which change as the user wraps more modules (owned_modules, record_of)"
     ),
-    "_dtensor._torch_full_state_dict": "the records of parameters",
-    "_comm._process_groups": "the library's process groups and default meshes",
-    "_comm._collectives": "the side streams of collectives",
-    "_comm._arrival": "the arrival counts of calls",
+    "_runtime._subclass_gather": (
+        "an all-gather extension's (FP8) gather rebuilds a compute parameter object and "
+        "registers it as its record's new compute face"
+    ),
+    "_init._materialize": (
+        "owns the meta-device units waiting for values (adopted at wrap time, materialized by "
+        "the units' state-dict hooks or the first forward)"
+    ),
+    "_init._conversions": "owns the depth of .to()/.to_empty() conversions in progress",
+    "_dtensor._uneven_meshes": (
+        "owns the meshes of units (the frontend registers them; torch's patched DTensor paths "
+        "ask this module, the one reader of that list)"
+    ),
+    "_comm._process_groups": (
+        "owns the cache of the library's process groups and default meshes (one per process)"
+    ),
+    "_comm._collectives": "owns the cache of CUDA side streams, one set per device",
+    "_comm._arrival": (
+        "owns the arrival counts of calls (kept across reset: torch's store keys outlive it)"
+    ),
 }
 
 

@@ -2,7 +2,8 @@
 ``set_optimizer_state_dict`` with ``StateDictOptions(full_state_dict=True)``, with or without
 ``broadcast_from_rank0`` (torchtitan's seed checkpoint). Installed with the other torch
 patches (``_torch_patches/_full_state_dict.py`` wraps torch's two functions with the two here);
-entries on other meshes take torch's path untouched.
+entries on other meshes take torch's path untouched. It looks up the records and unit states of
+the model torch hands it, hence its place in the runtime (the DTensor layer below reads none).
 
 [Note: torch's full-state-dict loads]
 torch cuts each full tensor to the target DTensor's layout itself, before any module or
@@ -54,8 +55,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .. import _registry
-from . import _chunk_metadata as _sd
-from ._uneven_meshes import mesh_is_registered, tp_dims_of
+from .._dtensor import _chunk_metadata as _sd
+from .._dtensor._uneven_meshes import mesh_is_registered, tp_dims_of
 
 __all__ = ["distribute_state_dict", "distribute_tensors", "load_model_state_dict"]
 

@@ -325,7 +325,7 @@ class _Setup:
     """One comparison: a torchtitan configuration trained by FSDP2, then by ours."""
 
     nproc: int
-    parallel: tuple[str, ...]  # torchtitan's --parallelism.* arguments
+    titan: tuple[str, ...]  # torchtitan's --parallelism.* (and other) arguments of this run
     config: str = "llama3_debugmodel"
     float8: bool = False  # torchtitan's float8 linears, emulated (no SM89+ here)
     resume: bool = False  # checkpoint mid-run, resume, compare with the uninterrupted run
@@ -345,7 +345,12 @@ SUITE: dict[str, _Setup] = {
     "tp": _Setup(4, _dims(shard=2, tp=2)),
     # torchtitan refuses PP unless its CUDA graphs are off (they are not used on CPU anyway).
     "pp": _Setup(4, (*_dims(shard=2, pp=2), "--training.disable_cuda_graphs")),
-    "float8": _Setup(2, _dims(shard=2), config="llama3_debugmodel_float8", float8=True),
+    # Clipping off: the clip coefficient divides by the gradient norm, which FSDP2 computes
+    # about 6e-5 (relative) off on CPU (see the docstring); float8's rounding turns that into
+    # loss differences of ~2e-4 by step 8 (measured), while without clipping the losses are
+    # bitwise FSDP2's. The norms are still compared in the table.
+    "float8": _Setup(2, (*_dims(shard=2), "--training.max_norm", "1e9"),
+                     config="llama3_debugmodel_float8", float8=True),
     "resume": _Setup(2, _dims(shard=2), resume=True),
 }
 
@@ -358,7 +363,7 @@ def _titan_args(args: argparse.Namespace, setup: _Setup, steps: int | None = Non
         "--training.seq_len", str(args.seq_len),
         # fp32 compute: CPU bf16 is slow and the comparison is of the sharding, not of rounding.
         "--training.mixed_precision_param", "float32",
-        *setup.parallel,
+        *setup.titan,
         "--debug.seed", "42",
         # Not --debug.deterministic: it puts torch.compile'd FlexAttention back in place of
         # the CPU stand-in; CPU kernels and gloo are run-to-run deterministic anyway.

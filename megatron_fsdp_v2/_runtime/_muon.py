@@ -112,6 +112,13 @@ def plan_of(optimizer: torch.optim.Optimizer) -> MuonPlan:
                 "modules (wrap the module that owns this matrix too), or use a separate "
                 "torch.optim.Muon for the unmanaged ones. Nothing was changed"
             )
+        if record.group.host_offload is not None:
+            raise NotImplementedError(
+                f"torch.optim.Muon: parameter '{record.fqn}' of {record.group.owner} is kept in "
+                "host memory by offload_policy=CPUOffloadPolicy(), and Muon's whole-matrix "
+                "exchange is not implemented for host buffers. Leave offload_policy unset, or "
+                "use AdamW. Nothing was changed"
+            )
         if p.ndim != 2:
             raise ValueError(
                 f"torch.optim.Muon: parameter '{record.fqn}' of {record.group.owner} has shape "

@@ -625,3 +625,31 @@ def test_all_reduce_hook_is_refused_on_the_copying_path(ranks: RankPools) -> Non
         for needle in ("set_all_reduce_hook", "CPUOffloadPolicy()", "host memory",
                        "Leave offload_policy unset"):
             assert needle in message, (rank, message)
+
+
+def _muon_refusal_worker(rank: int, world: int) -> dict[str, Any]:
+    model, _ = _net()
+    with _forced_copies():
+        _wrap(model, offload_policy=CPUOffloadPolicy())
+    _loss(model, _batches(1, 1)[0][0]).backward()
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    before = [p.to_local().detach().clone() for p in matrices]
+    muon = torch.optim.Muon(matrices, lr=0.02)
+    try:
+        muon.step()
+    except NotImplementedError as e:
+        message = str(e)
+    else:
+        message = "accepted"
+    unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(matrices, before))
+    return {"message": message, "unchanged": unchanged and not muon.state}
+
+
+def test_muon_is_refused_on_the_copying_path(ranks: RankPools) -> None:
+    """torch.optim.Muon's whole-matrix exchange would run its collectives on host buffers:
+    refused at its first step, before any collective, nothing changed."""
+    for rank, found in enumerate(ranks.run(_muon_refusal_worker, 2, timeout_s=TIMEOUT_S)):
+        for needle in ("torch.optim.Muon", "CPUOffloadPolicy()", "host memory",
+                       "Leave offload_policy unset", "Nothing was changed"):
+            assert needle in found["message"], (rank, found["message"])
+        assert found["unchanged"], rank

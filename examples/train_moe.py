@@ -137,7 +137,8 @@ def clip_grad_norm_ep_(model: torch.nn.Module, max_norm: float,
     1), which reduces on the groups of the *parameters* it gets. ``get_total_norm``, which
     takes gradients, would do two more: its contract is one all-reduce on every library group
     per call whatever the list holds (a rank cannot tell from its gradients which groups its
-    peers reduce on, see [Note: total norm of gradient lists] in ``utils.py``), so its two
+    peers reduce on, see [Note: total norm of gradient lists] in
+    ``megatron_fsdp_v2/_runtime/_clipping.py``), so its two
     calls here would reduce on both the world and edp groups. FSDP2's and the single-process
     reference's norms come from ``torch.nn.utils.get_total_norm`` (FSDP2's as DTensors).
     """

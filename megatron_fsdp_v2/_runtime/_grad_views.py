@@ -18,7 +18,7 @@ micro-batch of a window. Per parameter, as in single-process torch:
   So ``[p.grad for p in params if p.grad is not None]`` holds the same parameters on every
   rank that used the same parameters (FSDP2's own requirement), and torch's clipping, or a
   hand-written one, issues the same collectives everywhere (see [Note: clipping collectives]
-  in ``utils.py``). A parameter this rank did not use and holds no rows of stays ``None``:
+  in ``_clipping.py``). A parameter this rank did not use and holds no rows of stays ``None``:
   another rank's use cannot show in values this rank does not hold.
 * A parameter frozen (``requires_grad_(False)``) in the middle of a window keeps what it
   accumulated before, as torch's ``.grad`` does: its view is installed like a trained one's

@@ -26,6 +26,7 @@ from megatron_fsdp_v2 import fully_shard
 
 from _models import all_ranks_ok
 from _pool import RankPools
+from _training import train_steps
 
 # torch.distributed.fsdp.DataParallelMeshDims is not in torch 2.11 (2.12 has it; the
 # supported range starts at 2.11): fully_shard's dp_mesh_dims cannot be given there.
@@ -46,20 +47,24 @@ class Mlp(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def _train(model: nn.Module, rank: int, world: int, single: bool = False) -> list[float]:
+def _global_mean_losses(model: nn.Module, rank: int, world: int,
+                        single: bool = False) -> list[float]:
     """Two SGD steps on a global batch of ``2 * world`` rows: this rank's rows, or all of them
     (``single``: the single-process reference). Returns the global mean loss per step."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
+    steps = [[(torch.randn(2 * world, 5, generator=g), torch.randn(2 * world, 3, generator=g))]
+             for _ in range(2)]
+
+    def rows(batch: tuple[torch.Tensor, torch.Tensor], rank: int | None) -> Any:
+        mine = slice(None) if rank is None else slice(2 * rank, 2 * rank + 2)
+        return batch[0][mine], batch[1][mine]
+
+    per_step = train_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), steps,
+                           lambda m, b: F.mse_loss(m(b[0]), b[1]),
+                           rank=None if single else rank, select=rows, mark=None,
+                           divide_by_micro=False)
     losses = []
-    for _ in range(2):
-        x, y = torch.randn(2 * world, 5, generator=g), torch.randn(2 * world, 3, generator=g)
-        mine = slice(None) if single else slice(2 * rank, 2 * rank + 2)
-        loss = F.mse_loss(model(x[mine]), y[mine])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
+    for (mean,) in per_step:
         if not single:
             dist.all_reduce(mean)
             mean /= world
@@ -85,8 +90,8 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
     errors = []
     fully_shard(model, mesh=spmd, dp_mesh_dims=DataParallelMeshDims(**dims),
                 sharding_strategy=strategy, shard_placement_fn=lambda p: Shard(0))
-    want_losses = _train(ref, rank, world, single=True)
-    losses = _train(model, rank, world)
+    want_losses = _global_mean_losses(ref, rank, world, single=True)
+    losses = _global_mean_losses(model, rank, world)
     if not torch.allclose(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5):
         errors.append(f"losses {losses} vs single process {want_losses}")
     ref_params = dict(ref.named_parameters())

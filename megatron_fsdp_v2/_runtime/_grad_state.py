@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["GradState"]
+__all__ = ["GradState", "WindowState"]
 
 
 class GradState(enum.Enum):
@@ -20,3 +20,14 @@ class GradState(enum.Enum):
     REDUCED = "reduced"
     """Reduced sums in this rank's part of ``main_grad``; new micro-batches are reduced first and
     then added."""
+
+
+class WindowState(enum.Enum):
+    """Where the gradient window stands, relative to what the optimizer was shown."""
+
+    CLOSED = "closed"
+    """Nothing staged or reduced since the last install (or clearing)."""
+    OPEN = "open"
+    """Something was staged or reduced that the optimizer has not been shown yet."""
+    ENDING = "ending"
+    """The window's steps (HSDP's outer reduction) were launched; installed when they finish."""

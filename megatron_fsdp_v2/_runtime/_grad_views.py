@@ -44,7 +44,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._profiling import traced
-from ._grad_state import GradState
+from ._grad_state import GradState, WindowState
 from ._zeroed_grads import reduced_nonzero
 
 if TYPE_CHECKING:
@@ -60,13 +60,12 @@ class OptimizerGrads:
     group: FlatParamGroup
     state: GradState
     _main_grad: torch.Tensor | None
-    pending_install: bool
+    window: WindowState
     _views: list[DTensor] | None
     _installed: list[DTensor | None]
     _any_installed: bool
     _received: list[bool]
     _frozen_in_window: list[bool]
-    _window_issued: bool
 
     if TYPE_CHECKING:  # defined by GroupGrads or its other part
         def ensure_main_grad(self) -> torch.Tensor: ...
@@ -125,8 +124,7 @@ class OptimizerGrads:
             any_installed |= view is not None
         self._received = [False] * len(self._received)
         self._frozen_in_window = [False] * len(self._frozen_in_window)
-        self.pending_install = False
-        self._window_issued = False
+        self.window = WindowState.CLOSED
         self._any_installed = any_installed
         if not any_installed:  # nothing to show: all zeros, start the next window afresh
             self.release_storage()

@@ -56,7 +56,7 @@ from .._profiling import traced
 from . import _reduce
 from ._all_reduce_hook import AllReduceHook, run_all_reduce_hook
 from ._grad_staging import GradStaging
-from ._grad_state import GradState
+from ._grad_state import GradState, WindowState
 from ._grad_views import OptimizerGrads
 from ._issuer import Deferred, Finishable
 
@@ -92,12 +92,10 @@ class GroupGrads(GradStaging, OptimizerGrads):
         # accumulated in the window before stays theirs, as in torch (see [Note: gradients the
         # optimizer sees]).
         self._frozen_in_window = [False] * n
-        # Something was staged or reduced that the optimizer has not been shown yet.
-        self.pending_install = False
+        # What the optimizer has not been shown yet (see WindowState).
+        self.window = WindowState.CLOSED
         # [Note: HSDP window carry] main_grad_local's values at the window start, if any.
         self._carrying = False
-        # The window's steps (HSDP's outer reduction) were launched and not yet installed.
-        self._window_issued = False
         # [Note: gradients in place] The aliases of the buffer they were built over, and while
         # a backward writes through them, each armed parameter's alias version (else None).
         self._alias_base: torch.Tensor | None = None
@@ -149,7 +147,8 @@ class GroupGrads(GradStaging, OptimizerGrads):
         self.state = GradState.EMPTY
         self._installed = [None] * len(self._installed)
         self._any_installed = False
-        self._window_issued = False
+        if self.window is WindowState.ENDING:  # its outer steps were waited on already
+            self.window = WindowState.OPEN
 
     def restart_accumulation_from_zeros(self) -> None:
         """``main_grad`` holds zeros: valid local partial sums, so the accumulate path goes back
@@ -202,7 +201,8 @@ class GroupGrads(GradStaging, OptimizerGrads):
             # The reduce-each path; also an accumulate-path group that already reduced in
             # this window (an unmarked loop: every backward is "last").
             self._reduce_micro_batch(grads, async_op, in_place=armed is not None)
-        self.pending_install = True
+        if self.window is WindowState.CLOSED:
+            self.window = WindowState.OPEN
         for record in group.records:
             record.compute_param.grad = None
         return True
@@ -351,7 +351,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
         if not self.awaits_window_steps:
             return
         assert not self._pending, "inner reductions must be waited on first"
-        self._window_issued = True
+        self.window = WindowState.ENDING
         window_key = group.temporary_key("window_grad")
         window_grad = (
             group.allocator.get(window_key) if group.plan.window_grad_span is not None else None
@@ -369,9 +369,14 @@ class GroupGrads(GradStaging, OptimizerGrads):
         """The plan's window steps (HSDP's outer reduction) are still to be launched for what
         this window reduced."""
         return (
-            bool(self.group.plan.window_steps) and self.pending_install
-            and self.state is GradState.REDUCED and not self._window_issued
+            bool(self.group.plan.window_steps) and self.window is WindowState.OPEN
+            and self.state is GradState.REDUCED
         )
+
+    @property
+    def pending_install(self) -> bool:
+        """Something was staged or reduced that the optimizer has not been shown yet."""
+        return self.window is not WindowState.CLOSED
 
     @property
     def awaits_last_reduction(self) -> bool:
@@ -404,8 +409,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
             record.compute_param.grad = None
         self._received = [False] * len(self._received)
         self._frozen_in_window = [False] * len(self._frozen_in_window)
-        self.pending_install = False
-        self._window_issued = False
+        self.window = WindowState.CLOSED
         self._drop_carry()
         self._free_window_grad()
         if set_to_none or self.state is GradState.EMPTY:

@@ -17,6 +17,8 @@ import torch.nn as nn
 from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import state_of
 
+from _models import shard_rows
+
 TIMEOUT_S = 120.0
 
 
@@ -56,3 +58,33 @@ def _walk(rank: int, world: int, strategy: str) -> list[str]:
 def test_weight_states(ranks: Any, strategy: str, expected: list[str]) -> None:
     for rank, seen in enumerate(ranks.run(_walk, 2, strategy, timeout_s=TIMEOUT_S)):
         assert seen == expected, (rank, seen)
+
+
+def _windows(rank: int, world: int) -> list[str]:
+    """A group's gradient window (``WindowState``): OPEN from the first micro-batch that staged
+    something until the last one's gradients are installed (CLOSED), with the installed
+    gradient the single-process sum over the window's micro-batches."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    fully_shard(model[0], sharding_strategy="optim")
+    fully_shard(model, sharding_strategy="optim")
+    group = state_of(model[0]).groups[0]  # type: ignore[union-attr]
+    seen = [group.grads.window.value]
+    x = torch.randn(2, world, 4, 8, generator=torch.Generator().manual_seed(2))
+    for micro in range(2):
+        model.set_is_last_backward(micro == 1)  # type: ignore[operator]
+        model(x[micro, rank]).sum().backward()
+        reference(x[micro].reshape(-1, 8)).sum().div(world).backward()
+        seen.append(group.grads.window.value)
+    grad = model[0].weight.grad
+    assert grad is not None
+    lo, hi = shard_rows(model[0].weight)
+    torch.testing.assert_close(grad.to_local(), reference[0].weight.grad[lo:hi])
+    return seen
+
+
+@pytest.mark.timeout(300)
+def test_window_states(ranks: Any) -> None:
+    for rank, seen in enumerate(ranks.run(_windows, 2, timeout_s=TIMEOUT_S)):
+        assert seen == ["closed", "open", "closed"], (rank, seen)

@@ -43,41 +43,52 @@ not at hand, and the tokenizer must still be copied from torchtitan's ``tests/as
 Run both and compare (from the folder holding ``tests/assets``)::
 
     PYTHONPATH=/path/to/megatron_fsdp_v2 /tmp/ttvenv/bin/python \\
-        /path/to/scripts/torchtitan_dropin.py compare --nproc 2 --steps 8
-    # FSDP x TP (dp=2 x tp=2):  ... compare --nproc 4 --tp 2
+        /path/to/scripts/torchtitan_dropin.py compare --runs fsdp,hsdp,pp,float8,resume,tp
+    # one configuration by its sizes: ... compare --nproc 2 --steps 8 [--tp 2]
 
-``compare`` first has one unsharded rank write torchtitan's seed checkpoint (step 0), then runs
-``torchrun`` twice (FSDP2, then ours) with the same seed, data and settings, both loading that
-checkpoint (torchtitan's own way to compare parallelisms from the same weights; through
-torch's distributed state dict and DCP), prints a per-step table and exits 1 when a loss
-differs by more than ``--tol``. ``--no-seed-checkpoint`` lets each library initialize its
-sharded weights itself (ours draw what one process draws; FSDP2's sharded draws on CPU do
-not, so step 1 differs). Defaults: 8 steps, local batch 2, sequence 256, fp32, seed 42;
-torchtitan's default ``spmd_backend`` (``spmd_types``: ``dp_mesh_dims`` on its SPMD mesh).
-One run alone::
+``compare`` first has one unsharded rank write torchtitan's seed checkpoint (step 0, once per
+model config), then runs ``torchrun`` twice per comparison (FSDP2, then ours) with the same
+seed, data and settings, both loading that checkpoint (torchtitan's own way to compare
+parallelisms from the same weights; through torch's distributed state dict and DCP), prints a
+per-step table (loss, gradient norm, all-gathers of the step) and a summary line per run, and
+exits 1 when a loss differs by more than ``--tol`` (2 when a run failed; the other runs still
+go). The named runs (``SUITE``): ``fsdp`` (2 ranks), ``hsdp`` (replicate 2 x shard 2),
+``tp`` (shard 2 x tp 2, torchtitan's default ``spmd_types`` backend), ``pp`` (pp 2 x shard 2,
+torchtitan's default 1F1B), ``float8`` (torchtitan's ``llama3_debugmodel_float8``, torchao
+emulated, clipping off), ``resume`` (checkpoints every ``--resume-at`` steps; then the same
+folder resumed from that step: each library's resumed losses against its uninterrupted run and
+against FSDP2's). Losses, norms and counts are the last rank's (under PP it holds the last
+stage); the all-gathers are counted at the dispatcher with the test suite's
+``CollectiveCounts``, the same witness for both libraries (``--no-count-collectives`` skips it).
+``--no-seed-checkpoint`` lets each library initialize its sharded weights itself (ours draw
+what one process draws; FSDP2's sharded draws on CPU do not, so step 1 differs). Defaults: 8
+steps, local batch 2, sequence 256, fp32, seed 42. One run alone::
 
     torchrun --nproc_per_node 2 scripts/torchtitan_dropin.py run --fully-shard mfsdp \\
         --losses-out /tmp/mfsdp.json -- --module llama3 --config llama3_debugmodel ...
 
 Not a test (it needs torchtitan, which the project does not install): nothing collects it.
 
-Measured (2026-12-02, 2 CPU ranks, defaults): losses equal to FSDP2's within 1e-6 over 8
-steps. The gradient norms torchtitan logs differ by about 6e-5 (relative): every gradient
-agrees with FSDP2's to 1e-9 (the norms of their ``full_tensor()``, in float64), and FSDP2's
-norm (torch's ``get_total_norm`` over the local shards, in float32 on CPU) is off the float64
-norm of its own gradients by that much, ours is not. With ``-- --training.mixed_precision_param
-bfloat16`` (6 steps) step 1 is equal and the losses then drift apart by up to 2.4e-4: bf16
-rounds the slightly different weights differently.
+Measured (2026-12-04, 2 CPU cores, ``compare --runs``, ``make-assets``' stand-in data and the
+tokenizer of torchtitan's main branch; README "torchtitan" has the table):
+fsdp, hsdp, pp and resume within 1e-6 of FSDP2's losses over 8 steps, resumed steps 5-8
+bitwise each library's uninterrupted run, float8 bitwise; all-gathers per step equal (17),
+except PP's last stage (9 against FSDP2's 8: the ``[norm, lm_head]`` unit is gathered again in
+the second micro-batch's forward). The gradient norms torchtitan logs differ by about 6e-5
+(relative): every gradient agrees with FSDP2's to 1e-9 (the norms of their ``full_tensor()``,
+in float64; measured 2026-12-02), and FSDP2's norm (torch's ``get_total_norm`` over the local
+shards, in float32 on CPU) is off the float64 norm of its own gradients by that much, ours is
+not. Through the clip coefficient that moves fp32 losses by at most 1e-6, but float8's
+rounding amplifies it: float8 with clipping on (``max_norm 1``) differs by up to 2.2e-4 by step
+8, hence ``max_norm 1e9`` in its run. With ``-- --training.mixed_precision_param bfloat16``
+(6 steps, 2026-12-02) step 1 is equal and the losses then drift apart by up to 2.4e-4 the same
+way.
 
-FSDP x TP (``--nproc 4 --tp 2``; FSDP2 runs it) does not run with ours yet: with
-torchtitan's default ``spmd_types`` backend the parameters are plain TP-local tensors with
-``spmd_types`` annotations, which megatron_fsdp_v2 does not read (FSDP2 translates them into
-DTensors on the SPMD mesh): ``fully_shard`` refuses a parameter annotated as a piece
-(``NotImplementedError`` naming it, e.g. ``{mesh_dp: R, mesh_tp: V}``) instead of taking it for
-the whole parameter (which made torchtitan's fused-QKV init fail on the shape); with
-``-- --parallelism.spmd_backend full_dtensor`` (or ``partial_dtensor``) ``fully_shard``
-refuses TP DTensor parameters on the meta device (``NotImplementedError``), and torchtitan
-always wraps before ``to_empty``.
+``tp`` does not run with ours: torchtitan calls its random ``init_weights`` on the wrapped model
+(before the seed checkpoint is loaded), and our random init of a DTensor on the dp x tp mesh
+raises ``NotImplementedError`` ("random init of a DTensor on a data-parallel x
+tensor-parallel mesh ((_StridedShard(dim=0, sf=2), Shard(dim=0)), FSDP x TP): not supported
+yet", ``_dtensor/_random_init.py``); FSDP2 runs it.
 """
 
 from __future__ import annotations

@@ -111,6 +111,18 @@ class ThinMLP(nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+class SmallMLP(nn.Module):
+    """5 -> 7 -> 3 with tanh: odd widths, uneven shards at world 2 and 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 7)
+        self.b = nn.Linear(7, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
 class MLPBlock(nn.Module):
     """Residual MLP block ``x + fc2(tanh(fc1(x)))``; ``hidden`` (default ``2 * dim + 1``) odd,
     so shards are uneven.

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from test_dp_mesh_dims import Mlp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -29,33 +28,36 @@ from megatron_fsdp_v2 import fully_shard
 # private: counts the units' parameter groups (state_of(unit).groups)
 from megatron_fsdp_v2._registry import state_of
 
-from _models import all_ranks_ok
+from _models import SmallMLP, all_ranks_ok
 from _pool import RankPools
+from _training import train_steps
 
 TIMEOUT_S = 240
 STEPS, MICRO, ROWS = 3, 2, 2
 
 
-def _train(model: nn.Module, rank: int | None, lr: float, mark: bool) -> list[float]:
+def _global_mean_losses(model: nn.Module, rank: int | None, lr: float, mark: bool
+                        ) -> list[float]:
     """SGD steps of ``MICRO`` micro-batches, each ``ROWS`` rows per rank of 4: this rank's rows,
     or all of them (``rank`` None: the reference). Gradients are not cleared after step 1, so
     step 2 steps on the sum of two steps' gradients. Returns the global mean loss per step."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
     g = torch.Generator().manual_seed(1)
+    steps = [[(torch.randn(4 * ROWS, 5, generator=g), torch.randn(4 * ROWS, 3, generator=g))
+              for _ in range(MICRO)] for _ in range(STEPS)]
+
+    def rows(batch: tuple[torch.Tensor, torch.Tensor], rank: int | None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        mine = slice(None) if rank is None else slice(ROWS * rank, ROWS * rank + ROWS)
+        return batch[0][mine], batch[1][mine]
+
+    per_step = train_steps(model, torch.optim.SGD(model.parameters(), lr=lr), steps,
+                           lambda m, b: F.mse_loss(m(b[0]), b[1]), rank=rank, select=rows,
+                           mark="last_backward" if mark else None, keep_grads_after={1})
     losses = []
-    for step in range(STEPS):
+    for step_losses in per_step:
         total = torch.zeros(())
-        for i in range(MICRO):
-            x, y = torch.randn(4 * ROWS, 5, generator=g), torch.randn(4 * ROWS, 3, generator=g)
-            mine = slice(None) if rank is None else slice(ROWS * rank, ROWS * rank + ROWS)
-            if mark:
-                model.set_is_last_backward(i == MICRO - 1)  # type: ignore[operator]
-            loss = F.mse_loss(model(x[mine]), y[mine]) / MICRO
-            loss.backward()
-            total += loss.detach()
-        opt.step()
-        if step != 1:
-            opt.zero_grad()
+        for loss in step_losses:
+            total += loss
         if rank is not None:
             dist.all_reduce(total)
             total /= 4
@@ -63,7 +65,7 @@ def _train(model: nn.Module, rank: int | None, lr: float, mark: bool) -> list[fl
     return losses
 
 
-def _wrap(model: Mlp, mesh: DeviceMesh, ours: bool, strategy: str) -> Mlp:
+def _wrap(model: SmallMLP, mesh: DeviceMesh, ours: bool, strategy: str) -> SmallMLP:
     if ours:
         fully_shard(model.a, mesh=mesh, sharding_strategy=strategy)
         fully_shard(model, mesh=mesh, sharding_strategy=strategy)
@@ -76,7 +78,7 @@ def _wrap(model: Mlp, mesh: DeviceMesh, ours: bool, strategy: str) -> Mlp:
 def _worker(rank: int, world: int, case: str, strategy: str) -> list[str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rep", "shard"))
     torch.manual_seed(0)
-    base = Mlp()
+    base = SmallMLP()
     calls: list[int] = []
     # Each hook doubles the average over all 4 ranks (the reference: lr doubled), so a hook
     # applied again to a previous step's gradients (step 2 accumulates onto step 1's) shows.
@@ -95,7 +97,7 @@ def _worker(rank: int, world: int, case: str, strategy: str) -> list[str]:
             reduced.mul_(2)
 
     ref = copy.deepcopy(base)
-    want = _train(ref, None, 2 * lr, False)
+    want = _global_mean_losses(ref, None, 2 * lr, False)
     errors, units = [], []
     for who in ("ours", "FSDP2 (control)"):
         if who != "ours" and strategy != "optim_grads_params":
@@ -105,7 +107,7 @@ def _worker(rank: int, world: int, case: str, strategy: str) -> list[str]:
         for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
             unit.set_all_reduce_hook(hook)
         calls.clear()
-        losses = _train(model, rank, lr, mark=who == "ours")
+        losses = _global_mean_losses(model, rank, lr, mark=who == "ours")
         if not torch.allclose(torch.tensor(losses), torch.tensor(want), rtol=1e-5):
             errors.append(f"{who}: losses {losses} vs single process {want}")
         for (name, p), q in zip(model.named_parameters(), ref.parameters()):

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from megatron_fsdp_v2 import fully_shard
 
-from _models import all_ranks_ok
+from _models import SmallMLP, all_ranks_ok
 from _pool import RankPools
 from _training import train_steps
 
@@ -35,16 +35,6 @@ pytestmark = pytest.mark.skipif(DataParallelMeshDims is None,
                                 reason="torch.distributed.fsdp has no DataParallelMeshDims")
 
 TIMEOUT_S = 240
-
-
-class Mlp(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(5, 7)
-        self.b = nn.Linear(7, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
 
 
 def _global_mean_losses(model: nn.Module, rank: int, world: int,
@@ -85,7 +75,7 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
     shape, names, dims, equivalent = MESHES[case]
     spmd = init_device_mesh("cpu", shape, mesh_dim_names=names)
     torch.manual_seed(0)
-    base = Mlp()
+    base = SmallMLP()
     model, ref, twin = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     errors = []
     fully_shard(model, mesh=spmd, dp_mesh_dims=DataParallelMeshDims(**dims),
@@ -137,11 +127,11 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
         "replicate_placement": dict(shard_placement_fn=lambda p: Replicate()),
         "not_callable": dict(shard_placement_fn=Shard(0)),
     }[case]
-    model = Mlp()
+    model = SmallMLP()
     try:
         fully_shard(model, **kwargs)
     except (TypeError, ValueError, NotImplementedError) as e:
-        untouched = type(model) is Mlp and not isinstance(model.a.weight, DTensor)
+        untouched = type(model) is SmallMLP and not isinstance(model.a.weight, DTensor)
         return f"{type(e).__name__}: {e}" + ("" if untouched else " [module changed]")
     return "accepted"
 

@@ -35,16 +35,16 @@ def table(rows: list[tuple[str, Estimate]], budget_gib: float | None) -> str:
     """The side-by-side table the command line prints; ``*`` marks the configuration with the
     fewest wire bytes communicated among those whose total fits ``budget_gib``."""
     fits = [(label, e) for label, e in rows
-            if budget_gib is None or e.memory.total <= budget_gib * _GIB]
+            if budget_gib is None or e.memory.device_bytes <= budget_gib * _GIB]
     best = min(fits, key=lambda r: r[1].bytes_communicated)[0] if fits else None
     head = (f"{'':2}{'configuration':<40}{'model':>9}{'main':>9}{'grads':>9}{'temp':>9}"
-            f"{'optim':>9}{'total':>9}  {'AG n/GiB':>13}{'RS n/GiB':>13}{'AR n/GiB':>13}"
+            f"{'optim':>9}{'total':>9}{'host':>9}  {'AG n/GiB':>13}{'RS n/GiB':>13}{'AR n/GiB':>13}"
             f"{'wire GiB':>10}{'pad':>8}")
     lines = [head, "-" * len(head)]
     for label, e in rows:
         m = e.memory
         cols = [m.model_weights, m.main_weights, m.main_grads, m.temporary_peak,
-                m.optimizer_state, m.total]
+                m.optimizer_state, m.total, m.host_bytes]
         comm = [e.collectives[k] for k in ("all_gather", "reduce_scatter", "all_reduce")]
         lines.append(
             f"{'*' if label == best else ' ':2}{label:<40}"
@@ -52,7 +52,9 @@ def table(rows: list[tuple[str, Estimate]], budget_gib: float | None) -> str:
             + "".join(f"{f'{n}/{b / _GIB:.1f}':>13}" for n, b in comm)
             + f"{e.bytes_communicated / _GIB:>10.1f}{e.padding_ratio:>8.3%}"
         )
-    lines.append("memory in GiB per rank (optim: AdamW state); collectives per iteration: count/"
+    lines.append("memory in GiB per rank (optim: AdamW state; host: the part of total CPU offload "
+                 "keeps in host memory, not counted against the budget); collectives per "
+                 "iteration: count/"
                  "GiB of full buffers, and GiB one rank sends (ring); * = fewest sent that fits "
                  "the budget"
                  + (f" ({budget_gib} GiB)" if budget_gib is not None else ""))
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reshard-to", type=int, action="append", default=[],
                         help="also estimate optim_grads_params with reshard_after_forward=N "
                              "(backward all-gathers within groups of N ranks; repeatable)")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="also estimate optim_grads_params with CPUOffloadPolicy (main "
+                             "weights, gradients and optimizer state in host memory)")
     parser.add_argument("--budget-gib", type=float, default=None)
     args = parser.parse_args(argv)
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, main_params_dtype=torch.float32)
@@ -110,20 +115,27 @@ def main(argv: list[str] | None = None) -> None:
             parser.error("--param-dtype fp8 with --tp: fully_shard gathers FP8 weights on a "
                          "data-parallel mesh only (FSDP x TP refuses them)")
         common.update(tp=args.tp, tp_plan=tp_plan(args.model))
-    configs: list[tuple[str, tuple[int, int] | None, str, bool | int]] = [
+    # The last element: reshard_after_forward, or "offload" (CPUOffloadPolicy, the default
+    # schedule).
+    configs: list[tuple[str, tuple[int, int] | None, str, bool | int | str]] = [
         (s, None, "no_shard", True) for s in STRATEGIES
     ]
     configs += [("optim_grads_params", None, "no_shard", n) for n in args.reshard_to]
+    if args.cpu_offload:
+        configs.append(("optim_grads_params", None, "no_shard", "offload"))
     for mesh in args.mesh:  # outer no_shard under each inner strategy, then outer optim
         configs += [(s, mesh, "no_shard", True) for s in STRATEGIES]
         configs.append(("optim_grads_params", mesh, "optim", True))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # fully_shard's padding warnings: summarized below
         for strategy, mesh, outer, reshard in configs:
+            offload = reshard == "offload"
+            schedule: bool | int = True if isinstance(reshard, str) else reshard
             est = estimate(model_fn, sharding_strategy=strategy, mesh_shape=mesh,
-                           outer_dp_sharding_strategy=outer, reshard_after_forward=reshard,
-                           **common)
-            label = strategy if reshard is True else f"{strategy} reshard to {reshard}"
+                           outer_dp_sharding_strategy=outer, cpu_offload=offload,
+                           reshard_after_forward=schedule, **common)
+            label = (f"{strategy} + CPU offload" if offload else strategy if reshard is True
+                     else f"{strategy} reshard to {reshard}")
             if mesh is not None:
                 label = f"hsdp {mesh[0]}x{mesh[1]} {strategy}"
                 label += " +outer optim" if outer == "optim" else ""

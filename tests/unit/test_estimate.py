@@ -161,6 +161,13 @@ def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
           "--heads", "4", "--world-size", "8", "--reshard-to", "2"])
     out = capsys.readouterr().out
     assert "optim_grads_params reshard to 2" in out, out
+    # --cpu-offload: ZeRO-3 with CPUOffloadPolicy as a row of its own and a host column
+    # (exactness of the offloaded bytes: tests/distributed/test_cpu_offload.py).
+    main(["--model", "gpt", "--layers", "2", "--dim", "64", "--ffn", "256", "--vocab", "300",
+          "--heads", "4", "--world-size", "8", "--cpu-offload"])
+    out = capsys.readouterr().out
+    assert "optim_grads_params + CPU offload" in out and "    host" in out, out
+    assert "not counted against the budget" in out, out
 
 
 def test_fp8_parameters(capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,7 +92,8 @@ def convert_mp_policy(mp_policy: object) -> MixedPrecisionPolicy:
 # ``pin_memory=True``) host memory, an H2D copy into each all-gather's input, a D2H copy after
 # each reduce-scatter; 1-D meshes only (HSDP's outer reductions would run on host buffers:
 # ``NotImplementedError``), not with FP8 all-gather parameters or tensor-parallel DTensors
-# (refused when the groups are built). On a CPU mesh (gloo) every flat buffer already is host
+# (refused when the groups are built), ``torch.optim.Muon`` (at its first step) or
+# ``set_all_reduce_hook``. On a CPU mesh (gloo) every flat buffer already is host
 # memory, so the policy is accepted and changes nothing: no copy, no extra buffer, the same
 # collectives and the same bits as without it (``tests/distributed/test_cpu_offload.py`` checks
 # the data pointers, the memory report and the losses against FSDP2 with the same policy and

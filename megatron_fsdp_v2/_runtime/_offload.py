@@ -29,6 +29,13 @@ Here, for ``optim_grads_params`` (ZeRO-3) on a 1-D mesh:
   orders them after the kernels that produce their inputs and before the collectives (the
   issuer's stream waits on it) and the frees (the caching allocator is stream-ordered).
 
+Elsewhere: ``clip_grad_norm_`` moves a host norm part to the group's device for its
+all-reduce (``_clipping.py``); ``get_full_state_dict`` and ``iter_full_weights`` gather the host
+main weights on the group's device. Refused on this path (``NotImplementedError``, before any
+collective): HSDP meshes (the outer reductions would run on host buffers), FP8 all-gather
+parameters, tensor-parallel DTensors, ``torch.optim.Muon`` (its exchange) and
+``set_all_reduce_hook`` (its collective on host gradients).
+
 No per-parameter loop and no host read of a value: one copy per group and gather, one per
 group and reduction. On a CPU mesh every buffer already is host memory, so the policy takes
 the no-copy path ([Note: CPU offload] in ``_frontend/_fsdp2_compat.py``) unless the test-only

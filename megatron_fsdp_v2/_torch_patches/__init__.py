@@ -18,10 +18,9 @@ Dependency direction: this package holds only the mechanics (finding the targets
 originals, rebinding, restoring; ``_patch.py``, ``_targets.py``, ``_op_handlers.py``). What a
 replacement does lives with the layer it belongs to (``_dtensor/`` for DTensor and state-dict
 paths, ``_runtime/`` for those that read records and for the clipping route) as plain
-functions that take
-torch's original as their first argument. The patch modules import that logic (at install
-time) and pass the originals in; the logic never
-imports this package and holds no torch original of its own. So: ``_frontend._fully_shard`` ->
+functions that take torch's original as their first argument. The patch modules import that
+logic (at install time) and pass the originals in; the logic never imports this package and
+holds no torch original of its own. So: ``_frontend._fully_shard`` ->
 ``_torch_patches`` -> replacement logic -> torch, and ``_registry.reset`` runs the undo each
 installed patch registered with it (the registry sits below everything and imports nothing).
 

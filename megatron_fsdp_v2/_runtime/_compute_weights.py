@@ -82,8 +82,14 @@ def set_compute_local(record: ParamRecord, local: torch.Tensor) -> None:
     tensor-parallel DTensor parameter its local tensor (the DTensor keeps its TP mesh and
     placements; see [Note: 2-D parameters] in ``_dtensor/_tp_params.py``); a plain
     spmd_types-annotated one is bound like a plain parameter."""
-    if record.tp is None or record.tp.plain_compute:
+    if record.tp is None:
         record.compute_param.data = local
+    elif record.tp.plain_compute:
+        # spmd_types' type checker (a torch-function mode) would check the rebinding as an op
+        # mixing the annotated parameter with an unannotated view: it is not computation
+        # (FSDP2 unshards with type checking off too).
+        with torch._C.DisableTorchFunction():
+            record.compute_param.data = local
     else:
         record.compute_param._local_tensor = local  # type: ignore[attr-defined]
 

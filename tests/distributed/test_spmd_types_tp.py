@@ -11,7 +11,8 @@ Ours and FSDP2 (the control) run the same script on the same input in the same t
 tp 2 and on HSDP (replicate 2 x shard 1) x tp 2: losses, gradient norms and full parameters
 equal single-process training, the optimizer-facing parameters have FSDP2's mesh and
 placements, the module computes with its annotated plain parameters, and the collectives per
-iteration are counted (tp: the same as FSDP2's; dp: design.md §4's table). A checkpoint saved at
+iteration are counted (tp: the same as FSDP2's; dp: design.md §4's table), also under
+``spmd_types``' strict type checker. A checkpoint saved at
 tp 2 loads at tp 1 (dp 4) with the same values under ours and FSDP2; a model built on the meta
 device trains like one built on the device after ``to_empty`` and a full-state-dict load (also
 with TP DTensor parameters, the ``full_dtensor`` backend); what cannot be read is refused before
@@ -47,7 +48,7 @@ from megatron_fsdp_v2 import fully_shard
 from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2.testing._pool import _clear_dtensor_caches
 
-from _models import all_ranks_ok
+from _models import SmallMLP, all_ranks_ok
 from _pool import RankPools
 
 spmd = pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
@@ -92,10 +93,11 @@ class SpMlp(nn.Module):
             return self.b(F.relu(self.a(x * self.n1))) * self.g
         tp = self.tp
         self.seen.append((type(self.a.weight), dict(spmd.get_local_type(self.a.weight))))
-        xs = x.chunk(dist.get_world_size(tp), dim=1)[dist.get_rank(tp)]  # this rank's tokens
+        xs = spmd.convert(x, tp, src=spmd.R, dst=spmd.S(1))  # this rank's tokens
         y = spmd.all_gather(xs * self.n1, tp, src=spmd.S(1), dst=spmd.R)
         h = F.relu(F.linear(y, self.a.weight, self.a.bias))
-        z = spmd.reduce_scatter(F.linear(h, self.b.weight), tp, src=spmd.P, dst=spmd.S(1))
+        partial = spmd.reinterpret(F.linear(h, self.b.weight), tp, src=spmd.V, dst=spmd.P)
+        z = spmd.reduce_scatter(partial, tp, src=spmd.P, dst=spmd.S(1))
         out = spmd.all_gather(z + self.b.bias, tp, src=spmd.S(1), dst=spmd.I)
         return out * self.g
 
@@ -291,6 +293,57 @@ def test_parity_with_fsdp2(ranks: RankPools, case: str, strategy: str) -> None:
     assert not failures, "\n".join(failures[:20])
 
 
+# ---------------------------------------------------------------- spmd_types' type checker
+
+def _typecheck_worker(rank: int, world: int) -> list[str]:
+    """Training steps under ``spmd_types``' strict type checker (torchtitan's
+    ``--debug.spmd_typechecking``): inputs ``V`` on dp and ``R`` on tp (labels ``I``), the loss
+    made ``P`` on dp. Ours and FSDP2 run it with single-process losses (no checker there), and
+    forward sees the parameter's annotations."""
+    from spmd_types.checker import typecheck
+
+    mesh, dims = _mesh("fsdp_tp")
+    dp_rank, dp = _dp_rank(mesh)
+    torch.manual_seed(0)
+    base = SpMlp()
+    data = _batches(2, dp)
+    want = _train(copy.deepcopy(base), data, None)[:2]
+    errors = []
+    for who in ("ours", "FSDP2"):
+        model = _annotate(copy.deepcopy(base), mesh)
+        if who == "ours":
+            fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+        else:
+            fsdp2_fully_shard(model, mesh=_fsdp2_mesh(mesh), dp_mesh_dims=dims)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        losses = []
+        for x, y in data:
+            rows = slice(ROWS * dp_rank, ROWS * (dp_rank + 1))
+            x, y = x[rows].clone(), y[rows].clone()
+            for t, on_tp in ((x, spmd.R), (y, spmd.I)):  # torchtitan's inputs and labels
+                spmd.assert_type(t, {mesh.get_group("dp"): spmd.V, mesh.get_group("tp"): on_tp})
+            with typecheck(strict_mode="strict"):
+                loss = F.mse_loss(model(x), y)
+                spmd.reinterpret(loss, mesh.get_group("dp"), src=spmd.V, dst=spmd.P).backward()
+            opt.step()
+            opt.zero_grad()
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            losses.append(float(mean) / world)
+        if not torch.allclose(torch.tensor(losses), torch.tensor(want), rtol=1e-5):
+            errors.append(f"{who}: losses {losses} vs single process {want}")
+        if not model.seen[-1][1]:  # type: ignore[index]
+            errors.append(f"{who}: forward saw no annotations")
+    if not all_ranks_ok(not errors):
+        errors = errors or ["failed on another rank"]
+    return [f"rank {rank}: {e}" for e in errors]
+
+
+def test_type_checker(ranks: RankPools) -> None:
+    failures = [e for r in ranks.run(_typecheck_worker, WORLD, timeout_s=TIMEOUT_S) for e in r]
+    assert not failures, "\n".join(failures[:20])
+
+
 # ---------------------------------------------------------------- checkpoints across tp sizes
 
 def _checkpoint_worker(rank: int, world: int, path: str) -> list[str]:
@@ -346,9 +399,9 @@ def test_checkpoint_across_tp_sizes(ranks: RankPools, tmp_path: Any) -> None:
 # ---------------------------------------------------------------- built on the meta device
 
 def _dtensor_params(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """``test_dp_mesh_dims_tp``'s ``Mlp`` as the ``full_dtensor`` backend leaves it: DTensors on
-    the SPMD mesh (``a`` colwise, ``b`` rowwise over tp, ``Replicate()`` on dp), built from the
-    TP-local pieces (on meta too)."""
+    """``SmallMLP`` (5 -> 7 -> 3: uneven over tp) as the ``full_dtensor`` backend leaves it:
+    DTensors on the SPMD mesh (``a`` colwise, ``b`` rowwise over tp, ``Replicate()`` on dp),
+    built from the TP-local pieces (on meta too)."""
     tp = mesh.get_local_rank("tp"), mesh.size((mesh.mesh_dim_names or ()).index("tp"))
     for layer, tp_w, tp_b in ((model.a, Shard(0), Shard(0)), (model.b, Shard(1), Replicate())):
         for name, placement in (("weight", tp_w), ("bias", tp_b)):
@@ -364,6 +417,34 @@ def _dtensor_params(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
+def _train_dtensor(model: nn.Module, mesh: DeviceMesh | None, dp_rank: int, dp: int
+                   ) -> list[float]:
+    """Two AdamW steps of ``SmallMLP`` on ``ROWS * dp`` rows: this dp rank's rows as a DTensor
+    replicated over ``mesh`` (``None``: the single-process reference on all rows). Returns the
+    global mean losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(2):
+        x, y = torch.randn(ROWS * dp, 5, generator=g), torch.randn(ROWS * dp, 3, generator=g)
+        if mesh is not None:
+            rows = slice(ROWS * dp_rank, ROWS * (dp_rank + 1))
+            x, y = x[rows], y[rows]
+            out = model(DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim)).full_tensor()
+        else:
+            out = model(x)
+        loss = F.mse_loss(out, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        if mesh is not None:
+            dist.all_reduce(mean)
+            mean /= dist.get_world_size()
+        losses.append(float(mean))
+    return losses
+
+
 def _meta_worker(rank: int, world: int, kind: str, path: str) -> list[str]:
     """TP parameters built on meta (``spmd_types`` annotated, or DTensors), wrapped, then
     ``to_empty`` and the values loaded from a DCP checkpoint of the model built on the device
@@ -371,12 +452,9 @@ def _meta_worker(rank: int, world: int, kind: str, path: str) -> list[str]:
     ``set_model_state_dict``), by ours and by FSDP2: the same
     training as from the model built on the device. Without ``to_empty`` ours refuses to
     materialize them (its ``reset_parameters`` on a piece would not draw the whole values)."""
-    from test_dp_mesh_dims_tp import Mlp
-    from test_dp_mesh_dims_tp import _train as train_dtensor
-
     mesh, dims = _mesh("fsdp_tp")
     dp_rank, dp = _dp_rank(mesh)
-    cls = SpMlp if kind == "spmd_types" else Mlp
+    cls = SpMlp if kind == "spmd_types" else SmallMLP
     torch.manual_seed(0)
     base = cls()
     dcp.save(base.state_dict(), checkpoint_id=path)  # plain tensors: replicated
@@ -389,7 +467,7 @@ def _meta_worker(rank: int, world: int, kind: str, path: str) -> list[str]:
     def train(model: nn.Module) -> list[float]:
         if kind == "spmd_types":
             return _train(model, _batches(2, dp), None if model is ref else dp_rank)
-        return train_dtensor(model, None if model is ref else mesh, dp_rank, dp)
+        return _train_dtensor(model, None if model is ref else mesh, dp_rank, dp)
 
     ref = copy.deepcopy(base)
     want = train(ref)

@@ -70,19 +70,20 @@ steps, local batch 2, sequence 256, fp32, seed 42. One run alone::
 Not a test (it needs torchtitan, which the project does not install): nothing collects it.
 
 Measured (2026-12-04, 2 CPU cores, ``compare --runs``, ``make-assets``' stand-in data and the
-tokenizer of torchtitan's main branch; README "torchtitan" has the table):
-fsdp, hsdp, pp and resume within 1e-6 of FSDP2's losses over 8 steps, resumed steps 5-8
-bitwise each library's uninterrupted run, float8 bitwise; all-gathers per step equal (17),
-except PP's last stage (9 against FSDP2's 8: the ``[norm, lm_head]`` unit is gathered again in
-the second micro-batch's forward). The gradient norms torchtitan logs differ by about 6e-5
+tokenizer of torchtitan's main branch; README "torchtitan" has the table): fsdp, hsdp, pp and
+resume within 1e-6 of FSDP2's losses over 8 steps, resumed steps 5-8 bitwise each library's
+uninterrupted run, float8 bitwise; all-gathers per step equal (17), except PP's last stage (9
+against FSDP2's 8: the ``[norm, lm_head]`` unit is gathered again in the second micro-batch's
+forward: torchtitan's chunked loss ends that unit's gradient window at every micro-batch's last
+chunk, and a window's end marks the main weights updated, so the weights kept from the first
+micro-batch's backward count as stale). The gradient norms torchtitan logs differ by about 6e-5
 (relative): every gradient agrees with FSDP2's to 1e-9 (the norms of their ``full_tensor()``,
 in float64; measured 2026-12-02), and FSDP2's norm (torch's ``get_total_norm`` over the local
 shards, in float32 on CPU) is off the float64 norm of its own gradients by that much, ours is
-not. Through the clip coefficient that moves fp32 losses by at most 1e-6, but float8's
-rounding amplifies it: float8 with clipping on (``max_norm 1``) differs by up to 2.2e-4 by step
-8, hence ``max_norm 1e9`` in its run. With ``-- --training.mixed_precision_param bfloat16``
-(6 steps, 2026-12-02) step 1 is equal and the losses then drift apart by up to 2.4e-4 the same
-way.
+not. Through the clip coefficient that moves fp32 losses by at most 1e-6, but float8's rounding
+amplifies it: float8 with clipping on (``max_norm 1``) differs by up to 2.2e-4 by step 8, hence
+``max_norm 1e9`` in its run. With ``-- --training.mixed_precision_param bfloat16`` (6 steps,
+2026-12-02) step 1 is equal and the losses then drift apart by up to 2.4e-4 the same way.
 
 ``tp`` does not run with ours: torchtitan calls its random ``init_weights`` on the wrapped model
 (before the seed checkpoint is loaded), and our random init of a DTensor on the dp x tp mesh

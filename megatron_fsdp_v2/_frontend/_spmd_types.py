@@ -31,6 +31,10 @@ the same rules:
   sums, all-reduced over TP before the dp reduction, as FSDP2's ``_get_grad_inner_tensor``
   does; ``I`` -> ``I``; ``S(d)`` -> ``S(d)``; ``P`` on the dp dims, kept: the dp reduction's
   input). The optimizer-facing parameters carry no annotation (FSDP2's are fresh DTensors).
+  Under ``spmd_types``' type checker (a torch-function mode; torchtitan's
+  ``--debug.spmd_typechecking``) the rebinding of the compute parameter to its buffer view runs
+  with torch-function handling off (``set_compute_local``): it is bookkeeping, not an op of the
+  model, as FSDP2 unshards with type checking off.
 
 Without ``dp_mesh_dims`` an annotated parameter is refused, as FSDP2 refuses it: nothing says
 which mesh its types are on, and a TP-local piece taken for a whole parameter would train and

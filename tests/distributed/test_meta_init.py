@@ -27,14 +27,13 @@ from megatron_fsdp_v2._registry import record_of
 from _models import (
     TinyGPT,
     agree,
-    cat_batch,
     lm_loss,
     make_batches,
     reference_copy,
-    step_mean_loss,
     wrap_blocks,
 )
 from _pool import RankPools
+from _training import train_steps
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TIMEOUT_S = 280
@@ -242,24 +241,24 @@ def test_param_init_fn_and_errors(ranks: RankPools) -> None:
 # ---------------------------------------------------------------------- torchtitan's flow
 
 
-def _train(model: nn.Module, ref: nn.Module | None, rank: int, world: int, case: str,
-           steps: int = 3) -> list[float]:
-    """Adam steps on this rank's micro-batches; with ``ref``, the single-process reference on
-    the concatenated batch must give the same losses and parameters."""
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2) if ref is not None else None
+def _mean_losses(model: nn.Module, ref: nn.Module | None, rank: int, world: int, case: str,
+                 steps: int = 3) -> list[float]:
+    """Adam steps on this rank's micro-batches; returns each step's loss averaged over the
+    ranks. With ``ref``, the single-process reference on the concatenated batch must give the
+    same losses and parameters."""
     batches = make_batches("lm", steps, 1, world, 2)
+    per_step = train_steps(model, torch.optim.Adam(model.parameters(), lr=1e-2), batches,
+                           lm_loss, rank=rank, mark=None, divide_by_micro=False)
     losses = []
-    for step in range(steps):
-        losses.append(step_mean_loss(lm_loss(model, batches[step][0][rank]), opt))
-        if ref is not None and ref_opt is not None:
-            ref_loss = lm_loss(ref, cat_batch("lm", batches[step][0]))
-            ref_loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
-            agree(f"{case}: loss of step {step}", lambda: torch.testing.assert_close(
-                torch.tensor(losses[-1]), ref_loss.detach(), rtol=RTOL, atol=ATOL))
+    for (loss,) in per_step:
+        dist.all_reduce(loss)
+        losses.append(loss.item() / world)
     if ref is not None:
+        ref_steps = train_steps(ref, torch.optim.Adam(ref.parameters(), lr=1e-2), batches,
+                                lm_loss, rank=None, mark=None, divide_by_micro=False)
+        for step, (ref_loss,) in enumerate(ref_steps):
+            agree(f"{case}: loss of step {step}", lambda: torch.testing.assert_close(
+                torch.tensor(losses[step]), ref_loss, rtol=RTOL, atol=ATOL))
         got, want = _full_params(model), _full_params(ref)
         agree(f"{case}: parameters after training", lambda: [
             torch.testing.assert_close(got[k], want[k], rtol=RTOL, atol=ATOL,
@@ -289,8 +288,8 @@ def _seed_checkpoint(rank: int, world: int, strategy: str) -> None:
     assert all(record_of(p) is not None for p in model.parameters())
     checkpoint.load_full_state_dict(model, seed_sd, broadcast_from_rank0=True)
     _bitwise(f"{case}: loaded parameters", _full_params(model), _full_params(ref))
-    losses = _train(model, ref, rank, world, case)
-    cpu_losses = _train(cpu_built, None, rank, world, case)
+    losses = _mean_losses(model, ref, rank, world, case)
+    cpu_losses = _mean_losses(cpu_built, None, rank, world, case)
     agree(f"{case}: losses equal the CPU-built run's", lambda: _assert(
         losses == cpu_losses, f"{losses} vs {cpu_losses}"))
     _bitwise(f"{case}: parameters equal the CPU-built run's", _full_params(model),
@@ -343,7 +342,7 @@ def _conversions(rank: int, world: int, strategy: str) -> None:
             q.copy_(value)
     agree(f"{case}: forward after to_empty + in-place init", lambda: torch.testing.assert_close(
         model(tokens), ref(tokens), rtol=RTOL, atol=ATOL))
-    _train(model, ref, rank, world, case, steps=2)
+    _mean_losses(model, ref, rank, world, case, steps=2)
 
 
 def _rows_like(p: torch.Tensor, full: torch.Tensor) -> DTensor:

@@ -39,7 +39,6 @@ NOT_MIGRATED: dict[str, str] = {
                           "five ways: not migrated yet",
     "test_hostile_ep_checkpoint.py": "calls the MoE example's own train_step (the example's "
                                      "loop is what it tests)",
-    "test_meta_init.py": "not migrated yet",
     "test_muon.py": "trains three optimizers (ours, FSDP2, reference) in one loop: not "
                     "migrated yet",
     "test_pipeline_parallel.py": "pipeline schedules step the model (sched.step), not a "

@@ -17,7 +17,6 @@ import torch.distributed as dist
 import torch.distributed.fsdp as torch_fsdp
 import torch.nn as nn
 import torch.nn.functional as F
-from test_dp_mesh_dims import Mlp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard as fsdp2_fully_shard
@@ -25,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from megatron_fsdp_v2 import fully_shard
 
-from _models import all_ranks_ok
+from _models import SmallMLP, all_ranks_ok
 from _pool import RankPools
 
 # torch.distributed.fsdp.DataParallelMeshDims is not in torch 2.11 (2.12 has it; the
@@ -36,7 +35,7 @@ pytestmark = pytest.mark.skipif(DataParallelMeshDims is None,
 
 TIMEOUT_S = 240
 
-# (mesh shape, dim names, DataParallelMeshDims kwargs). Mlp is 5 -> 7 -> 3: the colwise
+# (mesh shape, dim names, DataParallelMeshDims kwargs). SmallMLP is 5 -> 7 -> 3: the colwise
 # weight's TP-local 4 (or 3) rows split unevenly over dp.
 MESHES = {
     "fsdp_tp": ((2, 2), ("dp", "tp"), dict(shard="dp")),
@@ -50,7 +49,7 @@ MESHES = {
 }
 
 
-def _distribute(model: Mlp, mesh: DeviceMesh, dp_placement: object = Replicate()) -> Mlp:
+def _distribute(model: SmallMLP, mesh: DeviceMesh, dp_placement: object = Replicate()) -> SmallMLP:
     """Every parameter a DTensor on ``mesh``: ``a`` colwise, ``b`` rowwise over ``tp``,
     ``dp_placement`` on the other dims (``distribute_module``'s way, as FSDP2's tests)."""
     names = mesh.mesh_dim_names or ()
@@ -101,7 +100,7 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
         dp_rank, dp = dp_rank * mesh.size(names.index(name)) + mesh.get_local_rank(name), \
             dp * mesh.size(names.index(name))
     torch.manual_seed(0)
-    base = Mlp()
+    base = SmallMLP()
     ref, ours, control = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     want_losses = _train(ref, None, 0, dp)
     want = {n: p.detach() for n, p in ref.named_parameters()}
@@ -159,11 +158,11 @@ def test_spmd_tp_parity_with_fsdp2(ranks: RankPools, case: str, strategy: str) -
 
 def _refusal_worker(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    model = _distribute(Mlp(), mesh, dp_placement=Shard(0))  # sharded on the dp dim already
+    model = _distribute(SmallMLP(), mesh, dp_placement=Shard(0))  # sharded on the dp dim already
     try:
         fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     except ValueError as e:
-        return f"ValueError: {e}" + ("" if type(model) is Mlp else " [module changed]")
+        return f"ValueError: {e}" + ("" if type(model) is SmallMLP else " [module changed]")
     return "accepted"
 
 
@@ -184,13 +183,13 @@ def _spmd_types_worker(rank: int, world: int, local_type: str) -> list[str]:
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     messages = []
     for wrap in (fully_shard, fsdp2_fully_shard):
-        model = Mlp()
+        model = SmallMLP()
         spmd.assert_type(model.a.weight, {mesh.get_group(): getattr(spmd, local_type)})
         try:
             wrap(model, mesh=mesh)
         except ValueError as e:
             messages.append(f"ValueError: {e}"
-                            + ("" if type(model) is Mlp else " [module changed]"))
+                            + ("" if type(model) is SmallMLP else " [module changed]"))
         else:
             messages.append("accepted")
     return messages

@@ -134,11 +134,12 @@ def _sgd_steps(model: torch.nn.Module, mesh: Any, dp_rank: int, dp: int, lr: flo
 
 def _partial_over_dp(rank: int, world: int, case: str, strategy: str) -> list[str]:
     import torch.distributed.fsdp as torch_fsdp
-    from test_dp_mesh_dims import Mlp
     from test_dp_mesh_dims_tp import _distribute
     from torch.distributed.device_mesh import init_device_mesh
 
     from megatron_fsdp_v2 import fully_shard
+
+    from _models import SmallMLP
 
     shape, names, dims = PARTIAL_MESHES[case]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -147,7 +148,7 @@ def _partial_over_dp(rank: int, world: int, case: str, strategy: str) -> list[st
         dp_rank = dp_rank * mesh.size(names.index(name)) + mesh.get_local_rank(name)
         dp *= mesh.size(names.index(name))
     torch.manual_seed(0)
-    base = Mlp()
+    base = SmallMLP()
     ref, ours, control = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     lr = 0.1
     # FSDP2 averages the partial sums over dp. DTensor's backward of the loss (Partial() over

@@ -52,6 +52,7 @@ from megatron_fsdp_v2._runtime._subclass_gather import ExtensionGather
 
 from _models import agree
 from _pool import RankPools
+from _training import train_steps
 
 pytest.importorskip("torchao")
 
@@ -107,29 +108,24 @@ def _batches(world: int, dim: int) -> list[list[tuple[torch.Tensor, torch.Tensor
              for _ in range(MICRO)] for _ in range(STEPS)]
 
 
-def _train(model: nn.Module, rank: int, batches: list[Any],
-           after_step: Any = None) -> list[float]:
+def _rank_losses(model: nn.Module, rank: int, batches: list[Any],
+                 after_step: Any = None) -> list[float]:
     """AdamW over ``batches``; each rank feeds its own rows; returns this rank's loss per step."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)  # see _check_empty_shards
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rows = slice(rank * ROWS, (rank + 1) * ROWS)
-    losses = []
-    for step, parts in enumerate(batches):
-        total = 0.0
-        for i, (x, y) in enumerate(parts):
-            model.set_requires_gradient_sync(i == len(parts) - 1)  # type: ignore[operator]
-            loss = F.mse_loss(model(x[rows]), y[rows]) / len(parts)
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        opt.zero_grad()
+
+    def refresh_scales(step: int) -> None:
         precompute_float8_dynamic_scale_for_fsdp(model)
         if after_step is not None:
             after_step(step)
-        losses.append(total)
-    return losses
+
+    per_step = train_steps(model, torch.optim.AdamW(model.parameters(), lr=1e-2), batches,
+                           lambda m, b: F.mse_loss(m(b[0]), b[1]), rank=rank,
+                           select=lambda parts, _: (parts[0][rows], parts[1][rows]),
+                           mark="gradient_sync", after_step=refresh_scales)
+    return [sum(loss.item() for loss in step_losses) for step_losses in per_step]
 
 
 def _tolerances(world: int, strategy: str) -> dict[str, float]:
@@ -181,8 +177,8 @@ def _parity_run(rank: int, world: int, strategy: str, dtype_name: str, trace_poo
         if step == STEPS - 1:
             last_step.update(_gather_bytes(ours))
 
-    losses = _train(ours, rank, batches, count)
-    control_losses = _train(control, rank, batches)
+    losses = _rank_losses(ours, rank, batches, count)
+    control_losses = _rank_losses(control, rank, batches)
     tol = _tolerances(world, strategy)
     agree(f"{strategy} {dtype_name} world {world}: losses", lambda: torch.testing.assert_close(
         losses, control_losses, rtol=tol["loss_rtol"], atol=0.0))
@@ -244,7 +240,7 @@ def _zero3_bytes(rank: int, world: int) -> None:
         model = _model(dim, fp8_all_gather=fp8)
         fully_shard(model, sharding_strategy="optim_grads_params",
                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
-        _train(model, rank, _batches(world, dim)[:1])
+        _rank_losses(model, rank, _batches(world, dim)[:1])
         totals[fp8] = sum(b for _, b, _ in _gather_bytes(model).values())
     ratio = totals[True] / totals[False]
     agree(f"ZeRO-3 fp8/bf16 all-gather bytes {totals}: {ratio:.3f}",
@@ -332,7 +328,7 @@ def _scale_set_before_wrap(rank: int, world: int, strategy: str) -> None:
             if hasattr(p._local_tensor, "_precomputed_scale")]
     agree(f"{strategy}: the pre-wrap scale is dropped", lambda: _equal(kept, [None, None]))
     batches = _batches(world, dim)[:2]
-    losses, control_losses = _train(ours, rank, batches), _train(control, rank, batches)
+    losses, control_losses = _rank_losses(ours, rank, batches), _rank_losses(control, rank, batches)
     tol = _tolerances(world, strategy)
     agree(f"{strategy}: losses", lambda: torch.testing.assert_close(
         losses, control_losses, rtol=tol["loss_rtol"], atol=0.0))

@@ -31,7 +31,6 @@ NOT_MIGRATED: dict[str, str] = {
     "test_cuda_runtime.py": "CUDA only: cannot be run on the CPU machine to prove the numbers "
                             "unchanged",
     "test_dp_mesh_dims_tp.py": "being written by another engineer (TP); not touched",
-    "test_fp8_params.py": "needs torchao; not migrated yet",
     "test_fully_shard_policies.py": "new file of another engineer; not touched",
     "test_gather_once.py": "custom loss signature (divisor, sharded head) and per-step gather "
                            "counts: not migrated yet",

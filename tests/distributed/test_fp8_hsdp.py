@@ -31,8 +31,8 @@ from test_fp8_params import (
     _check_bytes,
     _gather_bytes,
     _model,
+    _rank_losses,
     _state_dict_round_trip,
-    _train,
 )
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.debug import CommDebugMode
@@ -98,8 +98,8 @@ def _hsdp_parity(rank: int, world: int, strategy: str, dtype_name: str) -> None:
         if step == STEPS - 1:
             last_step.update(_gather_bytes(ours))
 
-    losses = _train(ours, rank, batches, count)
-    control_losses = _train(control, rank, batches)
+    losses = _rank_losses(ours, rank, batches, count)
+    control_losses = _rank_losses(control, rank, batches)
     loss_rtol, param_atol = _tolerances(strategy, dtype)
     case = f"HSDP {strategy} {dtype_name}"
     agree(f"{case}: losses", lambda: torch.testing.assert_close(
@@ -214,7 +214,7 @@ def _outer_optim(rank: int, world: int, dtype_name: str) -> None:
             if step == STEPS - 1:
                 last_step.update(_gather_bytes(model))
 
-        runs[outer] = (model, _train(model, rank, batches, count), last_step)
+        runs[outer] = (model, _rank_losses(model, rank, batches, count), last_step)
     (ours, losses, last_step), (no_shard, no_shard_losses, _) = runs["optim"], runs["no_shard"]
     expected = {n: p.full_tensor().detach() for n, p in no_shard.named_parameters()}
     agree(f"outer optim {dtype_name}: losses = outer no_shard", lambda: torch.testing.assert_close(

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from test_fp8_params import DIMS, _batches, _model, _train
+from test_fp8_params import DIMS, _batches, _model, _rank_losses
 from torch.distributed.device_mesh import init_device_mesh
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard, memory_report
@@ -74,7 +74,7 @@ def _memory(rank: int, world: int, strategy: str, hsdp: str | None) -> None:
     fully_shard(model, mesh=mesh, sharding_strategy=strategy,
                 mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16),
                 **({"outer_dp_sharding_strategy": hsdp} if hsdp else {}))
-    _train(model, rank, _batches(world, dim)[:2])  # FP8 buffers and scales exist after a step
+    _rank_losses(model, rank, _batches(world, dim)[:2])  # FP8 buffers and scales exist after a step
     state = state_of(model)
     assert state is not None
     state.allocator.reset_peak()

@@ -4,8 +4,9 @@ One loop, :func:`train_steps`, runs every "N steps of forward / backward / optim
 optional micro-batches" a test needs, on a ``fully_shard`` model (this rank's slice of each
 micro-batch) or on the single-process reference (the whole global micro-batch). Tests that used
 to carry their own copy of this loop call it with the options their copy had; the options only
-add calls, they never reorder the ones a plain step makes, so a test's numbers (losses,
-parameters, collective counts) are the ones its copy produced. Data is drawn by the caller
+add calls around the ones a plain step makes, never reorder them, so a test keeps the numbers
+(losses, parameters, the library's collective counts) its copy produced: each migration was
+checked bitwise against its copy on the same ranks and input. Data is drawn by the caller
 (``make_batches`` or the test's own generator) before the loop, in the order the copy drew it.
 """
 

@@ -55,7 +55,14 @@ from megatron_fsdp_v2 import (
     memory_report,
 )
 from megatron_fsdp_v2 import checkpoint as mckpt
+
+# private: the unit's flat groups (state_of(m).groups), to check that the optimizer's parameters
+#   and gradients view the groups' host buffers (no copy on a CPU mesh; their own buffers on the
+#   copying path)
 from megatron_fsdp_v2._registry import state_of
+
+# private: the test-only switch that sends a CPU mesh down the copying path, and the path
+#   decision's result (no public API chooses or reports the path)
 from megatron_fsdp_v2._runtime._offload import FORCE_COPIES_ENV, OffloadConfig
 from megatron_fsdp_v2.testing import run_distributed
 from megatron_fsdp_v2.utils import clip_grad_norm_
@@ -103,6 +110,7 @@ def test_which_path_each_mesh_takes() -> None:
     """The path decision itself (no mesh needed): no copies on a CPU mesh, the copying path
     with the policy's pin_memory on CUDA (or on CPU with the test switch), HSDP refused on the
     copying path naming what to do."""
+    # private: the path decision itself (which mesh copies), checked without a mesh
     from megatron_fsdp_v2._frontend._fsdp2_compat import host_offload_config
 
     assert os.environ.get(FORCE_COPIES_ENV) is None

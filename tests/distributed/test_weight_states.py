@@ -15,6 +15,9 @@ import torch
 import torch.nn as nn
 
 from megatron_fsdp_v2 import fully_shard
+
+# private: a group's WeightState (state_of(m).groups[0].weight_state), the invariant under test;
+#   no public API reports it
 from megatron_fsdp_v2._registry import state_of
 
 from _models import shard_rows

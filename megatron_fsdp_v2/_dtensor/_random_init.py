@@ -21,6 +21,15 @@ ranks' row counts per sharded mesh dimension (the spec does not carry it). The c
 temporary full-size tensor per call, at init time. DTensors on other meshes, or with a
 ``Partial`` placement, take DTensor's own path. The handler is registered in DTensor's op table
 for the in-place random ops by ``_torch_patches/_random_ops.py``.
+
+FSDP x TP (the optimizer-facing DTensors on the dp x TP mesh of [Note: 2-D parameters] in
+``_tp_params.py``, DTensor TP parameters and ``spmd_types``-annotated plain ones alike, e.g.
+``(_StridedShard(0, sf=2), Shard(0))``): the full tensor is drawn the same way, this rank's
+TP-local piece is cut out of it at DTensor's own ``torch.chunk`` offsets (TP's shards are
+DTensor's, only the dp dims hold uneven rows), and this rank's dp rows out of that piece, the
+row offset found as above over the dp mesh dimensions (their groups hold ranks of one TP
+coordinate, whose TP-local tensors are the same tensor). A ``_StridedShard`` dp placement is
+read as what the library means by it: consecutive rows of the TP-local tensor.
 """
 
 from __future__ import annotations
@@ -28,38 +37,41 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from ._uneven_gather import gather_sizes
+from ._uneven_gather import gather_sizes, is_shard_like
 from ._uneven_meshes import mesh_kind, tp_dims_of
 
 __all__ = ["random_op"]
 
 
-def _is_ours(dtensor: Any) -> bool:
-    """On a registered mesh, with ``Shard``/``Replicate`` placements only."""
-    from torch.distributed.tensor import DTensor
-
+def _is_ours(dtensor: Any, tp_dims: tuple[int, ...]) -> bool:
+    """On a registered mesh, with ``Shard``/``Replicate`` placements only (and, on a dp x TP
+    mesh, the ``_StridedShard`` dp placement of [Note: 2-D parameters])."""
     return (
         isinstance(dtensor, DTensor)
         and mesh_kind(dtensor.device_mesh) is not None
-        and all(p.is_shard() or p.is_replicate() for p in dtensor.placements)
+        and all(p.is_shard() or p.is_replicate()
+                or (bool(tp_dims) and k not in tp_dims and is_shard_like(p))
+                for k, p in enumerate(dtensor.placements))
     )
 
 
-def _sharded_dims(dtensor: Any) -> list[tuple[int, int]]:
-    """(mesh dim, tensor dim) of every mesh dimension of size > 1 ``dtensor`` is sharded over."""
+def _sharded_dims(dtensor: Any, tp_dims: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(mesh dim, tensor dim) of every data-parallel mesh dimension of size > 1 ``dtensor`` is
+    sharded over (the fully_shard rows; not the TP dims ``tp_dims``)."""
     mesh = dtensor.device_mesh
     return [
         (k, cast(Shard, p).dim % dtensor.ndim) for k, p in enumerate(dtensor.placements)
-        if p.is_shard() and mesh.size(k) > 1
+        if k not in tp_dims and is_shard_like(p) and mesh.size(k) > 1
     ]
 
 
 def _row_offset(dtensor: Any, sharded: list[tuple[int, int]]) -> int:
-    """Where this rank's rows start along the sharded tensor dimension. One mesh dimension:
-    ranks hold consecutive rows in mesh order. Two (HSDP outer ``optim``, ``(Shard(0),
-    Shard(0))``): sub-shard ``s * R + r`` for outer rank ``r``, inner rank ``s``."""
+    """Where this rank's rows start along the sharded tensor dimension (of the TP-local tensor
+    on a dp x TP mesh). One mesh dimension: ranks hold consecutive rows in mesh order. Two (HSDP
+    outer ``optim``, ``(Shard(0), Shard(0))``): sub-shard ``s * R + r`` for outer rank ``r``,
+    inner rank ``s``."""
     mesh, local = dtensor.device_mesh, dtensor._local_tensor
     dim = sharded[0][1]
     if any(d != dim for _, d in sharded) or len(sharded) > 2:
@@ -81,25 +93,35 @@ def _row_offset(dtensor: Any, sharded: list[tuple[int, int]]) -> int:
     return sum(sum(row) for row in table[:s]) + sum(table[s][:r])
 
 
+def _tp_piece(full: torch.Tensor, dtensor: Any, tp_dims: tuple[int, ...]) -> torch.Tensor:
+    """This rank's TP-local piece of ``full`` (a view): DTensor's own offsets for the TP
+    placements, the dp dims read as ``Replicate()``."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = [p if k in tp_dims else Replicate() for k, p in enumerate(dtensor.placements)]
+    shape, offsets = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh,
+                                                           placements)
+    piece = full
+    for d, (size, offset) in enumerate(zip(shape, offsets)):
+        if size != full.shape[d]:
+            piece = piece.narrow(d, offset, size)
+    return piece
+
+
 def random_op(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``dtensor.<random op>_(...)`` (see [Note: random init of uneven shards]), or
     ``NotImplemented`` for DTensor's own path (not on a registered mesh, or ``Partial``)."""
     target = args[0]
-    if isinstance(target, DTensor) and tp_dims_of(target.device_mesh):
-        raise NotImplementedError(
-            f"random init of a DTensor on a data-parallel x tensor-parallel mesh "
-            f"({target.placements}, FSDP x TP): not supported yet; initialize the model before "
-            "parallelize_module/fully_shard, or load its weights (e.g. torch's "
-            "set_model_state_dict with full_state_dict=True)"
-        )
-    if not _is_ours(target):
+    tp_dims = tp_dims_of(target.device_mesh) if isinstance(target, DTensor) else ()
+    if not _is_ours(target, tp_dims):
         return NotImplemented
     local = target._local_tensor
-    sharded = _sharded_dims(target)
+    sharded = _sharded_dims(target, tp_dims)
     offset = _row_offset(target, sharded) if sharded else 0
     full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
     op_call(full, *args[1:], **kwargs)
+    piece = _tp_piece(full, target, tp_dims) if tp_dims else full
     with torch.no_grad():
-        local.copy_(full.narrow(sharded[0][1], offset, local.shape[sharded[0][1]])
-                    if sharded else full)
+        local.copy_(piece.narrow(sharded[0][1], offset, local.shape[sharded[0][1]])
+                    if sharded else piece)
     return target

@@ -1,0 +1,146 @@
+"""``nn.init.*`` on FSDP x TP parameters after ``fully_shard`` (torchtitan's random
+``init_weights`` on the wrapped model, its default TP run) draws what single-process code
+draws: the full tensor from the same generator, each rank keeping its TP piece and, inside it,
+its flat-buffer rows (see [Note: random init of uneven shards] in ``_dtensor/_random_init.py``).
+
+Both FSDP x TP faces on dp 2 x tp 2: DTensor TP parameters (``parallelize_module`` on
+``mesh["tp"]``, ``fully_shard`` on ``mesh["dp"]``; ``_tp_common``'s model: a row-wise
+embedding and col-wise head ``Shard(0)``, row-wise ``Shard(1)``, sequence-parallel norms
+``Replicate()``, uneven dp rows) and ``spmd_types``-annotated plain TP parameters
+(``test_spmd_types_tp``'s model, ``fully_shard`` with the SPMD mesh and ``dp_mesh_dims``).
+Three rounds re-initialize every parameter, each with ``normal_``, ``trunc_normal_`` (bounds
+tight enough that its rejection loop runs) and ``uniform_`` in turn, the last round with an
+explicit generator; after each round every ``full_tensor()`` equals the unwrapped copy's
+parameter (the same round from the same seeds) bitwise, and the generator ends in the same
+state. One training step later the full
+values still match single-process training.
+
+No FSDP2 control: FSDP2's sharded draws on CPU are not the single-process values (DTensor's
+offset-based generator is CUDA-only; each rank draws its local tensor from its own
+generator), so there is nothing of FSDP2's to compare ours with here (checked when this test
+was written: FSDP2's ``full_tensor()`` differs from the single-process draw).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from _tp_common import (
+    apply_tp,
+    batches,
+    build_model,
+    clip_ours,
+    clip_torch,
+    compare,
+    dp_tp_mesh,
+    full_values,
+    train,
+    wrap_ours,
+)
+from torch.distributed.tensor import DTensor
+
+from megatron_fsdp_v2 import fully_shard
+
+from _models import all_ranks_ok
+from _pool import RankPools
+
+TIMEOUT_S = 400
+
+
+def init_round(model: nn.Module, r: int) -> torch.Tensor:
+    """Round ``r`` of ``nn.init`` over ``model.parameters()`` from fixed seeds (the default
+    generator; in round 2 an explicit one); returns what is left of the generator's stream."""
+    torch.manual_seed(7 + r)
+    g = torch.Generator().manual_seed(11) if r == 2 else None
+    with torch.no_grad():
+        for i, param in enumerate(model.parameters()):
+            kind = (i + r) % 3
+            if kind == 0:
+                nn.init.normal_(param, std=0.02, generator=g)
+            elif kind == 1:  # +-2 std: about 1 in 20 values rejected and redrawn
+                nn.init.trunc_normal_(param, std=0.02, a=-0.04, b=0.04, generator=g)
+            else:
+                nn.init.uniform_(param, -0.1, 0.1, generator=g)
+    return torch.rand(3, generator=g)
+
+
+def init_and_compare(what: str, model: nn.Module, ref: nn.Module) -> None:
+    """Each round on ``model`` and on ``ref``, then every full value compared bitwise, and the
+    rest of the generator's stream (every rank consumed it as one process does)."""
+    for r in range(3):
+        tail, ref_tail = init_round(model, r), init_round(ref, r)
+        _bitwise(f"{what}: round {r}", model, ref)
+        if not all_ranks_ok(torch.equal(tail, ref_tail)):
+            raise AssertionError(f"{what}: round {r}: the generator ended in another state")
+
+
+def _bitwise(what: str, model: nn.Module, ref: nn.Module) -> None:
+    want = dict(ref.named_parameters())
+    err = ""
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            err = f"{name}: not a DTensor"
+        elif not torch.equal(p.full_tensor(), want[name]):
+            diff = int((p.full_tensor() != want[name]).sum())
+            err = err or f"{name} {tuple(p.placements)}: {diff} of {p.numel()} values differ"
+    if not all_ranks_ok(not err):
+        raise AssertionError(f"{what}: {err or 'differs on another rank'}")
+
+
+def _build(face: str, strategy: str) -> tuple[nn.Module, nn.Module, Any]:
+    """(wrapped model, its unwrapped copy, mesh) of one face: ``"dtensor"``, ``_tp_common``'s
+    model under ``parallelize_module``; ``"spmd_types"``, ``test_spmd_types_tp``'s annotated
+    one under the SPMD mesh and ``dp_mesh_dims``."""
+    if face == "dtensor":
+        mesh = dp_tp_mesh()
+        model = wrap_ours(apply_tp(build_model(), mesh["tp"]), mesh["dp"], strategy)
+        return model, build_model(), mesh
+    from test_spmd_types_tp import SpMlp, _annotate, _mesh
+
+    mesh, dims = _mesh("fsdp_tp")
+    torch.manual_seed(0)
+    ref = SpMlp()
+    model = _annotate(copy.deepcopy(ref), mesh)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims, sharding_strategy=strategy)
+    return model, ref, mesh
+
+
+def _init_case(rank: int, world: int, face: str, strategy: str) -> None:
+    model, ref, mesh = _build(face, strategy)
+    init_and_compare(f"{face} {strategy}", model, ref)
+    if face == "dtensor":
+        data = batches(steps=1, micro=1, dp=2)
+        train(ref, data, None, clip=clip_torch)
+        train(model, data, mesh.get_local_rank("dp"), mark=True, clip=clip_ours)
+        compare(f"{strategy}: after a step", full_values(model), full_values(ref))
+        return
+    from test_spmd_types_tp import _batches, _close, _dp_rank, _full
+    from test_spmd_types_tp import _train as train_spmd
+
+    dp_rank, dp = _dp_rank(mesh)
+    data = _batches(1, dp)
+    want = train_spmd(ref, data, None)
+    got = train_spmd(model, data, dp_rank)
+    errors = [] if torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5) else [
+        f"losses and norms {got} vs single process {want}"]
+    errors += _close("after a step", _full(model), _full(ref))
+    if not all_ranks_ok(not errors):
+        raise AssertionError(f"spmd_types {strategy}: {errors or 'failed on another rank'}")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("face,strategy", [
+    ("dtensor", "optim_grads_params"),
+    ("dtensor", "optim"),
+    ("dtensor", "no_shard"),
+    ("spmd_types", "optim_grads_params"),
+])
+def test_random_init_matches_single_process(ranks: RankPools, face: str, strategy: str) -> None:
+    if face == "spmd_types":
+        pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
+    ranks.run(_init_case, 4, face, strategy, timeout_s=TIMEOUT_S)
+

@@ -53,7 +53,9 @@ Refused with ``NotImplementedError`` (before any collective; every rank raises):
 
 Three more places read the rows through the spec alone, and are handled here too: the op
 dispatcher's implicit redistribution of an argument *into* ``Shard`` next to one of ours
-(``p + replicated_x``: :func:`redistribute_local_args` cuts it at our rows), ``copy_`` between
+(``p + replicated_x``: :func:`redistribute_local_args` cuts it at our rows; on a dp x TP mesh,
+``t.copy_(replicated)`` too, where DTensor's ``copy_`` redistributes the source: the TP piece
+is torch's, its dp rows ours), ``copy_`` between
 two DTensors of the same placements but different rows (``p.copy_(distribute_tensor(...))``:
 ``_copy_rows.py``), and torch's full optimizer state dict, which pairs each rank's states in
 its own order while a rank with an empty shard of a parameter has no state for it
@@ -252,12 +254,18 @@ def redistribute_local_args(
     todo = [
         (i, src, dst, k) for i, src, dst in specs if src != dst
         for k, (a, b) in enumerate(zip(src.placements, dst.placements))
-        if b.is_shard() and a != b and src.mesh.size(k) > 1 and mesh_kind(src.mesh) is not None
+        if (b.is_shard() or (is_shard_like(b) and k not in tp_dims_of(src.mesh))) and a != b
+        and src.mesh.size(k) > 1 and mesh_kind(src.mesh) is not None
     ]
     if not todo:
         return
     local_args = list(op_info.local_args)
+    tp_todo = [t for t in todo if tp_dims_of(t[1].mesh)]
+    if tp_todo:
+        _line_up_2d(torch_redistribute, before, local_args, specs, tp_todo)
     for i, src, dst, k in todo:
+        if tp_dims_of(src.mesh):
+            continue  # done by _line_up_2d above
         anchors = [
             (j, a_src) for j, a_src, a_dst in specs
             if j != i and a_src.mesh == src.mesh and a_src.placements[k].is_shard()
@@ -300,3 +308,70 @@ def redistribute_local_args(
         offset = sum(sizes[:rank])
         local_args[i] = full.narrow(dim, offset, sizes[rank]).contiguous()
     op_info.local_args = tuple(local_args)
+
+
+def _line_up_2d(
+    torch_redistribute: TorchRedistribute, before: tuple[Any, ...], local_args: list[Any],
+    specs: list[tuple[int, Any, Any]], todo: list[tuple[int, Any, Any, int]],
+) -> None:
+    """:func:`redistribute_local_args` on a dp x TP mesh ([Note: 2-D parameters] in
+    ``_tp_params.py``): an argument turned into a unit's placements (``t.copy_(replicated)``,
+    torchtitan's fused-QKV init; ``p + replicated_x``) next to an argument that keeps its dp
+    shard. The TP dims are DTensor's own ``torch.chunk`` pieces, so torch's cut is right there;
+    the one data-parallel dim that changes is cut at the other argument's true rows of the
+    TP-local tensor instead: the argument redistributed to ``Replicate()`` on that dp dim (the
+    TP-local tensor; through :func:`redistribute_local_tensor`, so a dp-sharded source is
+    gathered right), then narrowed (one small all-gather of the rows)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    by_arg: dict[int, tuple[Any, Any, list[int]]] = {}
+    for i, src, dst, k in todo:
+        if k not in tp_dims_of(src.mesh):
+            by_arg.setdefault(i, (src, dst, []))[2].append(k)
+    for i, (src, dst, ks) in by_arg.items():
+        mesh, tp_dims = src.mesh, tp_dims_of(src.mesh)
+        what = f"implicit redistribution of an argument {src.placements} -> {dst.placements}"
+        ndim = max(dst.ndim, 1)
+        tp_shard_dims = {cast(Any, dst.placements[j]).dim % ndim for j in tp_dims
+                         if dst.placements[j].is_shard()}
+        k = ks[0]
+        target = dst.placements[k]
+        dim = cast(Any, target).dim % ndim
+        if target.is_shard() and dim in tp_shard_dims:
+            continue  # DTensor's nested meaning (dp chunk first), never a unit's: torch's cut
+        anchors = [
+            (j, a_src) for j, a_src, a_dst in specs
+            if j != i and a_src.mesh == mesh and is_shard_like(a_src.placements[k])
+            and a_dst.placements[k] == a_src.placements[k]
+        ]
+        if not anchors:
+            continue  # nothing to line up with: DTensor's own (torch.chunk) layout is right
+        if len(ks) > 1:
+            raise NotImplementedError(
+                f"{what} on a dp x TP mesh used by fully_shard: sharding over two "
+                f"data-parallel mesh dimensions cannot line up with fully_shard's uneven "
+                f"shards; {ALTERNATIVE}"
+            )
+        dims = [cast(Any, a.placements[k]).dim % max(a.ndim, 1) for _, a in anchors]
+        own = [local_args[j].shape[d] for (j, _), d in zip(anchors, dims)]
+        table = gather_sizes(own, before[i].device, mesh, k)
+        sizes = [row[0] for row in table]
+        if any(len(set(row)) > 1 for row in table):
+            raise ValueError(
+                f"{what}: the op's other sharded arguments hold different rows on some rank "
+                f"({table}), so their layouts differ (a fully_shard parameter mixed with a "
+                "torch.chunk-sharded DTensor?); redistribute one of them to Replicate() first"
+            )
+        mid = DTensorSpec(
+            mesh, dst.placements[:k] + (Replicate(),) + dst.placements[k + 1 :],
+            tensor_meta=src.tensor_meta,
+        )
+        tp_local = redistribute_local_tensor(torch_redistribute, before[i], src, mid)
+        if sum(sizes) != tp_local.shape[dim]:
+            raise ValueError(
+                f"{what}: the sharded argument's rows {sizes} do not tile dim {dim} of its "
+                f"tensor-parallel piece {tuple(tp_local.shape)}; redistribute the arguments "
+                "to Replicate() first"
+            )
+        rank = mesh.get_local_rank(k)
+        local_args[i] = tp_local.narrow(dim, sum(sizes[:rank]), sizes[rank]).contiguous()

@@ -12,8 +12,9 @@ Three rounds re-initialize every parameter, each with ``normal_``, ``trunc_norma
 tight enough that its rejection loop runs) and ``uniform_`` in turn, the last round with an
 explicit generator; after each round every ``full_tensor()`` equals the unwrapped copy's
 parameter (the same round from the same seeds) bitwise, and the generator ends in the same
-state. One training step later the full
-values still match single-process training.
+state. One training step later the full values still match single-process training. And
+torchtitan's fused-weight init, ``p.copy_(replicated)`` (DTensor's implicit redistribution of
+the source into the parameter's placements), keeps each rank's piece of the source.
 
 No FSDP2 control: FSDP2's sharded draws on CPU are not the single-process values (DTensor's
 offset-based generator is CUDA-only; each rank draws its local tensor from its own
@@ -144,3 +145,38 @@ def test_random_init_matches_single_process(ranks: RankPools, face: str, strateg
         pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
     ranks.run(_init_case, 4, face, strategy, timeout_s=TIMEOUT_S)
 
+
+def _copy_case(rank: int, world: int, face: str) -> None:
+    """torchtitan's fused-weight init (``models/common/config_utils.py``, its fused QKV):
+    ``p.new_empty`` of other shapes (``Replicate()`` DTensors), ``nn.init`` on each, ``torch.cat``
+    of them, ``p.copy_(fused)``: each rank keeps its piece of ``fused``; also ``p + fused`` (the
+    same implicit redistribution of ``fused``)."""
+    model, _, _ = _build(face, "optim_grads_params")
+    torch.manual_seed(3)
+    err = ""
+    for name, p in model.named_parameters():
+        head = p.shape[0] // 3 + 1
+        parts = [p.new_empty(head, *p.shape[1:]), p.new_empty(p.shape[0] - head, *p.shape[1:])]
+        if not all(x.is_replicate() for q in parts for x in q.placements):
+            err = err or f"{name}: new_empty gave {[q.placements for q in parts]}"
+        with torch.no_grad():
+            for q in parts:  # distinct values (no random op: this checks copy_ alone)
+                q.copy_(DTensor.from_local(torch.randn(q.shape), q.device_mesh, q.placements))
+            fused = torch.cat(parts)
+            before = p.full_tensor()
+            total = p + fused
+            p.copy_(fused)
+        if not torch.equal(p.full_tensor(), fused.full_tensor()):
+            err = err or f"{name} {tuple(p.placements)}: copy_ of a Replicate() DTensor"
+        if not torch.equal(total.full_tensor(), before + fused.full_tensor()):
+            err = err or f"{name} {tuple(p.placements)}: p + fused"
+    if not all_ranks_ok(not err):
+        raise AssertionError(f"{face}: {err or 'differs on another rank'}")
+
+
+@pytest.mark.timeout(TIMEOUT_S)
+@pytest.mark.parametrize("face", ["dtensor", "spmd_types"])
+def test_copy_replicated_into_tp_params(ranks: RankPools, face: str) -> None:
+    if face == "spmd_types":
+        pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
+    ranks.run(_copy_case, 4, face, timeout_s=TIMEOUT_S)

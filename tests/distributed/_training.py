@@ -26,9 +26,11 @@ from _models import agree, assert_close_to_reference, cat_batch, local_detached
 
 # How a micro-batch is marked before its backward (the wrapped model only):
 #   "last_backward": ``set_is_last_backward(i == last)`` (this library's and FSDP2's flag);
+#   "never_last": ``set_is_last_backward(False)`` on every micro-batch (the optimizer step
+#       ends the window: a test of that path);
 #   "gradient_sync": ``set_requires_gradient_sync(i == last)`` (FSDP2's no_sync-style flag);
 #   None: not marked (one micro-batch per step, or a test of the unmarked default).
-MARKS = ("last_backward", "gradient_sync", None)
+MARKS = ("last_backward", "never_last", "gradient_sync", None)
 
 
 def rank_slice(parts: Any, rank: int | None) -> Any:
@@ -39,31 +41,45 @@ def rank_slice(parts: Any, rank: int | None) -> Any:
     return parts[rank]
 
 
-def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[Sequence[Any]],
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+                batches: Sequence[Sequence[Any]],
                 loss_fn: Callable[[nn.Module, Any], torch.Tensor], *, rank: int | None,
                 select: Callable[[Any, int | None], Any] = rank_slice,
                 mark: str | None = "last_backward", divide_by_micro: bool = True,
-                backward_twice: bool = False, clip_norm: float | None = None,
+                backward_twice: bool = False, retain_graph: bool = False,
+                clip_norm: float | None = None,
                 set_to_none: bool = True, keep_grads_after: Container[int] = (),
+                clear: Callable[[int], None] | None = None,
                 before_step: Callable[[int], None] | None = None,
                 around_step: Callable[[int], AbstractContextManager[Any]] | None = None,
+                around_backwards: Callable[[int], AbstractContextManager[Any]] | None = None,
+                before_optimizer: Callable[[int], None] | None = None,
                 after_step: Callable[[int], None] | None = None) -> list[list[torch.Tensor]]:
     """Train one step per entry of ``batches`` (``batches[step][micro]``); returns each step's
-    micro-batch losses (detached copies of the value backward ran on).
+    micro-batch losses (detached copies of the value backward ran on). ``opt``: one optimizer,
+    or several (each stepped in order, then each cleared).
 
     ``rank``: this rank's slice of each micro-batch (``select(parts, rank)``; default
     ``parts[rank]``), or None for the single-process reference on the global batch (never
     marked). ``divide_by_micro``: each micro-batch's loss divided by the step's micro-batch
     count (so the step's gradient is the mean's). ``backward_twice``: each loss's backward runs
-    twice (``retain_graph=True``, then plain), so the gradient doubles. ``clip_norm``: the
+    twice (``retain_graph=True``, then plain), so the gradient doubles. ``retain_graph``: each
+    backward keeps its graph (for a hook that backwards a loss again). ``clip_norm``: the
     gradient norm clipped before the step (this library's ``clip_grad_norm_`` for a wrapped
     model, torch's for the reference). ``keep_grads_after``: steps after which the gradients are
-    not cleared (the next step steps on the sum). ``before_step(step)`` runs before the step's
-    first forward, ``around_step(step)`` is a context around its forwards, backwards, optimizer
-    step and clearing (a collective counter), ``after_step(step)`` runs after it.
+    not cleared (the next step steps on the sum). ``clear(step)``: clears the gradients instead
+    of ``zero_grad(set_to_none=set_to_none)`` (a test of how they are cleared).
+
+    Hooks, each called with the step's index: ``before_step`` runs before the step's first
+    forward; ``around_step`` is a context around its forwards, backwards, optimizer step and
+    clearing (a collective counter); ``around_backwards`` a context around its forwards and
+    backwards only; ``before_optimizer`` runs after the last backward, before clipping and the
+    optimizer step (reading or clipping the gradients, a backward of its own);
+    ``after_step`` runs after the step.
     """
     if mark not in MARKS:
         raise ValueError(f"mark={mark!r}: expected one of {MARKS}")
+    opts = [opt] if isinstance(opt, torch.optim.Optimizer) else list(opt)
     losses: list[list[torch.Tensor]] = []
     for step, micro_batches in enumerate(batches):
         if before_step is not None:
@@ -71,24 +87,34 @@ def train_steps(model: nn.Module, opt: torch.optim.Optimizer, batches: Sequence[
         count = len(micro_batches)
         step_losses: list[torch.Tensor] = []
         with around_step(step) if around_step is not None else contextlib.nullcontext():
-            for i, parts in enumerate(micro_batches):
-                if rank is not None and mark == "last_backward":
-                    model.set_is_last_backward(i == count - 1)  # type: ignore[operator]
-                elif rank is not None and mark == "gradient_sync":
-                    model.set_requires_gradient_sync(i == count - 1)  # type: ignore[operator]
-                loss = loss_fn(model, select(parts, rank))
-                if divide_by_micro:
-                    loss = loss / count
-                if backward_twice:
-                    loss.backward(retain_graph=True)
-                loss.backward()
-                step_losses.append(loss.detach().clone())
+            with (around_backwards(step) if around_backwards is not None
+                  else contextlib.nullcontext()):
+                for i, parts in enumerate(micro_batches):
+                    if rank is not None and mark == "last_backward":
+                        model.set_is_last_backward(i == count - 1)  # type: ignore[operator]
+                    elif rank is not None and mark == "never_last":
+                        model.set_is_last_backward(False)  # type: ignore[operator]
+                    elif rank is not None and mark == "gradient_sync":
+                        model.set_requires_gradient_sync(i == count - 1)  # type: ignore[operator]
+                    loss = loss_fn(model, select(parts, rank))
+                    if divide_by_micro:
+                        loss = loss / count
+                    if backward_twice:
+                        loss.backward(retain_graph=True)
+                    loss.backward(retain_graph=retain_graph)
+                    step_losses.append(loss.detach().clone())
+            if before_optimizer is not None:
+                before_optimizer(step)
             if clip_norm is not None:
                 clip = clip_grad_norm_ if rank is not None else torch.nn.utils.clip_grad_norm_
                 clip(model.parameters(), clip_norm)
-            opt.step()
-            if step not in keep_grads_after:
-                opt.zero_grad(set_to_none=set_to_none)
+            for o in opts:
+                o.step()
+            if clear is not None:
+                clear(step)
+            elif step not in keep_grads_after:
+                for o in opts:
+                    o.zero_grad(set_to_none=set_to_none)
         losses.append(step_losses)
         if after_step is not None:
             after_step(step)

@@ -15,14 +15,15 @@ must be unaffected. Every case runs under the rank pool's timeout. The bucket-si
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
@@ -34,6 +35,7 @@ from megatron_fsdp_v2._registry import state_of
 from megatron_fsdp_v2._runtime._coalesce import MAX_BUCKETS_IN_FLIGHT, ReductionCoalescer
 
 from _comm_counts import CollectiveCounts
+from _training import final_params, train_steps
 
 UNITS = 5
 STEPS = 3
@@ -91,8 +93,8 @@ def _collectives(comm: CollectiveCounts) -> dict[str, int]:
     return out
 
 
-def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, micro: int,
-           mp: str, variant: str) -> dict[str, Any]:
+def _rank_run(rank: int, world: int, strategy: str, bucket_mb: float | None, micro: int,
+              mp: str, variant: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Units(unused=variant == "unused")
     model.checkpointed = variant == "checkpoint"
@@ -113,32 +115,53 @@ def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, micro:
     # partial: the optimizer updates only the first units (the others keep accumulating).
     trained = params[: 2 * 3] if variant == "partial" else params
     opt = torch.optim.SGD(trained, lr=0.05, momentum=0.9)
+    # The data in the order the generator drew it: the failing backward's input (step 1)
+    # before that step's micro-batches.
     gen = torch.Generator().manual_seed(1234)
-    losses, counts = [], []
+    failing_input, batches = None, []
     for step in range(STEPS):
+        if variant == "fail" and step == 1:
+            failing_input = torch.randn(4, 8, generator=gen)
+        batches.append([(torch.randn(world, 4, 8, generator=gen),
+                         torch.randn(world, 4, 1, generator=gen)) for _ in range(micro)])
+
+    def fail_backward(step: int) -> None:
         if variant == "fail" and step == 1:
             # A backward that raises half-way, with reductions queued (or in flight): the next
             # forward recovers (gradients discarded) and training goes on identically.
             model.fail = True
             with pytest.raises(RuntimeError, match="injected"):
-                F.mse_loss(model(torch.randn(4, 8, generator=gen)), torch.zeros(4, 1)).backward()
+                F.mse_loss(model(failing_input), torch.zeros(4, 1)).backward()
             model.fail = False
-        data = [(torch.randn(world, 4, 8, generator=gen), torch.randn(world, 4, 1, generator=gen))
-                for _ in range(micro)]
+
+    counters: list[CollectiveCounts] = []
+
+    @contextlib.contextmanager
+    def counted(step: int) -> Iterator[None]:
         with CollectiveCounts() as comm, warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # the finalize variant's warning
-            for i, (x, y) in enumerate(data):
-                last = i == micro - 1 and variant != "finalize"
-                model.set_is_last_backward(last)
-                loss = F.mse_loss(model(x[rank]), y[rank]) / micro
-                loss.backward(retain_graph=variant == "retain")
-                losses.append(loss.detach().clone())
-            if variant == "retain":  # a second backward over the retained graph
-                model.set_is_last_backward(True)
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-        counts.append(_collectives(comm))
+            yield
+        counters.append(comm)
+
+    last_loss: list[torch.Tensor] = []
+
+    def loss_fn(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        loss = F.mse_loss(m(batch[0]), batch[1]) / micro
+        last_loss[:] = [loss]
+        return loss
+
+    def second_backward(step: int) -> None:  # "retain": a second backward over the retained graph
+        model.set_is_last_backward(True)
+        last_loss[0].backward()
+
+    losses = train_steps(
+        model, opt, batches, loss_fn, rank=rank,
+        select=lambda parts, r: (parts[0][r], parts[1][r]), divide_by_micro=False,
+        mark="never_last" if variant == "finalize" else "last_backward",
+        retain_graph=variant == "retain",
+        before_optimizer=second_backward if variant == "retain" else None,
+        before_step=fail_backward, around_step=counted)
+    counts = [_collectives(comm) for comm in counters]
     coalescer = state_of(model).ctx.coalescer  # type: ignore[union-attr]
     stats = None if coalescer is None else {
         "coalesced_collectives": coalescer.coalesced_collectives,
@@ -146,9 +169,8 @@ def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, micro:
         "single_collectives": coalescer.single_collectives,
     }
     return {
-        "losses": torch.stack(losses),
-        "params": [p.to_local().detach().clone() if isinstance(p, DTensor) else p.detach().clone()
-                   for p in params],
+        "losses": torch.stack([loss for step in losses for loss in step]),
+        "params": final_params(model),
         "counts": counts,
         "stats": stats,
         "groups": sum(len(state_of(m).groups) for m in model.modules()  # type: ignore[union-attr]
@@ -159,8 +181,9 @@ def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, micro:
 
 def _pair(ranks: Any, world: int, strategy: str, bucket_mb: float, micro: int = 1,
           mp: str = "fp32", variant: str = "plain") -> tuple[list[Any], list[Any]]:
-    base = ranks.run(_train, world, strategy, None, micro, mp, variant, timeout_s=TIMEOUT_S)
-    coal = ranks.run(_train, world, strategy, bucket_mb, micro, mp, variant, timeout_s=TIMEOUT_S)
+    base = ranks.run(_rank_run, world, strategy, None, micro, mp, variant, timeout_s=TIMEOUT_S)
+    coal = ranks.run(_rank_run, world, strategy, bucket_mb, micro, mp, variant,
+                     timeout_s=TIMEOUT_S)
     return base, coal
 
 

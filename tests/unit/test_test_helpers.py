@@ -26,8 +26,6 @@ NOT_MIGRATED: dict[str, str] = {
                      "callback; shared by four FSDP2-API test files already",
     "_silent_wrong.py": "lockstep loop comparing every step's forward outputs; shared by the "
                         "no-silent-wrong and hostile test files already",
-    "test_coalescing.py": "injects a failing backward mid-run and a retained second backward "
-                          "per step: not migrated yet",
     "test_cuda_runtime.py": "CUDA only: cannot be run on the CPU machine to prove the numbers "
                             "unchanged",
     "test_dp_mesh_dims_tp.py": "being written by another engineer (TP); not touched",

@@ -26,7 +26,8 @@ single-process training on the global batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -42,6 +43,7 @@ from megatron_fsdp_v2 import fully_shard
 from _comm_counts import COLLECTIVE_KINDS, CollectiveCounts
 from _models import check_all_ranks
 from _pool import RankPools
+from _training import train_steps
 
 TIMEOUT_S = 120
 WORLD = 2
@@ -138,26 +140,32 @@ def _all_gathers(counter: CollectiveCounts) -> int:
     return sum(counts.get(name, 0) for name in COLLECTIVE_KINDS["all_gather"])
 
 
-def _train(model: nn.Module, loss_fn: Callable[..., torch.Tensor], rank: int, world: int,
-           sharded: bool) -> dict[str, Any]:
+def _rank_run(model: nn.Module, loss_fn: Callable[..., torch.Tensor], rank: int, world: int,
+              sharded: bool) -> dict[str, Any]:
     """AdamW over ``STEPS`` steps of ``MICRO`` micro-batches; per micro-batch the global
-    mean loss, per step the all-gathers, and the full parameters at the end. ``world`` 1: one
-    process on the global batch."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    losses, gathers = [], []
-    for step in batches(STEPS, MICRO, WORLD):
+    mean loss, per step the all-gathers of its forwards and backwards, and the full parameters
+    at the end. ``world`` 1: one process on the global batch."""
+    mine = slice(rank * BATCH, (rank + 1) * BATCH) if world > 1 else slice(None)
+
+    def loss(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens, targets = batch
+        divisor = targets.numel() * MICRO  # a mean; ranks' gradients averaged
+        return loss_fn(m, m(tokens), targets, divisor, sharded)
+
+    gathers: list[int] = []
+
+    @contextlib.contextmanager
+    def counted(step: int) -> Iterator[None]:
         with CollectiveCounts() as counter:
-            for tokens, targets in step:
-                mine = slice(rank * BATCH, (rank + 1) * BATCH) if world > 1 else slice(None)
-                divisor = targets[mine].numel() * MICRO  # a mean; ranks' gradients averaged
-                out = model(tokens[mine])
-                loss = loss_fn(model, out, targets[mine], divisor, sharded)
-                loss.backward()
-                losses.append(loss.detach() / world)
+            yield
         gathers.append(_all_gathers(counter))
-        opt.step()
-        opt.zero_grad()
-    loss_t = torch.stack(losses)
+
+    per_step = train_steps(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        batches(STEPS, MICRO, WORLD), loss, rank=rank if world > 1 else None,
+        select=lambda parts, r: (parts[0][mine], parts[1][mine]), mark=None,
+        divide_by_micro=False, around_backwards=counted)
+    loss_t = torch.stack([micro / world for step in per_step for micro in step])
     if world > 1:
         dist.all_reduce(loss_t)
     return {"losses": loss_t, "gathers": gathers,
@@ -183,7 +191,7 @@ def _compare(rank: int, world: int, build: Callable[[], nn.Module],
     """Ours and FSDP2 on the same model and data: equal to one process and, with
     ``check_counts``, ours gathering no more often than FSDP2 in every step. Returns the
     per-step all-gathers of ours and FSDP2's."""
-    want = _train(build(), loss_fn, 0, 1, sharded=False)
+    want = _rank_run(build(), loss_fn, 0, 1, sharded=False)
     runs = {}
     for name, fn, kw in [
         ("megatron_fsdp_v2", fully_shard, dict(sharding_strategy=strategy, timeout=60)),
@@ -191,7 +199,7 @@ def _compare(rank: int, world: int, build: Callable[[], nn.Module],
     ]:
         model = build()
         wrap(model, fn, kw)
-        runs[name] = _train(model, loss_fn, rank, world, sharded=True)
+        runs[name] = _rank_run(model, loss_fn, rank, world, sharded=True)
     errors = _errors(runs["megatron_fsdp_v2"], want, f"megatron_fsdp_v2 {what}")
     errors += _errors(runs["FSDP2"], want, f"FSDP2 {what} (control)")
     ours, fsdp2 = runs["megatron_fsdp_v2"]["gathers"], runs["FSDP2"]["gathers"]

@@ -31,6 +31,7 @@ from megatron_fsdp_v2._registry import state_of
 
 from _models import UnusedRootNet
 from _pool import RankPools
+from _training import train_steps
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 TIMEOUT_S = 240.0
@@ -108,9 +109,10 @@ def _reductions(model: nn.Module) -> int:
     return sum(c.calls for (logical, _), c in stats.items() if logical != "all_gather")
 
 
-def _train(rank: int, world: int, strategy: str, variant: str, unused: bool
-           ) -> tuple[list[list[str]], list[int], list[str], bool]:
-    """Trains ``fully_shard`` next to single-process torch on the global batch. ``variant``
+def _rank_run(rank: int, world: int, strategy: str, variant: str, unused: bool
+              ) -> tuple[list[list[str]], list[int], list[str], bool]:
+    """Trains ``fully_shard``, then single-process torch on the global batch, and compares
+    their parameters after every step. ``variant``
     says how gradients are cleared after each step:
 
     * ``none``: ``opt.zero_grad()``; ``zeros``: ``opt.zero_grad(set_to_none=False)``;
@@ -139,31 +141,37 @@ def _train(rank: int, world: int, strategy: str, variant: str, unused: bool
     opts, ref_opts = optimizers(model), optimizers(ref)
     reads: list[list[str]] = []
     reductions: list[int] = []
-    mismatches: list[str] = []
-    for step, batches in enumerate(_batches(world)):
+    seen: list[str] = []
+    trained: list[dict[str, torch.Tensor]] = []  # the wrapped model's full parameters per step
+
+    @contextmanager
+    def counted(step: int) -> Iterator[None]:
         _reductions(model)
-        with counting_value_reads() as seen:
-            for m, parts in enumerate(batches):
-                model.set_is_last_backward(m == MICRO - 1)
-                x, y = parts[rank]
-                (F.mse_loss(model(x), y) / MICRO).backward()
-            for opt in opts:
-                opt.step()
-            _clear(model, opts, variant)
+        with counting_value_reads() as found:
+            yield
+        seen[:] = found
+
+    def after_step(step: int) -> None:
         if step >= SETUP_STEPS:
             reads.append(list(seen))
             reductions.append(_reductions(model))
-        for parts in batches:
-            gx, gy = (torch.cat([p[i] for p in parts]) for i in (0, 1))
-            (F.mse_loss(ref(gx), gy) / MICRO).backward()
-        for opt in ref_opts:
-            opt.step()
-        _clear(ref, ref_opts, variant)
-        for name, param in model.named_parameters():
-            full = param.full_tensor()
-            if not torch.allclose(full, dict(ref.named_parameters())[name], rtol=1e-5,
-                                  atol=1e-6):
-                mismatches.append(f"step {step}: {name}")
+        trained.append({n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
+
+    def loss(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return F.mse_loss(m(batch[0]), batch[1])
+
+    train_steps(model, opts, _batches(world), loss, rank=rank,
+                clear=lambda step: _clear(model, opts, variant), around_step=counted,
+                after_step=after_step)
+    want: list[dict[str, torch.Tensor]] = []
+    train_steps(ref, ref_opts, _batches(world), loss, rank=None,
+                clear=lambda step: _clear(ref, ref_opts, variant),
+                after_step=lambda step: want.append(
+                    {n: p.detach().clone() for n, p in ref.named_parameters()}))
+    mismatches = [f"step {step}: {name}"
+                  for step, (got, ref_params) in enumerate(zip(trained, want))
+                  for name, full in got.items()
+                  if not torch.allclose(full, ref_params[name], rtol=1e-5, atol=1e-6)]
     carried = any(g.allocator.get(g.temporary_key("window_carry")) is not None
                   for unit in (model, model.block)
                   for g in state_of(unit).groups)  # type: ignore[union-attr]
@@ -196,7 +204,7 @@ def test_no_host_reads_in_steady_state(ranks: RankPools, strategy: str, variant:
     """Zero host reads per steady-state step; with a parameter no rank uses, only the one read
     per group and window that decides its ``.grad=None`` (see [Note: gradients known without a
     host read]): the root's group holds it, so one read per step, not one per parameter."""
-    results = ranks.run(_train, 2, strategy, variant, unused, timeout_s=TIMEOUT_S)
+    results = ranks.run(_rank_run, 2, strategy, variant, unused, timeout_s=TIMEOUT_S)
     for rank, (reads, _, mismatches, _) in enumerate(results):
         assert not mismatches, f"rank {rank}: differs from torch: {mismatches}"
         for step, seen in enumerate(reads):
@@ -226,7 +234,7 @@ def test_in_place_writes_need_no_read(ranks: RankPools, strategy: str, variant: 
     through ``to_local()`` or a DTensor op after the zeroing): torch's numbers, no host read,
     and still one collective per group and window (no per-micro-batch fallback, no agreement
     all-reduce)."""
-    results = ranks.run(_train, 2, strategy, variant, False, timeout_s=TIMEOUT_S)
+    results = ranks.run(_rank_run, 2, strategy, variant, False, timeout_s=TIMEOUT_S)
     for rank, (seen, issued, mismatches, carried) in enumerate(results):
         assert not mismatches, f"rank {rank}: differs from torch: {mismatches}"
         assert not any(seen), f"rank {rank}: host reads {seen}"

@@ -30,8 +30,6 @@ NOT_MIGRATED: dict[str, str] = {
                             "unchanged",
     "test_dp_mesh_dims_tp.py": "being written by another engineer (TP); not touched",
     "test_fully_shard_policies.py": "new file of another engineer; not touched",
-    "test_host_syncs.py": "counts host reads around forward/backward/step and clears gradients "
-                          "five ways: not migrated yet",
     "test_hostile_ep_checkpoint.py": "calls the MoE example's own train_step (the example's "
                                      "loop is what it tests)",
     "test_muon.py": "trains three optimizers (ours, FSDP2, reference) in one loop: not "

@@ -20,7 +20,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 
@@ -28,6 +27,7 @@ from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import CollectiveCounts
+from _training import final_params, train_steps
 
 UNITS = 6
 STEPS = 4
@@ -62,8 +62,8 @@ def _all_gathers(comm: CollectiveCounts) -> int:
                if "all_gather" in str(op) or "allgather" in str(op))
 
 
-def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, mp: str,
-           variant: str) -> dict[str, Any]:
+def _rank_run(rank: int, world: int, strategy: str, bucket_mb: float | None, mp: str,
+              variant: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = Units()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if mp == "bf16" else None
@@ -76,9 +76,13 @@ def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, mp: st
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
     gen = torch.Generator().manual_seed(1234)
-    losses, gathers, live_after_forward = [], [], []
-    for step in range(STEPS):
-        x, y = torch.randn(world, 4, 8, generator=gen), torch.randn(world, 4, 1, generator=gen)
+    batches = [[(torch.randn(world, 4, 8, generator=gen), torch.randn(world, 4, 1, generator=gen))]
+               for _ in range(STEPS)]
+    evaluated: dict[int, torch.Tensor] = {}  # step -> the inference-mode forward's loss
+    gathers, live_after_forward = [], []
+
+    def between_steps(step: int) -> None:
+        x, y = batches[step][0]
         if variant == "fail" and step == 2:
             # Raises in the middle of the forward, refresh buckets issued or planned: recovered
             # at once, and training goes on identically.
@@ -90,21 +94,27 @@ def _train(rank: int, world: int, strategy: str, bucket_mb: float | None, mp: st
             # Refreshes everything (bucket copies written under inference mode); the training
             # forward then finds every group fresh.
             with torch.inference_mode():
-                losses.append(F.mse_loss(model(x[rank]), y[rank]).clone())
+                evaluated[step] = F.mse_loss(model(x[rank]), y[rank]).clone()
         model.skip = 2 if variant == "skip" and step == 2 else None
+
+    def counted_forward(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         with CollectiveCounts() as comm:
-            loss = F.mse_loss(model(x[rank]), y[rank])
-        live_after_forward.append(state_of(model).ctx.allocator.live_bytes)  # type: ignore
+            loss = F.mse_loss(m(batch[0]), batch[1])
+        live_after_forward.append(state_of(m).ctx.allocator.live_bytes)  # type: ignore
         gathers.append(_all_gathers(comm))
-        loss.backward()
-        losses.append(loss.detach().clone())
-        opt.step()
-        opt.zero_grad()
+        return loss
+
+    per_step = train_steps(model, opt, batches, counted_forward, rank=rank,
+                           select=lambda parts, r: (parts[0][r], parts[1][r]), mark=None,
+                           divide_by_micro=False, before_step=between_steps)
+    losses = []
+    for step, (loss,) in enumerate(per_step):
+        losses += [evaluated[step]] if step in evaluated else []
+        losses.append(loss)
     coalescer = state_of(model).ctx.refresh_coalescer  # type: ignore[union-attr]
     return {
         "losses": torch.stack(losses),
-        "params": [p.to_local().detach().clone() if isinstance(p, DTensor) else p.detach().clone()
-                   for p in params],
+        "params": final_params(model),
         "gathers": gathers,
         "live_after_forward": live_after_forward,
         "stats": None if coalescer is None else (coalescer.coalesced_collectives,
@@ -141,8 +151,8 @@ CASES = [
                          ids=[f"w{c[0]}-{c[1]}-{c[2]}MB-{c[3]}-{c[4]}" for c in CASES])
 def test_coalesced_refresh_matches(ranks: Any, world: int, strategy: str, bucket: float, mp: str,
                                    variant: str) -> None:
-    base = ranks.run(_train, world, strategy, None, mp, variant, timeout_s=TIMEOUT_S)
-    coal = ranks.run(_train, world, strategy, bucket, mp, variant, timeout_s=TIMEOUT_S)
+    base = ranks.run(_rank_run, world, strategy, None, mp, variant, timeout_s=TIMEOUT_S)
+    coal = ranks.run(_rank_run, world, strategy, bucket, mp, variant, timeout_s=TIMEOUT_S)
     for rank, (b, c) in enumerate(zip(base, coal)):
         pairs = [("losses", b["losses"], c["losses"])] + [
             (f"parameter {i}", x, y) for i, (x, y) in enumerate(zip(b["params"], c["params"]))]

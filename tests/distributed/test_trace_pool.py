@@ -37,6 +37,7 @@ from megatron_fsdp_v2._registry import state_of
 
 from _models import MLPStack
 from _pool import RankPools
+from _training import train_steps
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
 STEPS = 6
@@ -76,11 +77,11 @@ def _batch(rank: int, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor
     return torch.randn(3, 5, generator=g), torch.randn(3, 3, generator=g)
 
 
-def _train(rank: int, world: int, *, pool: bool, strategy: str, micro: int = 1,
-           mp: str = "fp32", outer: str | None = None, ckpt: bool = False,
-           skip: bool = False, retain: bool = False, release_at: int | None = None,
-           keep_after_backward: bool = False, evaluate: bool = False, twice: bool = False,
-           discard: bool = False, **extra: Any) -> dict[str, Any]:
+def _rank_run(rank: int, world: int, *, pool: bool, strategy: str, micro: int = 1,
+              mp: str = "fp32", outer: str | None = None, ckpt: bool = False,
+              skip: bool = False, retain: bool = False, release_at: int | None = None,
+              keep_after_backward: bool = False, evaluate: bool = False, twice: bool = False,
+              discard: bool = False, **extra: Any) -> dict[str, Any]:
     model = _wrap(world, pool, strategy, mp, outer, ckpt, **extra)
     if keep_after_backward:
         model.set_reshard_after_backward(False)
@@ -90,8 +91,9 @@ def _train(rank: int, world: int, *, pool: bool, strategy: str, micro: int = 1,
     handed: list[dict[Any, set[int]]] = []  # per step: key -> data_ptr()s handed out
     stats: list[tuple[int, int]] = []  # per step: (replans, allocations outside the arena)
     patched: list[Any] = []
-    losses: list[float] = []
-    for step in range(STEPS):
+    evaluated: dict[int, float] = {}  # step -> the evaluation forward's loss
+
+    def before_step(step: int) -> None:
         model.skip = {2} if skip and step % 2 else set()
         model.twice = {1} if twice and step % 2 else set()
         model.discard = {2} if discard and step % 2 else set()
@@ -99,32 +101,40 @@ def _train(rank: int, world: int, *, pool: bool, strategy: str, micro: int = 1,
         if evaluate and step % 2 and patched:  # an evaluation forward on odd steps
             ex, ey = _batch(rank, step, 9)
             with torch.no_grad():
-                losses.append(F.mse_loss(model(ex), ey).item())
-        for i in range(micro):
-            model.set_is_last_backward(i == micro - 1)
-            x, y = _batch(rank, step, i)
-            loss = F.mse_loss(model(x).float(), y)
-            if not patched:  # the tree's allocator exists from the first forward on
-                alloc = root.ctx.allocator  # type: ignore[union-attr]
-                allocate = alloc.allocate
+                evaluated[step] = F.mse_loss(model(ex), ey).item()
 
-                def recording(key: Any, *args: Any, _a: Any = allocate, **kw: Any) -> Any:
-                    bucket = _a(key, *args, **kw)
-                    handed[-1].setdefault(key, set()).add(bucket.data_ptr())
-                    return bucket
+    def loss_fn(m: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(m(x).float(), y)
+        if not patched:  # the tree's allocator exists from the first forward on
+            alloc = root.ctx.allocator  # type: ignore[union-attr]
+            allocate = alloc.allocate
 
-                alloc.allocate = recording  # type: ignore[method-assign]
-                patched.append(alloc)
-            loss.backward(retain_graph=retain)
-            if retain:
-                loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+            def recording(key: Any, *args: Any, _a: Any = allocate, **kw: Any) -> Any:
+                bucket = _a(key, *args, **kw)
+                handed[-1].setdefault(key, set()).add(bucket.data_ptr())
+                return bucket
+
+            alloc.allocate = recording  # type: ignore[method-assign]
+            patched.append(alloc)
+        return loss
+
+    def after_step(step: int) -> None:
         if release_at == step:
             model.release_memory_pool()  # type: ignore[attr-defined]
         alloc = patched[0]
         stats.append((getattr(alloc, "replans", 0), getattr(alloc, "outside_arena", 0)))
+
+    # This rank's micro-batches (each rank draws its own).
+    batches = [[_batch(rank, step, i) for i in range(micro)] for step in range(STEPS)]
+    per_step = train_steps(model, opt, batches, loss_fn, rank=rank,
+                           select=lambda parts, r: parts, divide_by_micro=False,
+                           backward_twice=retain, before_step=before_step,
+                           after_step=after_step)
+    losses: list[float] = []
+    for step, step_losses in enumerate(per_step):
+        losses += [evaluated[step]] if step in evaluated else []
+        losses += [loss.item() for loss in step_losses]
     report = memory_report(model)
     return {
         "losses": losses,
@@ -141,7 +151,7 @@ _COLLECTIVES = ("all_gather_into", "reduce_scatter_into", "all_reduce_inplace")
 
 
 def _counting(case: dict[str, Any], rank: int, world: int, pool: bool) -> dict[str, Any]:
-    """``_train``, counting the library's collectives by kind (they must not change)."""
+    """``_rank_run``, counting the library's collectives by kind (they must not change)."""
     counts = dict.fromkeys(_COLLECTIVES, 0)
     originals = {name: getattr(_collectives, name) for name in _COLLECTIVES}
 
@@ -154,7 +164,7 @@ def _counting(case: dict[str, Any], rank: int, world: int, pool: bool) -> dict[s
     for name in _COLLECTIVES:
         setattr(_collectives, name, counted(name))
     try:
-        result = _train(rank, world, pool=pool, **case)
+        result = _rank_run(rank, world, pool=pool, **case)
     finally:
         for name, fn in originals.items():
             setattr(_collectives, name, fn)

@@ -37,8 +37,6 @@ NOT_MIGRATED: dict[str, str] = {
     "test_pipeline_parallel.py": "pipeline schedules step the model (sched.step), not a "
                                  "forward/backward loop; another engineer's file",
     "test_spmd_types_tp.py": "being written by another engineer (TP); not touched",
-    "test_trace_pool.py": "patches the allocator on the first forward and records per-step "
-                          "hand-outs: not migrated yet",
 }
 
 

@@ -26,6 +26,7 @@ from megatron_fsdp_v2 import fully_shard
 
 from _models import SmallMLP, all_ranks_ok
 from _pool import RankPools
+from _training import train_steps
 
 # torch.distributed.fsdp.DataParallelMeshDims is not in torch 2.11 (2.12 has it; the
 # supported range starts at 2.11): fully_shard's dp_mesh_dims cannot be given there.
@@ -62,29 +63,37 @@ def _distribute(model: SmallMLP, mesh: DeviceMesh, dp_placement: object = Replic
     return model
 
 
-def _train(model: nn.Module, mesh: DeviceMesh | None, dp_rank: int, dp: int) -> list[float]:
+def _rank_run(model: nn.Module, mesh: DeviceMesh | None, dp_rank: int, dp: int) -> list[float]:
     """Two AdamW steps on a global batch of ``2 * dp`` rows: this dp rank's rows as a DTensor
     replicated over ``mesh`` (each dp rank's own data, as FSDP2's tests), or all of them
     (``mesh`` None: the single-process reference), gradients clipped by torch's
     ``clip_grad_norm_`` (fully_shard routes it to its own). Returns the global mean loss per
     step, then the gradient norms."""
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)
-    losses, norms = [], []
-    for _ in range(2):
-        x, y = torch.randn(2 * dp, 5, generator=g), torch.randn(2 * dp, 3, generator=g)
-        if mesh is not None:
-            x, y = x[2 * dp_rank: 2 * dp_rank + 2], y[2 * dp_rank: 2 * dp_rank + 2]
-            out = model(DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim)).full_tensor()
-        else:
-            out = model(x)
-        loss = F.mse_loss(out, y)
-        loss.backward()
+    batches = [[(torch.randn(2 * dp, 5, generator=g), torch.randn(2 * dp, 3, generator=g))]
+               for _ in range(2)]
+
+    def rows(parts: tuple[torch.Tensor, torch.Tensor], r: int | None) -> tuple[torch.Tensor, ...]:
+        return parts if r is None else tuple(t[2 * r: 2 * r + 2] for t in parts)
+
+    def loss(m: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        if mesh is None:
+            return F.mse_loss(m(x), y)
+        return F.mse_loss(m(DTensor.from_local(x, mesh, [Replicate()] * mesh.ndim)).full_tensor(),
+                          y)
+
+    norms: list[float] = []
+
+    def clip(step: int) -> None:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # below every norm
         norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
+
+    per_step = train_steps(model, torch.optim.AdamW(model.parameters(), lr=0.05), batches, loss,
+                           rank=None if mesh is None else dp_rank, select=rows, mark=None,
+                           divide_by_micro=False, before_optimizer=clip)
+    losses = []
+    for (mean,) in per_step:
         if mesh is not None:  # every rank of a dp rank's TP group holds the same loss
             dist.all_reduce(mean)
             mean /= dist.get_world_size()
@@ -102,7 +111,7 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
     torch.manual_seed(0)
     base = SmallMLP()
     ref, ours, control = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    want_losses = _train(ref, None, 0, dp)
+    want_losses = _rank_run(ref, None, 0, dp)
     want = {n: p.detach() for n, p in ref.named_parameters()}
     fully_shard(_distribute(ours, mesh), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(**dims),
                 sharding_strategy=strategy)
@@ -112,7 +121,7 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
                       dp_mesh_dims=DataParallelMeshDims(**dims))
     errors = []
     for who, model in (("ours", ours), ("FSDP2 (control)", control)):
-        losses = _train(model, mesh, dp_rank, dp)
+        losses = _rank_run(model, mesh, dp_rank, dp)
         if not torch.allclose(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5):
             errors.append(f"{who}: losses {losses} vs single process {want_losses}")
         for name, p in model.named_parameters():

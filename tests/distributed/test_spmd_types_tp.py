@@ -20,9 +20,11 @@ anything changes, as FSDP2 refuses it."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -50,6 +52,7 @@ from megatron_fsdp_v2.testing._pool import _clear_dtensor_caches
 
 from _models import SmallMLP, all_ranks_ok
 from _pool import RankPools
+from _training import train_steps
 
 spmd = pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
 DataParallelMeshDims = getattr(torch_fsdp, "DataParallelMeshDims", None)
@@ -141,28 +144,44 @@ def _batches(steps: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
              torch.randn(ROWS * dp, SEQ, D_IN, generator=g)) for _ in range(steps)]
 
 
-def _train(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]], dp_rank: int | None,
-           counts: list[tuple[Counter, Counter]] | None = None) -> list[float]:
+def _rank_run(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
+              dp_rank: int | None, counts: list[tuple[Counter, Counter]] | None = None
+              ) -> list[float]:
     """AdamW steps, gradients clipped by torch's ``clip_grad_norm_`` below every norm (so the
     norm matters). ``dp_rank`` None: the single-process reference on the whole batch; else this
     dp rank's rows. Returns the global mean losses, then the gradient norms. ``counts``: gets
     each iteration's collectives by (op, ranks): forward and backward, then clip and step."""
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    losses, norms = [], []
-    for x, y in data:
-        if dp_rank is not None:
-            x, y = x[ROWS * dp_rank: ROWS * (dp_rank + 1)], y[ROWS * dp_rank: ROWS * (dp_rank + 1)]
-        with GroupCommMode() as fwd_bwd:
-            loss = F.mse_loss(model(x), y)
-            loss.backward()
-        with GroupCommMode() as after:
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-            opt.step()
-            opt.zero_grad()
+    fwd_bwd: list[GroupCommMode] = []
+    # Clip, step and zero_grad counted together: entered before the clip, left after the step.
+    after, after_comm = contextlib.ExitStack(), []
+    norm_of_step: list[torch.Tensor] = []
+
+    @contextlib.contextmanager
+    def counted(step: int) -> Iterator[None]:
+        with GroupCommMode() as comm:
+            yield
+        fwd_bwd.append(comm)
+
+    def clip(step: int) -> None:
+        after_comm.append(after.enter_context(GroupCommMode()))
+        norm_of_step.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+
+    def after_step(step: int) -> None:
+        after.close()
         if counts is not None:
-            counts.append((fwd_bwd.by_group, after.by_group))
-        norms.append(float(norm.full_tensor() if isinstance(norm, DTensor) else norm))
-        mean = loss.detach().clone()
+            counts.append((fwd_bwd[-1].by_group, after_comm[-1].by_group))
+
+    def rows(parts: tuple[torch.Tensor, torch.Tensor], r: int | None) -> tuple[torch.Tensor, ...]:
+        return parts if r is None else tuple(t[ROWS * r: ROWS * (r + 1)] for t in parts)
+
+    per_step = train_steps(model, torch.optim.AdamW(model.parameters(), lr=0.05),
+                           [[batch] for batch in data], lambda m, b: F.mse_loss(m(b[0]), b[1]),
+                           rank=dp_rank, select=rows, mark=None, divide_by_micro=False,
+                           around_backwards=counted, before_optimizer=clip,
+                           after_step=after_step)
+    norms = [float(n.full_tensor() if isinstance(n, DTensor) else n) for n in norm_of_step]
+    losses = []
+    for (mean,) in per_step:
         if dp_rank is not None:  # every rank of a dp rank's TP group holds the same loss
             dist.all_reduce(mean)
             mean /= dist.get_world_size()
@@ -209,9 +228,9 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
     torch.manual_seed(0)
     base = SpMlp()
     data = _batches(3, dp)
-    want = _train(copy.deepcopy(base), data, None)
+    want = _rank_run(copy.deepcopy(base), data, None)
     ref = copy.deepcopy(base)
-    _train(ref, data, None)
+    _rank_run(ref, data, None)
     want_params = _full(ref)
     ours = _annotate(copy.deepcopy(base), mesh)
     fully_shard(ours, mesh=mesh, dp_mesh_dims=dims, sharding_strategy=strategy)
@@ -220,7 +239,7 @@ def _parity_worker(rank: int, world: int, case: str, strategy: str) -> list[str]
     errors: list[str] = []
     counts: dict[str, list[tuple[Counter, Counter]]] = {"ours": [], "FSDP2": []}
     for who, model in (("ours", ours), ("FSDP2", control)):
-        got = _train(model, data, dp_rank, counts[who])
+        got = _rank_run(model, data, dp_rank, counts[who])
         if not torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5):
             errors.append(f"{who}: losses and norms {got} vs single process {want}")
         errors += _close(f"{who}: parameter", _full(model), want_params)
@@ -307,7 +326,7 @@ def _typecheck_worker(rank: int, world: int) -> list[str]:
     torch.manual_seed(0)
     base = SpMlp()
     data = _batches(2, dp)
-    want = _train(copy.deepcopy(base), data, None)[:2]
+    want = _rank_run(copy.deepcopy(base), data, None)[:2]
     errors = []
     for who in ("ours", "FSDP2"):
         model = _annotate(copy.deepcopy(base), mesh)
@@ -356,12 +375,12 @@ def _checkpoint_worker(rank: int, world: int, path: str) -> list[str]:
     base = SpMlp()
     ref = copy.deepcopy(base)
     data = _batches(2, dp)
-    _train(ref, data, None)
+    _rank_run(ref, data, None)
     want_params = _full(ref)
     more = _batches(3, 4)[2:]  # a global batch for dp 4
-    want_more = _train(copy.deepcopy(ref), more, None)
+    want_more = _rank_run(copy.deepcopy(ref), more, None)
     ref_after = copy.deepcopy(ref)
-    _train(ref_after, more, None)
+    _rank_run(ref_after, more, None)
     errors: list[str] = []
     for who, wrap in (("ours", fully_shard), ("FSDP2", fsdp2_fully_shard)):
         model = _annotate(copy.deepcopy(base), mesh)
@@ -369,7 +388,7 @@ def _checkpoint_worker(rank: int, world: int, path: str) -> list[str]:
             wrap(model, mesh=mesh, dp_mesh_dims=dims)
         else:
             wrap(model, mesh=_fsdp2_mesh(mesh), dp_mesh_dims=dims)
-        _train(model, data, dp_rank)
+        _rank_run(model, data, dp_rank)
         dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(path, who))
     flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     for saved in ("ours", "FSDP2"):
@@ -381,7 +400,7 @@ def _checkpoint_worker(rank: int, world: int, path: str) -> list[str]:
             set_model_state_dict(model, state)
             what = f"saved by {saved} at tp 2, loaded by {who} at tp 1"
             errors += _close(what, _full(model), want_params)
-            got = _train(model, more, flat.get_local_rank())
+            got = _rank_run(model, more, flat.get_local_rank())
             if not torch.allclose(torch.tensor(got), torch.tensor(want_more), rtol=1e-5):
                 errors.append(f"{what}: the next step's loss and norm {got} vs {want_more}")
             errors += _close(f"{what}, one step on", _full(model), _full(ref_after))
@@ -466,7 +485,7 @@ def _meta_worker(rank: int, world: int, kind: str, path: str) -> list[str]:
 
     def train(model: nn.Module) -> list[float]:
         if kind == "spmd_types":
-            return _train(model, _batches(2, dp), None if model is ref else dp_rank)
+            return _rank_run(model, _batches(2, dp), None if model is ref else dp_rank)
         return _train_dtensor(model, None if model is ref else mesh, dp_rank, dp)
 
     ref = copy.deepcopy(base)

@@ -64,7 +64,7 @@ def _grouped(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _train(rank: int, world: int, strategy: str, keywords: dict[str, Any]) -> dict[str, Any]:
+def _rank_run(rank: int, world: int, strategy: str, keywords: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TinyGPT()
     ref = reference_copy(model)
@@ -81,8 +81,8 @@ def _train(rank: int, world: int, strategy: str, keywords: dict[str, Any]) -> di
 
 def _grouped_and_flat(rank: int, world: int, case: str) -> dict[str, Any]:
     strategy, flat = CASES[case]
-    return {"flat": _train(rank, world, strategy, flat),
-            "grouped": _train(rank, world, strategy, _grouped(flat))}
+    return {"flat": _rank_run(rank, world, strategy, flat),
+            "grouped": _rank_run(rank, world, strategy, _grouped(flat))}
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -28,13 +28,17 @@ NOT_MIGRATED: dict[str, str] = {
                         "no-silent-wrong and hostile test files already",
     "test_cuda_runtime.py": "CUDA only: cannot be run on the CPU machine to prove the numbers "
                             "unchanged",
-    "test_fully_shard_policies.py": "new file of another engineer; not touched",
     "test_hostile_ep_checkpoint.py": "calls the MoE example's own train_step (the example's "
                                      "loop is what it tests)",
-    "test_muon.py": "trains three optimizers (ours, FSDP2, reference) in one loop: not "
-                    "migrated yet",
-    "test_pipeline_parallel.py": "pipeline schedules step the model (sched.step), not a "
-                                 "forward/backward loop; another engineer's file",
+    "test_muon.py": "the optimizer step is what it tests: each step the single-process copy "
+                    "and FSDP2 are handed ours' full gradients (they do not train on data), "
+                    "ours' Muon step runs under a collective spy, and with closure=True inside "
+                    "opt.step(closure) re-running forward and backward; train_steps steps "
+                    "each model on its own batches",
+    "test_pipeline_parallel.py": "the pipeline schedule's step is what it tests: "
+                                 "sched.step(x, target=...) splits the batch into micro-batches "
+                                 "and runs every stage's forward and backward itself (no "
+                                 "forward/backward loop of the test's to hand to train_steps)",
 }
 
 

@@ -244,7 +244,7 @@ def tp_face_of(fqn: str, param: nn.Parameter, dp_mesh: DeviceMesh,
 # one, which FSDP2's average compensates; FSDP2's result is the one process's on the global
 # batch). The alias ``+=`` of [Note: gradients in place] would make it ``Replicate()``
 # (DTensor redistributes the operand to the alias' placement), so groups with such faces
-# stage their gradients, as FSDP2 does (``GroupGrads.stages_spmd_grads``).
+# stage their gradients, as FSDP2 does (``GradStaging.stages_spmd_grads``).
 
 
 def _spmd_face(what: str, param: DTensor, dp_mesh: DeviceMesh, spmd: SpmdMesh) -> TPFace:

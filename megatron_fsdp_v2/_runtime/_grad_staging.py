@@ -1,7 +1,8 @@
 """The staging of a flat group's per-micro-batch gradients: the ``param.grad`` of a backward
 packed (scaled) into a full-size flat buffer, or written there by autograd itself through
-aliases preset before the backward (see [Note: gradients in place]). A part of
-:class:`~._grads.GroupGrads`, which decides where the gradients go and reduces them.
+aliases preset before the backward (see [Note: gradients in place]). A component of
+:class:`~._grads.GroupGrads` (``grads.staging``), which decides where and when the gradients go
+and reduces them; this one owns the aliases and does the copies.
 
 [Note: gradients in place]
 When the plan says ``grads_in_place`` (the first buffer the gradient path writes is in the
@@ -69,7 +70,6 @@ import torch
 from .. import ops
 from .._buffers._plan import GradPath
 from .._profiling import traced
-from ._grad_state import GradState
 
 if TYPE_CHECKING:
     from ._flat_param_group import FlatParamGroup
@@ -78,41 +78,26 @@ __all__ = ["GradStaging"]
 
 
 class GradStaging:
-    """The staging part of :class:`~._grads.GroupGrads` (its state lives there)."""
+    """A flat group's micro-batch gradients put into a full-size flat buffer: packed from
+    ``param.grad``, or written there by autograd through aliases armed before the backward.
+    Which buffer, and when, :class:`~._grads.GroupGrads` decides."""
 
-    # Set by GroupGrads.__init__ (see there).
-    group: FlatParamGroup
-    state: GradState
-    _main_grad: torch.Tensor | None
-    _received: list[bool]
-    _alias_base: torch.Tensor | None
-    _aliases: list[torch.Tensor]
-    _grad_aliases: list[torch.Tensor]
-    _armed: list[int | None] | None
-    stages_spmd_grads: bool
-
-    if TYPE_CHECKING:  # defined by GroupGrads or its other part
-        def ensure_main_grad(self) -> torch.Tensor: ...
-        def sweep(self) -> None: ...
-        def start_window_on_reduced_values(self) -> None: ...
-        def _return_unused_carry(self) -> None: ...
-        @property
-        def window_starts_on_reduced_values(self) -> bool: ...
-
-    @property
-    def _accumulate_scale(self) -> float:
-        """The scale of what the accumulate path stages into ``main_grad`` (1 when gradients go
-        in place: the delayed collective scales; see [Note: gradients in place])."""
-        return 1.0 if self.group.plan.grads_in_place else self.group.grad_pre_scale
-
-    @property
-    def _collective_scale(self) -> float:
-        """What the accumulate path's delayed collective multiplies ``main_grad`` by first."""
-        return self.group.grad_pre_scale if self.group.plan.grads_in_place else 1.0
+    def __init__(self, group: FlatParamGroup) -> None:
+        self.group = group  # its layout, records, TP faces and allocator: read only
+        # [Note: gradients in place] The aliases of the buffer they were built over, and while
+        # a backward writes through them, each armed parameter's alias version (else None).
+        self._alias_base: torch.Tensor | None = None
+        self._aliases: list[torch.Tensor] = []
+        self._grad_aliases: list[torch.Tensor] = []  # what .grad is set to (TP: DTensors)
+        self._armed: list[int | None] | None = None
+        # [Note: SPMD parameters] (_tp_params.py): DTensors on an SPMD mesh take their
+        # gradients' local tensors as they arrive on the dp dims (a Partial() there is not
+        # all-reduced), which an in-place alias cannot: such groups stage.
+        self.stages_spmd_grads = any(f is not None and f.dp_dims for f in group.tp_faces)
 
     @traced("mfsdp::stage")
-    def _stage(self, grads: Sequence[torch.Tensor | None], full_buffer: torch.Tensor,
-               accumulate: bool, scale: float) -> None:
+    def stage(self, grads: Sequence[torch.Tensor | None], full_buffer: torch.Tensor,
+              accumulate: bool, scale: float) -> None:
         """Write (or add) ``scale * param.grad`` into a full-size flat buffer."""
         layout = self.group.layout
         inputs, offsets = [], []
@@ -130,27 +115,22 @@ class GradStaging:
         if inputs:
             ops.pack_(inputs, offsets, full_buffer, scale=scale, accumulate=accumulate)
 
+    def stage_over(self, grads: Sequence[torch.Tensor | None], buffer: torch.Tensor,
+                   scale: float) -> None:
+        """Gradients autograd or the user put in place of the aliases: overwrite their
+        parameters' regions of ``buffer`` (they hold the whole value)."""
+        if any(g is not None for g in grads):
+            items = self.group.layout.items
+            kept = [(g.contiguous(), item.offset) for g, item in zip(grads, items) if g is not None]
+            ops.pack_([g for g, _ in kept], [o for _, o in kept], buffer, scale=scale,
+                      accumulate=False)
+
     # ------------------------------------------------------------------ gradients in place
 
-    def _in_place_buffer(self) -> torch.Tensor | None:
-        """The buffer this backward's gradients go into in place (allocated, zeroed where a
-        window or a micro-batch starts), or None: stage them (see [Note: gradients in place])."""
-        group = self.group
-        if group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE:
-            if self.state is GradState.REDUCED:
-                if not self.window_starts_on_reduced_values:
-                    return None  # reduced in this window: later micro-batches reduce, then add
-                self.start_window_on_reduced_values()  # carried, or accumulated onto
-            buffer = self.ensure_main_grad()
-            if self.state is GradState.EMPTY:
-                buffer.zero_()
-            return buffer
-        buffer = group.allocator.allocate(
-            group.temporary_key("staged_grad"), group.layout.total_numel,
-            group.dtypes.comm, group.device,
-        )
-        buffer.zero_()
-        return buffer
+    @property
+    def is_armed(self) -> bool:
+        """The compute parameters' ``.grad`` are aliases a backward writes through."""
+        return self._armed is not None
 
     def _aliases_of(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """One tensor per parameter over its region of ``buffer`` (a full-size flat buffer),
@@ -175,32 +155,23 @@ class GradStaging:
             ]
         return self._aliases
 
-    def forget_temporary_aliases(self) -> None:
+    def forget_temporary_aliases(self, persistent: torch.Tensor | None) -> None:
         """The memory scratch buffers live in was replaced or released (a trace-pool replan,
         ``release_memory_pool()``): drop aliases cached over a scratch buffer, which would
         keep the old arena alive until the next backward; they are rebuilt over the new one
-        then. Aliases of ``main_grad`` stay (it is persistent)."""
+        then. Aliases of ``persistent`` (the owner's ``main_grad``) stay."""
         if self._armed is None and self._alias_base is not None and (
-            self._alias_base is not self._main_grad
+            self._alias_base is not persistent
         ):
             self._aliases, self._grad_aliases, self._alias_base = [], [], None
 
-    def prepare_backward(self) -> None:
-        """Before this group's parameters receive gradients in a backward (the unit's
-        pre-backward, an activation-checkpoint recompute): preset the compute parameters'
-        ``.grad`` to aliases of the plan's in-place buffer. Idempotent until :meth:`reduce`."""
-        group = self.group
-        if (not group.plan.grads_in_place or not group.requires_grad or self._armed is not None
-                or self.stages_spmd_grads):
-            return
-        # What the optimizer cleared since the install must not be added to (as in reduce).
-        self.sweep()
-        buffer = self._in_place_buffer()
-        if buffer is None:
-            return
+    def arm(self, buffer: torch.Tensor) -> None:
+        """Preset each trained compute parameter's ``.grad`` to its alias of ``buffer`` (a
+        full-size flat buffer, zeroed where the window or micro-batch starts), so that autograd
+        adds into it in place; a ``.grad`` left by user code is added into its alias first."""
         armed: list[int | None] = []
         aliases = self._aliases_of(buffer)
-        for record, alias, grad_alias in zip(group.records, aliases, self._grad_aliases):
+        for record, alias, grad_alias in zip(self.group.records, aliases, self._grad_aliases):
             param = record.compute_param
             if not param.requires_grad:
                 armed.append(None)
@@ -214,54 +185,42 @@ class GradStaging:
             armed.append(grad_alias._version)
         self._armed = armed
 
-    def _disarm(self) -> None:
+    def take_armed(self) -> list[int | None] | None:
+        """The armed versions of this backward (None: it was not armed); disarmed after."""
+        armed, self._armed = self._armed, None
+        return armed
+
+    def disarm(self) -> None:
         """Drop the aliases of a backward that will not be reduced (gradients discarded)."""
         if self._armed is not None:
             self._armed = None
-            self._clear_aliases()
+            self.clear_aliases()
 
-    def _clear_aliases(self) -> None:
+    def clear_aliases(self) -> None:
+        """The compute parameters' ``.grad`` let go of the aliases (and the reduce-each path's
+        ``staged_grad`` they viewed is freed)."""
         for record in self.group.records:
             record.compute_param.grad = None
         if self.group.plan.grad_path is GradPath.REDUCE_EACH_MICRO_BATCH:
             self.group.allocator.free(self.group.temporary_key("staged_grad"))
 
-    def drop_compute_grads(self) -> None:
-        """Forget this backward's compute-parameter gradients (recovery after a failure)."""
-        self._disarm()
-        self._return_unused_carry()
-        for record in self.group.records:
-            record.compute_param.grad = None
-
-    def _collect(self, armed: list[int | None] | None
-                 ) -> tuple[list[torch.Tensor | None], bool]:
+    def collect(self, armed: list[int | None] | None
+                ) -> tuple[list[torch.Tensor | None], list[bool]]:
         """This backward's gradients still to be staged (None: none, or already in the
-        buffer), and whether any parameter received one; records who did."""
+        buffer), and per parameter whether it received one."""
         grads: list[torch.Tensor | None] = []
-        has_new = False
+        received: list[bool] = []
         for index, record in enumerate(self.group.records):
             grad = record.compute_param.grad
             version = None if armed is None else armed[index]
             if version is not None and grad is self._grad_aliases[index]:
-                received = grad._version != version
+                received.append(grad._version != version)
                 grad = None  # in the buffer already
             else:
-                received = grad is not None
+                received.append(grad is not None)
                 if grad is not None and grad.requires_grad:  # create_graph=True
                     grad = grad.detach()
                 if grad is not None and record.tp is not None:
                     grad = record.tp.local_grad(grad)
             grads.append(grad)
-            if received:
-                has_new = self._received[index] = True
-        return grads, has_new
-
-    def _stage_over(self, grads: Sequence[torch.Tensor | None], buffer: torch.Tensor,
-                    scale: float) -> None:
-        """Gradients autograd or the user put in place of the aliases: overwrite their
-        parameters' regions of ``buffer`` (they hold the whole value)."""
-        if any(g is not None for g in grads):
-            items = self.group.layout.items
-            kept = [(g.contiguous(), item.offset) for g, item in zip(grads, items) if g is not None]
-            ops.pack_([g for g, _ in kept], [o for _, o in kept], buffer, scale=scale,
-                      accumulate=False)
+        return grads, received

@@ -1,6 +1,6 @@
-"""What a flat group's ``main_grad`` holds: the state of the gradient state machine
-(``GroupGrads`` in ``_grads.py``), read by its staging (``_grad_staging.py``) and by what the
-optimizer sees (``_grad_views.py``)."""
+"""What a flat group's ``main_grad`` holds and where its window stands: the states of the
+gradient state machine (``GroupGrads`` in ``_grads.py``, which alone reads and sets them; its
+components, the staging and the optimizer's views, are told what they need)."""
 
 from __future__ import annotations
 

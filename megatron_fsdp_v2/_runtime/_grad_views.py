@@ -1,6 +1,7 @@
 """What the optimizer sees of a flat group's gradients: the DTensor views of ``main_grad``
 installed as ``.grad`` after a window, and what the user did to them since (see [Note:
-gradients the optimizer sees]). A part of :class:`~._grads.GroupGrads`.
+gradients the optimizer sees]). A component of :class:`~._grads.GroupGrads` (``grads.views``),
+which decides when to install and frees ``main_grad``.
 
 [Note: gradients the optimizer sees]
 Each optimizer-facing parameter gets a DTensor view of its rows of ``main_grad``, built once (so
@@ -38,50 +39,55 @@ micro-batch of a window. Per parameter, as in single-process torch:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._profiling import traced
-from ._grad_state import GradState, WindowState
 from ._zeroed_grads import reduced_nonzero
 
 if TYPE_CHECKING:
     from ._flat_param_group import FlatParamGroup
 
-__all__ = ["OptimizerGrads"]
+__all__ = ["OptimizerGradViews"]
 
 
-class OptimizerGrads:
-    """The optimizer-facing part of :class:`~._grads.GroupGrads` (its state lives there)."""
+class OptimizerGradViews:
+    """The DTensor gradient views of a flat group's optimizer-facing parameters, which of them
+    are installed as ``.grad``, and what each parameter received since the last install."""
 
-    # Set by GroupGrads.__init__ (see there).
-    group: FlatParamGroup
-    state: GradState
-    _main_grad: torch.Tensor | None
-    window: WindowState
-    _views: list[DTensor] | None
-    _installed: list[DTensor | None]
-    _any_installed: bool
-    _received: list[bool]
-    _frozen_in_window: list[bool]
-
-    if TYPE_CHECKING:  # defined by GroupGrads or its other part
-        def ensure_main_grad(self) -> torch.Tensor: ...
-        def main_grad_local(self) -> torch.Tensor: ...
-        def release_storage(self) -> None: ...
+    def __init__(self, group: FlatParamGroup, main_grad_local: Callable[[], torch.Tensor]) -> None:
+        self.group = group  # its records and DTensor placements: read only
+        # The owner's optimizer-facing part of ``main_grad``, its storage allocated.
+        self._main_grad_local = main_grad_local
+        n = len(group.records)
+        self._views: list[DTensor] | None = None  # built once, at the first use
+        self._installed: list[DTensor | None] = [None] * n  # what each .grad was set to
+        self._any_installed = False
+        # Parameters that received a gradient on this rank since the last install.
+        self._received = [False] * n
+        # Parameters frozen (``requires_grad_(False)``) since the last install: what they
+        # accumulated in the window before stays theirs, as in torch (see [Note: gradients the
+        # optimizer sees]).
+        self._frozen_in_window = [False] * n
 
     def view(self, index: int) -> DTensor:
         """Parameter ``index``'s gradient view (zero rows for an empty local shard). Built for
         every parameter, trained or not: one frozen after it received a gradient keeps it."""
         if self._views is None:
             group = self.group
-            local = self.main_grad_local()
+            local = self._main_grad_local()
             self._views = [
                 group.to_dtensor(group.local_view(local, i), i) for i in range(len(group.records))
             ]
         return self._views[index]
+
+    def note_received(self, received: list[bool]) -> None:
+        """Per parameter, whether it received a gradient on this rank in a backward."""
+        for index, flag in enumerate(received):
+            if flag:
+                self._received[index] = True
 
     def note_frozen(self, index: int) -> None:
         """Parameter ``index`` stopped requiring gradients: what it accumulated in this window
@@ -90,12 +96,20 @@ class OptimizerGrads:
         the reduced values show (the install reads them, as for a parameter unused here)."""
         self._frozen_in_window[index] = True
 
-    @traced("mfsdp::install")
-    def install(self) -> None:
-        """Expose the reduced gradients (after the window's last micro-batch)."""
-        if self.state is not GradState.REDUCED:
-            return
-        self.ensure_main_grad()
+    def forget_window(self) -> None:
+        """Gradients cleared: nothing received or frozen in a window counts any more."""
+        self._received = [False] * len(self._received)
+        self._frozen_in_window = [False] * len(self._frozen_in_window)
+
+    def forget_installed(self) -> None:
+        """``main_grad``'s storage was freed: no view is installed any more."""
+        self._installed = [None] * len(self._installed)
+        self._any_installed = False
+
+    def install(self) -> bool:
+        """Set each optimizer-facing parameter's ``.grad`` to its view of the reduced
+        ``main_grad``, or None (see [Note: gradients the optimizer sees]); returns whether any
+        view was installed (if none, the owner starts the next window afresh)."""
         records = self.group.records
         views: list[DTensor | None] = [self.view(index) for index in range(len(records))]
         # No gradient here, none installed: None unless another rank's use shows in the
@@ -122,19 +136,17 @@ class OptimizerGrads:
             record.dist_param.grad = view
             self._installed[index] = view
             any_installed |= view is not None
-        self._received = [False] * len(self._received)
-        self._frozen_in_window = [False] * len(self._frozen_in_window)
-        self.window = WindowState.CLOSED
+        self.forget_window()
         self._any_installed = any_installed
-        if not any_installed:  # nothing to show: all zeros, start the next window afresh
-            self.release_storage()
+        return any_installed
 
-    def sweep(self) -> None:
+    def sweep(self) -> bool:
         """Take in what the user did to the installed gradients since they were installed
         (see [Note: gradients the optimizer sees]). Values written in place are kept as they
-        are, not read: the next window adds onto them."""
+        are, not read: the next window adds onto them. Returns whether every installed
+        gradient was cleared (the owner then frees ``main_grad``)."""
         if not self._any_installed:
-            return
+            return False
         live = False
         cleared = []
         for index, record in enumerate(self.group.records):
@@ -153,7 +165,7 @@ class OptimizerGrads:
                 record.dist_param.grad = view
                 live = True
         if not live:
-            self.release_storage()
-            return
+            return True
         for index in cleared:
             self.view(index)._local_tensor.zero_()
+        return False

@@ -1,9 +1,10 @@
 """A flat group's gradients (:class:`GroupGrads`): the persistent ``main_grad`` buffer and the
 gradient state machine of the plan (accumulate locally, or reduce each micro-batch; the window
-and its end, :meth:`GroupGrads.end_window`), reducing through ``_reduce.py``. Its two other
-parts are in their own modules: the staging of each micro-batch's ``param.grad``
-(``_grad_staging.py``, [Note: gradients in place]) and what the optimizer sees as ``.grad``
-(``_grad_views.py``, [Note: gradients the optimizer sees]).
+and its end, :meth:`GroupGrads.end_window`), reducing through ``_reduce.py``. It holds two
+components, each in its own module and owning its fields: ``staging``, the staging of each
+micro-batch's ``param.grad`` (:class:`~._grad_staging.GradStaging`, [Note: gradients in place])
+and ``views``, what the optimizer sees as ``.grad`` (:class:`~._grad_views.OptimizerGradViews`,
+[Note: gradients the optimizer sees]).
 
 [Note: HSDP window carry]
 On a 2-D mesh with an outer ``no_shard`` axis the plan has ``window_steps``: at the end of each
@@ -49,7 +50,6 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .._buffers._plan import Extent, GradPath
 from .._profiling import traced
@@ -57,7 +57,7 @@ from . import _reduce
 from ._all_reduce_hook import AllReduceHook, run_all_reduce_hook
 from ._grad_staging import GradStaging
 from ._grad_state import GradState, WindowState
-from ._grad_views import OptimizerGrads
+from ._grad_views import OptimizerGradViews
 from ._issuer import Deferred, Finishable
 
 if TYPE_CHECKING:
@@ -67,48 +67,32 @@ if TYPE_CHECKING:
 __all__ = ["GradState", "GroupGrads", "finalize_unsynchronized"]
 
 
-class GroupGrads(GradStaging, OptimizerGrads):
-    """The gradients of one flat group: ``main_grad`` and the gradient state machine; staging
-    (:class:`~._grad_staging.GradStaging`) and the optimizer-facing views
-    (:class:`~._grad_views.OptimizerGrads`) are its parts."""
+class GroupGrads:
+    """The gradients of one flat group: ``main_grad`` and the gradient state machine, with its
+    staging (``staging``: :class:`~._grad_staging.GradStaging`) and the optimizer-facing views
+    (``views``: :class:`~._grad_views.OptimizerGradViews`) as components."""
 
     def __init__(self, group: FlatParamGroup) -> None:
-        self.group = group
+        self.group = group  # its plan, layout, dtypes, allocator and issuer: read only
         self.state = GradState.EMPTY
         self._main_grad: torch.Tensor | None = None  # storage freed while EMPTY
-        self._pending: list[Finishable] = []
+        self._pending: list[Finishable] = []  # in-flight reductions and window steps
         # The delayed reduction queued in the tree's reduction buckets (see [Note: reduction
         # buckets] in _coalesce.py); ``coalescer`` is set by the root's lazy init when the tree
         # coalesces.
         self.coalescer: ReductionCoalescer | None = None
         self._coalesced: Deferred | None = None
-        n = len(group.records)
-        self._views: list[DTensor] | None = None
-        self._installed: list[DTensor | None] = [None] * n
-        self._any_installed = False
-        # Parameters that received a gradient on this rank since the last install.
-        self._received = [False] * n
-        # Parameters frozen (``requires_grad_(False)``) since the last install: what they
-        # accumulated in the window before stays theirs, as in torch (see [Note: gradients the
-        # optimizer sees]).
-        self._frozen_in_window = [False] * n
         # What the optimizer has not been shown yet (see WindowState).
         self.window = WindowState.CLOSED
         # [Note: HSDP window carry] main_grad_local's values at the window start, if any.
         self._carrying = False
-        # [Note: gradients in place] The aliases of the buffer they were built over, and while
-        # a backward writes through them, each armed parameter's alias version (else None).
-        self._alias_base: torch.Tensor | None = None
-        self._aliases: list[torch.Tensor] = []
-        self._grad_aliases: list[torch.Tensor] = []  # what .grad is set to (TP: DTensors)
-        self._armed: list[int | None] | None = None
-        # [Note: SPMD parameters] (_tp_params.py): DTensors on an SPMD mesh take their
-        # gradients' local tensors as they arrive on the dp dims (a Partial() there is not
-        # all-reduced), which an in-place alias cannot: such groups stage.
-        self.stages_spmd_grads = any(f is not None and f.dp_dims for f in group.tp_faces)
         # [Note: the all-reduce hook] FSDP2's hook on the window's reduced shard, its stream.
         self.all_reduce_hook: AllReduceHook | None = None
         self.all_reduce_hook_stream: torch.cuda.Stream | None = None
+        # [Note: gradients in place] the aliases autograd writes through, and the packing.
+        self.staging = GradStaging(group)
+        # [Note: gradients the optimizer sees] the DTensor views installed as ``.grad``.
+        self.views = OptimizerGradViews(group, self.main_grad_local)
 
     # ------------------------------------------------------------------ main_grad
 
@@ -145,8 +129,7 @@ class GroupGrads(GradStaging, OptimizerGrads):
         if self._main_grad is not None:
             self._main_grad.untyped_storage().resize_(0)
         self.state = GradState.EMPTY
-        self._installed = [None] * len(self._installed)
-        self._any_installed = False
+        self.views.forget_installed()
         if self.window is WindowState.ENDING:  # its outer steps were waited on already
             self.window = WindowState.OPEN
 
@@ -158,6 +141,64 @@ class GroupGrads(GradStaging, OptimizerGrads):
             if self.group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE else GradState.REDUCED
         )
 
+    # ------------------------------------------------------------------ staging
+
+    @property
+    def _accumulate_scale(self) -> float:
+        """The scale of what the accumulate path stages into ``main_grad`` (1 when gradients go
+        in place: the delayed collective scales; see [Note: gradients in place])."""
+        return 1.0 if self.group.plan.grads_in_place else self.group.grad_pre_scale
+
+    @property
+    def _collective_scale(self) -> float:
+        """What the accumulate path's delayed collective multiplies ``main_grad`` by first."""
+        return self.group.grad_pre_scale if self.group.plan.grads_in_place else 1.0
+
+    def _in_place_buffer(self) -> torch.Tensor | None:
+        """The buffer this backward's gradients go into in place (allocated, zeroed where a
+        window or a micro-batch starts), or None: stage them (see [Note: gradients in place])."""
+        group = self.group
+        if group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE:
+            if self.state is GradState.REDUCED:
+                if not self.window_starts_on_reduced_values:
+                    return None  # reduced in this window: later micro-batches reduce, then add
+                self.start_window_on_reduced_values()  # carried, or accumulated onto
+            buffer = self.ensure_main_grad()
+            if self.state is GradState.EMPTY:
+                buffer.zero_()
+            return buffer
+        buffer = group.allocator.allocate(
+            group.temporary_key("staged_grad"), group.layout.total_numel,
+            group.dtypes.comm, group.device,
+        )
+        buffer.zero_()
+        return buffer
+
+    def prepare_backward(self) -> None:
+        """Before this group's parameters receive gradients in a backward (the unit's
+        pre-backward, an activation-checkpoint recompute): preset the compute parameters'
+        ``.grad`` to aliases of the plan's in-place buffer. Idempotent until :meth:`reduce`."""
+        group = self.group
+        if (not group.plan.grads_in_place or not group.requires_grad or self.staging.is_armed
+                or self.staging.stages_spmd_grads):
+            return
+        # What the optimizer cleared since the install must not be added to (as in reduce).
+        self.sweep()
+        buffer = self._in_place_buffer()
+        if buffer is not None:
+            self.staging.arm(buffer)
+
+    def forget_temporary_aliases(self) -> None:
+        """Scratch-buffer memory was replaced or released: the staging's aliases over it go
+        (:meth:`GradStaging.forget_temporary_aliases`; those of ``main_grad`` stay)."""
+        self.staging.forget_temporary_aliases(self._main_grad)
+
+    def drop_compute_grads(self) -> None:
+        """Forget this backward's compute-parameter gradients (recovery after a failure)."""
+        self.staging.disarm()
+        self._return_unused_carry()
+        for record in self.group.records:
+            record.compute_param.grad = None
 
     # ------------------------------------------------------------------ reductions
 
@@ -170,15 +211,18 @@ class GroupGrads(GradStaging, OptimizerGrads):
             # Nothing trains and nothing is held: no reduction. A group frozen in the middle
             # of a window still reduces what its earlier micro-batches accumulated.
             return False
-        armed, self._armed = self._armed, None
+        staging = self.staging
+        armed = staging.take_armed()
         if armed is None:
             # Gradients the optimizer cleared since they were installed must not be added to
             # (prepare_backward did this for an armed group).
             self.sweep()
-        grads, has_new = self._collect(armed)
+        grads, received = staging.collect(armed)
+        self.views.note_received(received)
+        has_new = any(received)
         if not has_new and not (is_last_backward and self.state is GradState.ACCUMULATING):
             if armed is not None:
-                self._clear_aliases()
+                staging.clear_aliases()
                 self._return_unused_carry()
             return False
         if self.window_starts_on_reduced_values:
@@ -190,10 +234,10 @@ class GroupGrads(GradStaging, OptimizerGrads):
         if delayed:
             main_grad = self.ensure_main_grad()
             if armed is not None:
-                self._stage_over(grads, main_grad, self._accumulate_scale)
+                staging.stage_over(grads, main_grad, self._accumulate_scale)
             elif has_new:
-                self._stage(grads, main_grad, accumulate=self.state is GradState.ACCUMULATING,
-                            scale=self._accumulate_scale)
+                staging.stage(grads, main_grad, accumulate=self.state is GradState.ACCUMULATING,
+                              scale=self._accumulate_scale)
             self.state = GradState.ACCUMULATING
             if is_last_backward:
                 self.reduce_accumulated(async_op)
@@ -233,12 +277,12 @@ class GroupGrads(GradStaging, OptimizerGrads):
             assert staged_grad is not None and group.allocator.is_allocated(key)
             if scale != 1.0:
                 staged_grad.mul_(scale)
-            self._stage_over(grads, staged_grad, scale)
+            self.staging.stage_over(grads, staged_grad, scale)
         else:
             staged_grad = group.allocator.allocate(
                 key, group.layout.total_numel, group.dtypes.comm, group.device
             )
-            self._stage(grads, staged_grad, accumulate=False, scale=scale)
+            self.staging.stage(grads, staged_grad, accumulate=False, scale=scale)
         accumulate = self.state is not GradState.EMPTY
         self._pending.append(_reduce.reduce_micro_batch(
             group.plan, staged_grad, self._reduction_target(), accumulate,
@@ -402,13 +446,12 @@ class GroupGrads(GradStaging, OptimizerGrads):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (``FSDPModule.zero_grad``)."""
-        self._disarm()
+        self.staging.disarm()
         for record in self.group.records:
             if set_to_none:
                 record.dist_param.grad = None
             record.compute_param.grad = None
-        self._received = [False] * len(self._received)
-        self._frozen_in_window = [False] * len(self._frozen_in_window)
+        self.views.forget_window()
         self.window = WindowState.CLOSED
         self._drop_carry()
         self._free_window_grad()
@@ -445,6 +488,31 @@ class GroupGrads(GradStaging, OptimizerGrads):
             run_all_reduce_hook(hook, self.all_reduce_hook_stream, self.main_grad_local())
         self._restore_carry()
         self.install()
+
+    # ------------------------------------------------------------------ what the optimizer sees
+
+    @traced("mfsdp::install")
+    def install(self) -> None:
+        """Expose the reduced gradients (after the window's last micro-batch) as the
+        optimizer-facing parameters' ``.grad`` (:meth:`OptimizerGradViews.install`)."""
+        if self.state is not GradState.REDUCED:
+            return
+        self.ensure_main_grad()
+        any_installed = self.views.install()
+        self.window = WindowState.CLOSED
+        if not any_installed:  # nothing to show: all zeros, start the next window afresh
+            self.release_storage()
+
+    def sweep(self) -> None:
+        """Take in what the user did to the installed gradients since they were installed
+        (:meth:`OptimizerGradViews.sweep`); all of them cleared: free ``main_grad``."""
+        if self.views.sweep():
+            self.release_storage()
+
+    def note_frozen(self, index: int) -> None:
+        """Parameter ``index`` stopped requiring gradients (see
+        :meth:`OptimizerGradViews.note_frozen`)."""
+        self.views.note_frozen(index)
 
     def memory_bytes(self) -> int:
         lo, hi = self.group.plan.main_grad_span

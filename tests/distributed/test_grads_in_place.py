@@ -9,7 +9,7 @@ two ``fully_shard`` runs must agree bitwise wherever the arithmetic is the same 
 or a power-of-two world size, where scaling the sum equals summing the scaled values), else to
 rounding; both must match the reference (loss, parameters, ``.grad`` including ``None`` for the
 unused parameter). The in-place runs also prove that no unit staged gradients (a spy on
-``GroupGrads``' staging) but the root on the reduce-each path (by design: units are nested below
+``GradStaging``) but the root on the reduce-each path (by design: units are nested below
 it) and that ``.grad`` during backward lives in the flat buffer.
 """
 
@@ -27,8 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-# private: records the gradient groups' copies (GroupGrads) to prove gradients land in place
-import megatron_fsdp_v2._runtime._grads as grads_module
+# private: records the gradient groups' copies (GradStaging) to prove gradients land in place
+import megatron_fsdp_v2._runtime._grad_staging as staging_module
 from megatron_fsdp_v2 import MixedPrecisionPolicy, fully_shard
 
 # private: the compute parameter and the groups' records (where gradients are written)
@@ -72,11 +72,11 @@ def _stage_instead(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _count_staging() -> Iterator[list[str]]:
-    """Records the unit of every group that staged gradients (``GroupGrads._stage`` and
-    ``_stage_over``: a ``pack_`` of ``param.grad`` into a flat buffer) while active."""
+    """Records the unit of every group that staged gradients (``GradStaging.stage`` and
+    ``stage_over``: a ``pack_`` of ``param.grad`` into a flat buffer) while active."""
     staged: list[str] = []
-    cls = grads_module.GroupGrads
-    real = {name: getattr(cls, name) for name in ("_stage", "_stage_over")}
+    cls = staging_module.GradStaging
+    real = {name: getattr(cls, name) for name in ("stage", "stage_over")}
 
     def spy(name: str) -> Callable[..., None]:
         def wrapper(self: Any, grads: Any, *args: Any, **kwargs: Any) -> None:

@@ -85,11 +85,18 @@ amplifies it: float8 with clipping on (``max_norm 1``) differs by up to 2.2e-4 b
 ``max_norm 1e9`` in its run. With ``-- --training.mixed_precision_param bfloat16`` (6 steps,
 2026-12-02) step 1 is equal and the losses then drift apart by up to 2.4e-4 the same way.
 
-``tp`` does not run with ours: torchtitan calls its random ``init_weights`` on the wrapped model
-(before the seed checkpoint is loaded), and our random init of a DTensor on the dp x tp mesh
-raises ``NotImplementedError`` ("random init of a DTensor on a data-parallel x
-tensor-parallel mesh ((_StridedShard(dim=0, sf=2), Shard(dim=0)), FSDP x TP): not supported
-yet", ``_dtensor/_random_init.py``); FSDP2 runs it.
+``tp`` (measured 2026-12-05, ``compare --runs fsdp,tp,pp``; fsdp and pp gave the numbers
+above again): within 9.5e-7 of FSDP2's losses over 8 steps (steps 1-7 bitwise), gradient norms
+within 6.1e-7 (relative; here FSDP2's norm is not off by the 6e-5 of the 1-D runs, not traced
+why), all-gathers per step equal (55; 54 in step 1). torchtitan calls its random
+``init_weights`` on the wrapped model before the seed checkpoint is loaded: our ``nn.init.*``
+on the dp x tp DTensors draws the single-process values (``_dtensor/_random_init.py``), and its
+fused-QKV init's ``copy_`` of a ``Replicate()`` DTensor into the sharded weight keeps each
+rank's piece (``_dtensor/_redistribute.py``); both raised ``NotImplementedError`` before. With
+``--no-seed-checkpoint`` (each library initializing its sharded weights itself) our tp run's
+losses and norms are bitwise those of our run from the seed checkpoint, which one unsharded
+process wrote with the same seed; FSDP2's differ from step 1 (8.16e-2; its sharded draws on CPU
+are per rank).
 """
 
 from __future__ import annotations

@@ -130,7 +130,7 @@ class FSDPModule(FSDP2Surface):
         for state in self._unit_states(recurse):
             state.reshard_after_forward = reshard_after_forward
             for group in state.groups:  # a bool replaces fully_shard's int, as in FSDP2
-                group.stop_post_forward_resharding()
+                group.weights.stop_post_forward_resharding()
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True

@@ -150,7 +150,7 @@ def build_groups(
                 )
             )
             if post_forward is not None:
-                flat_groups[-1].use_post_forward_process_group(post_forward)
+                flat_groups[-1].weights.use_post_forward_process_group(post_forward)
             flat_groups[-1].tp_norm_process_groups = [
                 None if face is None
                 else tp_norm_process_group(face, flat_groups[-1], options.timeout)
@@ -218,7 +218,7 @@ def install_unit(
             group.extension.owners = [module.get_submodule(fqn.rpartition(".")[0])
                                       for fqn in group.fqns]
             group.extension.mp_policy = options.mp_policy
-        group.bind()
+        group.weights.bind()
         group.owner = owner
         _registry.register_records(group.records)
     state = FSDPState(module, flat_groups, options.mp_policy, allocator, members)

@@ -1,7 +1,8 @@
 """A flat group's compute weights made ready and freed: bound as views of the unsharded
 buffer, gathered (ZeRO-3) or refreshed from updated main weights through ``_gather.py`` (see
-[Note: replicated-buffer refresh] there), waited on and freed. A part of
-:class:`~._flat_param_group.FlatParamGroup`, whose buffers and state it works on.
+[Note: replicated-buffer refresh] there), waited on and freed. A component of
+:class:`~._flat_param_group.FlatParamGroup` (``group.weights``): it owns the weights' state and
+works on the group's buffers (``model_weight``, ``main_weight``), which the group builds.
 
 [Note: gathered weights never older than the main weights]
 Gathered (ZeRO-3) weights can outlive the hook that would free them: kept past a backward
@@ -40,20 +41,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed
 
-from .._buffers._allocator import ScratchAllocator
-from .._buffers._layout import BufferLayout
-from .._buffers._plan import BufferPlan, Refresh
+from .._buffers._plan import Refresh
 from .._profiling import traced
-from ..api import ResolvedDtypes
 from ._gather import cast_and_gather_weights, gather_weights, refresh_weights
-from ._issuer import Finishable, GroupIssuer, Pending
+from ._issuer import Finishable, Pending
 
 if TYPE_CHECKING:
-    from ._grads import GroupGrads
-    from ._offload import HostOffload
+    from ._flat_param_group import FlatParamGroup
     from ._param_record import ParamRecord
     from ._refresh_buckets import RefreshBucket
-    from ._subclass_gather import ExtensionGather
 
 __all__ = ["ComputeWeights", "WeightState", "set_compute_local"]
 
@@ -95,65 +91,62 @@ def set_compute_local(record: ParamRecord, local: torch.Tensor) -> None:
 
 
 class ComputeWeights:
-    """The compute-weight part of :class:`~._flat_param_group.FlatParamGroup` (its state is set
-    there)."""
+    """A flat group's compute weights: where they stand (:class:`WeightState`), whether they
+    are older than the main weights, and the gather or refresh in flight."""
 
-    plan: BufferPlan
-    layout: BufferLayout
-    dtypes: ResolvedDtypes
-    device: torch.device
-    allocator: ScratchAllocator
-    issuer: GroupIssuer
-    records: list[ParamRecord]
-    grads: GroupGrads
-    model_weight: torch.Tensor
-    main_weight: torch.Tensor
-    refresh_bucket: RefreshBucket | None
-    extension: ExtensionGather | None
-    host_offload: HostOffload | None  # CPU offload's copying path
-    views_generation: int
-    _views_bound: bool
-    _bound_to: torch.Tensor | None
-    weight_state: WeightState
-    _weights_stale: bool
-    _pending_weights: Finishable | None
-    _main_version: int
-    main_generation: int
-    _gathered_generation: int
-    # [Note: resharding to a smaller group]: the size of the group of n ranks (0: none),
-    # this rank's place in it, and the main generation the slice kept after forward is
-    # current for (None: no slice held).
-    post_forward_size: int = 0
-    post_forward_rank: int = 0
-    _post_forward_generation: int | None = None
-
-    if TYPE_CHECKING:  # defined by FlatParamGroup
-        def temporary_key(self, role: str) -> tuple[tuple[int, int], str]: ...
+    def __init__(self, group: FlatParamGroup) -> None:
+        self.group = group  # its plan, buffers, records, allocator and issuer
+        self.state = (  # see WeightState
+            WeightState.SHARDED if group.plan.gathers_weights else WeightState.REPLICATED
+        )
+        self._stale = group.extension is not None  # FP8 bytes exist after a refresh
+        self._pending: Finishable | None = None  # the gather or refresh in flight
+        # The refresh bucket planned for this group's next refresh, if any (see [Note: refresh
+        # buckets] in _refresh_buckets.py).
+        self.refresh_bucket: RefreshBucket | None = None
+        self._views_bound = False
+        self._bound_to: torch.Tensor | None = None  # the buffer the compute views are of
+        # Bumped whenever the compute views are bound to another buffer (a trace-pool scratch
+        # buffer that moved): graphs built before must not be backwarded (FSDPState._pre_backward).
+        self.views_generation = 0
+        # The optimizer-facing parameters' version counters when last looked at.
+        self._main_version = group.dist_param_version()
+        # [Note: gathered weights never older than the main weights]: the main weights' changes
+        # counted, and the count the gathered weights were gathered at.
+        self.main_generation = 0
+        self._gathered_generation = 0
+        # [Note: resharding to a smaller group]: the size of the group of n ranks (0: none),
+        # this rank's place in it, and the main generation the slice kept after forward is
+        # current for (None: no slice held).
+        self.post_forward_size = 0
+        self.post_forward_rank = 0
+        self._post_forward_generation: int | None = None
 
     def bind(self) -> None:
         """Make the compute parameters zero-copy views of the unsharded weights, which releases
         their original storage. A group that gathers has no unsharded scratch buffer until its first
         gather (so wrapping never holds a full-size copy): until then they hold an empty
         placeholder. Parameters with all-gather extensions: see ``_subclass_gather.py``."""
-        if self.extension is not None:
-            if self.plan.keeps_model_weight:  # no_shard: full precision, cast per forward
-                self.extension.bind_full_precision(self.model_weight)
+        group = self.group
+        if group.extension is not None:
+            if group.plan.keeps_model_weight:  # no_shard: full precision, cast per forward
+                group.extension.bind_full_precision(group.model_weight)
             else:  # rebuilt from the gathered inputs at the first gather or refresh
-                for index, record in enumerate(self.records):
-                    record.compute_param = self.extension.placeholder(index)
+                for index, record in enumerate(group.records):
+                    record.compute_param = group.extension.placeholder(index)
             return
-        if not self.plan.gathers_weights:
-            self._bind_compute_views(self.model_weight)
+        if not group.plan.gathers_weights:
+            self._bind_compute_views(group.model_weight)
             return
         with torch.no_grad():
-            for record in self.records:
-                set_compute_local(record, torch.empty(0, dtype=self.dtypes.model,
-                                                      device=self.device))
+            for record in group.records:
+                set_compute_local(record, torch.empty(0, dtype=group.dtypes.model,
+                                                      device=group.device))
 
     def _bind_compute_views(self, unsharded_model_weight: torch.Tensor) -> None:
         # Outside inference mode: a view made inside it could never be updated in place again.
         with torch.no_grad(), torch.inference_mode(False):
-            for record in self.records:
+            for record in self.group.records:
                 item = record.item
                 flat = unsharded_model_weight[item.offset : item.end]
                 set_compute_local(record, flat.view(item.shape))
@@ -165,23 +158,23 @@ class ComputeWeights:
         """The compute parameters are about to be used (forward, recompute, backward): tensors
         autograd saves may view the gathered scratch buffer until backward, so it must get the same
         memory whenever it is gathered again in this iteration (``ScratchAllocator.pin``)."""
+        group = self.group
         gathered = self.is_gathered
-        if gathered and self.extension is not None:
-            self.extension.pin_scratch()
+        if gathered and group.extension is not None:
+            group.extension.pin_scratch()
         elif gathered:
-            self.allocator.pin(self.temporary_key("unsharded_model_weight"))
+            group.allocator.pin(group.temporary_key("unsharded_model_weight"))
 
     def drop_gathered_views(self) -> None:
         """A group that gathers, not gathered now: its compute parameters let go of the
         scratch buffer (back to the placeholder of :meth:`bind`), so a trace-pool arena that
-        was replaced or released is freed; the next gather binds them again. Likewise the
-        gradient aliases cached over a scratch buffer (any group)."""
-        self.grads.forget_temporary_aliases()
-        if self.extension is not None:
-            if self.plan.gathers_weights and not self.is_gathered:
-                self.extension.forget_compute_params()
+        was replaced or released is freed; the next gather binds them again."""
+        plan, extension = self.group.plan, self.group.extension
+        if extension is not None:
+            if plan.gathers_weights and not self.is_gathered:
+                extension.forget_compute_params()
             return
-        if not self.plan.gathers_weights or self.is_gathered or not self._views_bound:
+        if not plan.gathers_weights or self.is_gathered or not self._views_bound:
             return
         self.bind()
         self._views_bound = False
@@ -190,7 +183,7 @@ class ComputeWeights:
 
     @property
     def needs_refresh(self) -> bool:
-        return self._weights_stale
+        return self._stale
 
     def mark_main_weights_updated(self) -> None:
         """The main weights changed: rebuild compute weights before their next use (a no-op
@@ -198,8 +191,8 @@ class ComputeWeights:
         (see [Note: gathered weights never older than the main weights])."""
         self.main_generation += 1
         self.drop_post_forward_slice()  # stale now: free its memory at once
-        if self.plan.refresh is not Refresh.NONE:
-            self._weights_stale = True
+        if self.group.plan.refresh is not Refresh.NONE:
+            self._stale = True
 
     def drop_stale_gathered(self) -> bool:
         """Before a forward: free gathered weights gathered before the main weights last
@@ -214,9 +207,9 @@ class ComputeWeights:
         """Reshard to ``process_group`` (this rank's group of ``n`` consecutive ranks of the
         shard axis) after forward: see [Note: resharding to a smaller group]."""
         size = torch.distributed.get_world_size(process_group)
-        assert self.plan.gathers_weights and self.layout.total_numel % size == 0, (
-            self.layout.total_numel, size)
-        self.issuer.axis_process_groups["post_forward"] = process_group
+        numel = self.group.layout.total_numel
+        assert self.group.plan.gathers_weights and numel % size == 0, (numel, size)
+        self.group.issuer.axis_process_groups["post_forward"] = process_group
         self.post_forward_size = size
         self.post_forward_rank = torch.distributed.get_rank(process_group)
 
@@ -227,15 +220,16 @@ class ComputeWeights:
         if not self.post_forward_size:
             return self.free_gathered_weights()
         self.wait_for_compute_weights()
-        key = self.temporary_key("unsharded_model_weight")
-        unsharded = self.allocator.get(key)
-        if not self.is_gathered or unsharded is None or not self.allocator.is_allocated(key):
+        group, allocator = self.group, self.group.allocator
+        key = group.temporary_key("unsharded_model_weight")
+        unsharded = allocator.get(key)
+        if not self.is_gathered or unsharded is None or not allocator.is_allocated(key):
             return self.free_gathered_weights()
-        slot_numel = self.layout.total_numel // self.post_forward_size
+        slot_numel = group.layout.total_numel // self.post_forward_size
         start = self.post_forward_rank * slot_numel
         with torch.no_grad(), torch.inference_mode(False):
-            kept = self.allocator.allocate(self.temporary_key("post_forward_model_weight"),
-                                           slot_numel, unsharded.dtype, unsharded.device)
+            kept = allocator.allocate(group.temporary_key("post_forward_model_weight"),
+                                      slot_numel, unsharded.dtype, unsharded.device)
             kept.copy_(unsharded[start : start + slot_numel])
         self._post_forward_generation = self._gathered_generation
         return self.free_gathered_weights()
@@ -245,24 +239,24 @@ class ComputeWeights:
         weights are freed whole after forward (or kept), and a slice held now is dropped (its
         unit's next use gathers over the world)."""
         self.drop_post_forward_slice()
-        self.issuer.axis_process_groups.pop("post_forward", None)
+        self.group.issuer.axis_process_groups.pop("post_forward", None)
         self.post_forward_size = 0
 
     def drop_post_forward_slice(self) -> None:
         """Free the slice kept after forward (see [Note: resharding to a smaller group])."""
         if self._post_forward_generation is not None:
             self._post_forward_generation = None
-            self.allocator.free(self.temporary_key("post_forward_model_weight"))
+            self.group.allocator.free(self.group.temporary_key("post_forward_model_weight"))
 
-    def dist_param_version(self) -> int:
-        """The sum of the optimizer-facing parameters' version counters: changes with every
-        in-place write through them."""
-        return sum(r.dist_param._version for r in self.records)
+    def forget_main_weight_edits(self) -> None:
+        """The optimizer-facing parameters' writes so far are not edits to refresh from (meta
+        materialization wrote them: the weights are current)."""
+        self._main_version = self.group.dist_param_version()
 
     def detect_main_weight_edits(self) -> None:
         """Mark the group stale when an in-place op on an optimizer-facing parameter (e.g.
         ``nn.init.normal_(p)``, ``p.copy_(x)``) bumped its version counter since the last look."""
-        version = self.dist_param_version()
+        version = self.group.dist_param_version()
         if version != self._main_version:
             self._main_version = version
             self.mark_main_weights_updated()
@@ -273,25 +267,26 @@ class ComputeWeights:
         Returns whether a collective was issued."""
         # Nothing to do (every pre-forward and pre-backward of a ready unit asks): skip the
         # inference-mode context, a measurable per-unit cost on many small units.
-        if self.is_gathered if self.plan.gathers_weights else not self._weights_stale:
+        if self.is_gathered if self.group.plan.gathers_weights else not self._stale:
             return False
         # Scratch buffers and views made under inference mode could never be updated in place again.
         with torch.inference_mode(False):
-            if self.plan.gathers_weights:
+            if self.group.plan.gathers_weights:
                 return self._gather(async_op)
             return self._refresh(async_op)
 
     def _gather(self, async_op: bool) -> bool:
+        group = self.group
         if self.is_gathered:
             return False
         self._gathered_generation = self.main_generation
-        if self.extension is not None:
+        if group.extension is not None:
             outer = None  # HSDP outer optim: the inner shard's FP8 bytes are rebuilt first
-            if self._weights_stale and \
-                    self.plan.refresh is Refresh.EXTENSION_OWN_SLOT_THEN_OUTER_GATHER:
-                outer = self.extension.refresh_inner_shard(async_op)
-            self._weights_stale = False
-            self._pending_weights = self.extension.gather_scratch(async_op, after=outer)
+            if self._stale and \
+                    group.plan.refresh is Refresh.EXTENSION_OWN_SLOT_THEN_OUTER_GATHER:
+                outer = group.extension.refresh_inner_shard(async_op)
+            self._stale = False
+            self._pending = group.extension.gather_scratch(async_op, after=outer)
             self._now(WeightState.GATHERING)
             return True
         if self._post_forward_generation is not None:
@@ -299,34 +294,36 @@ class ComputeWeights:
                 return self._gather_from_post_forward_slice(async_op)
             self.drop_post_forward_slice()
         refresh: Pending | None = None
-        cast_at_gather = self.plan.refresh is Refresh.CAST_AT_GATHER
-        if self._weights_stale:
+        cast_at_gather = group.plan.refresh is Refresh.CAST_AT_GATHER
+        if self._stale:
             # The cast, then the plan's refresh steps (HSDP outer optim: the outer all-gather
             # that rebuilds the inner shard), which the inner gather waits for where it launches.
             # Nothing to rebuild when the gather below casts the main shard itself.
             if not cast_at_gather:
-                refresh = refresh_weights(self.plan, self.main_weight, self.model_weight,
-                                          self.issuer, async_op)
-            self._weights_stale = False
-        output = self.allocator.allocate(
-            self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
-            self.dtypes.model, self.device,
+                refresh = refresh_weights(group.plan, group.main_weight, group.model_weight,
+                                          group.issuer, async_op)
+            self._stale = False
+        output = group.allocator.allocate(
+            group.temporary_key("unsharded_model_weight"), group.layout.total_numel,
+            group.dtypes.model, group.device,
         )
         # Views stay valid across storage freeing; a trace-pool scratch buffer may move between
         # iterations (see [Note: trace-planned pool]), then they follow it.
         if not self._views_bound or output is not self._bound_to:
             self._bind_compute_views(output)
-        if self.host_offload is not None:  # [Note: host offload] in _offload.py
-            self._pending_weights = self.host_offload.copy_in_and_gather(
-                output, self.main_weight, self.plan.main_weight_span[0], self.issuer, async_op,
+        if group.host_offload is not None:  # [Note: host offload] in _offload.py
+            self._pending = group.host_offload.copy_in_and_gather(
+                output, group.main_weight, group.plan.main_weight_span[0], group.issuer,
+                async_op,
             )
         elif cast_at_gather:
-            self._pending_weights = cast_and_gather_weights(
-                output, self.main_weight, self.plan.main_weight_span[0], self.issuer, async_op,
+            self._pending = cast_and_gather_weights(
+                output, group.main_weight, group.plan.main_weight_span[0], group.issuer,
+                async_op,
             )
         else:
-            self._pending_weights = gather_weights(
-                output, self.model_weight, self.issuer, async_op, after=refresh,
+            self._pending = gather_weights(
+                output, group.model_weight, group.issuer, async_op, after=refresh,
             )
         self._now(WeightState.GATHERING)
         return True
@@ -334,42 +331,44 @@ class ComputeWeights:
     def _gather_from_post_forward_slice(self, async_op: bool) -> bool:
         """The gather within the group of ``n`` (see [Note: resharding to a smaller group]):
         every member's slice into the unsharded buffer; the slice is freed when it is done."""
-        output = self.allocator.allocate(
-            self.temporary_key("unsharded_model_weight"), self.layout.total_numel,
-            self.dtypes.model, self.device,
+        group = self.group
+        output = group.allocator.allocate(
+            group.temporary_key("unsharded_model_weight"), group.layout.total_numel,
+            group.dtypes.model, group.device,
         )
         if not self._views_bound or output is not self._bound_to:
             self._bind_compute_views(output)
-        key = self.temporary_key("post_forward_model_weight")
-        kept = self.allocator.get(key)
+        key = group.temporary_key("post_forward_model_weight")
+        kept = group.allocator.get(key)
         assert kept is not None
         self._post_forward_generation = None
-        self._pending_weights = gather_weights(
-            output, kept, self.issuer, async_op, axis="post_forward",
-            complete=lambda: self.allocator.free(key),
+        self._pending = gather_weights(
+            output, kept, group.issuer, async_op, axis="post_forward",
+            complete=lambda: group.allocator.free(key),
         )
         self._now(WeightState.GATHERING)
         return True
 
     def _refresh(self, async_op: bool) -> bool:
-        if not self._weights_stale:
+        group = self.group
+        if not self._stale:
             return False
         # Stale again while a refresh is in flight (a step after ``unshard(async_op=True)``):
         # that one finishes first, its handle is never dropped unwaited.
         self.wait_for_compute_weights()
-        if self.extension is not None and not self.plan.keeps_model_weight:
-            self._weights_stale = False
-            self._pending_weights = self.extension.refresh_persistent(async_op)
+        if group.extension is not None and not group.plan.keeps_model_weight:
+            self._stale = False
+            self._pending = group.extension.refresh_persistent(async_op)
             self._now(WeightState.REFRESHING)
             return True
         bucket = self.refresh_bucket
         if bucket is not None:  # issuing it makes this group fresh (take_refresh)
             return bucket.coalescer.issue_through(bucket, async_op)
-        self._weights_stale = False
-        self._pending_weights = refresh_weights(
-            self.plan, self.main_weight, self.model_weight, self.issuer, async_op,
+        self._stale = False
+        self._pending = refresh_weights(
+            group.plan, group.main_weight, group.model_weight, group.issuer, async_op,
         )
-        if self._pending_weights is None:
+        if self._pending is None:
             return False
         self._now(WeightState.REFRESHING)
         return True
@@ -377,24 +376,24 @@ class ComputeWeights:
     def take_refresh(self, pending: Finishable) -> None:
         """This group's refresh was issued as part of a bucket; ``pending`` completes it."""
         self.wait_for_compute_weights()
-        self._weights_stale = False
-        self._pending_weights = pending
+        self._stale = False
+        self._pending = pending
         self._now(WeightState.REFRESHING)
 
     def _now(self, state: WeightState) -> None:
-        """A gather or refresh was issued: its handle is ``_pending_weights``."""
+        """A gather or refresh was issued: its handle is ``_pending``."""
         # Issued from rest only: nothing in flight is ever overwritten unwaited.
-        assert self.weight_state is (
+        assert self.state is (
             WeightState.SHARDED if state is WeightState.GATHERING else WeightState.REPLICATED
-        ), (self.weight_state, state)
-        self.weight_state = state
+        ), (self.state, state)
+        self.state = state
 
     def wait_for_compute_weights(self) -> None:
-        pending, self._pending_weights = self._pending_weights, None
+        pending, self._pending = self._pending, None
         if pending is not None:
             # Settled before finishing: a wait that raises leaves them gathered (freed by the
             # recovery) rather than in flight forever.
-            self.weight_state = _IN_FLIGHT.get(self.weight_state, self.weight_state)
+            self.state = _IN_FLIGHT.get(self.state, self.state)
             pending.finish()
 
     @traced("mfsdp::free")
@@ -405,21 +404,21 @@ class ComputeWeights:
         self.wait_for_compute_weights()
         if not self.is_gathered:
             return False
-        if self.extension is not None:
-            self.extension.free_scratch()
+        if self.group.extension is not None:
+            self.group.extension.free_scratch()
         else:
-            self.allocator.free(self.temporary_key("unsharded_model_weight"))
-        self.weight_state = WeightState.SHARDED
+            self.group.allocator.free(self.group.temporary_key("unsharded_model_weight"))
+        self.state = WeightState.SHARDED
         return True
 
     @property
     def is_gathered(self) -> bool:
         """A group that gathers holds its gathered weights (or their gather is in flight)."""
-        return self.weight_state in _GATHERED_STATES
+        return self.state in _GATHERED_STATES
 
     @property
     def holds_weight_work(self) -> bool:
         """Gathered weights or an in-flight gather or refresh: what
         :meth:`free_gathered_weights` acts on (a cheap check for the many hooks that ask)."""
-        return self.weight_state is not WeightState.SHARDED \
-            and self.weight_state is not WeightState.REPLICATED
+        return self.state is not WeightState.SHARDED \
+            and self.state is not WeightState.REPLICATED

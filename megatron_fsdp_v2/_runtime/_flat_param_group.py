@@ -2,8 +2,10 @@
 freed, gradients staged and reduced), executing the group's :class:`~._plan.BufferPlan`. No
 hooks here (``_state.py`` decides *when*), no collective launch details (the group's
 :class:`~._issuer.GroupIssuer` launches; ``_gather.py`` plans weight gathers and refreshes), no
-strategy branches (``_plan.py``); gradients (``main_grad``, the gradient path, what the optimizer
-sees as ``.grad``) are in ``_grads.py``.
+strategy branches (``_plan.py``). The group builds the buffers and holds two components, each
+owning its state: ``weights`` (:class:`~._compute_weights.ComputeWeights`, the compute weights
+bound, gathered or refreshed, freed) and ``grads`` (:class:`~._grads.GroupGrads`: ``main_grad``,
+the gradient path, what the optimizer sees as ``.grad``). The schedule talks to the group only.
 
 [Note: buffer roles]
 Every group owns up to three persistent flat buffers, laid out identically (see
@@ -44,22 +46,22 @@ from .._comm._collective_impl import GroupCollectives
 from .._dtensor._parameter import as_parameter
 from .._dtensor._tp_params import TPFace
 from ..api import ResolvedDtypes, ShardingStrategy
-from ._compute_weights import ComputeWeights, WeightState
+from ._compute_weights import ComputeWeights
 from ._grads import GroupGrads
-from ._issuer import Deferred, Finishable, GroupIssuer
+from ._issuer import Deferred, GroupIssuer
 from ._offload import HostOffload, OffloadConfig
 from ._param_record import ParamRecord, contiguous_stride, mesh_device
 from ._subclass_gather import ExtensionGather, has_all_gather_extensions, inner_values
 
 if TYPE_CHECKING:
     from ._coalesce import ReductionCoalescer
-    from ._refresh_buckets import RefreshBucket
 
 __all__ = ["FlatParamGroup"]
 
 
-class FlatParamGroup(ComputeWeights):
-    """The flat buffers of one (device, dtype, requires_grad) group of one FSDP unit."""
+class FlatParamGroup:
+    """The flat buffers of one (device, dtype, requires_grad) group of one FSDP unit, with its
+    compute weights (``weights``) and gradients (``grads``) as components."""
 
     def __init__(
         self,
@@ -181,19 +183,8 @@ class FlatParamGroup(ComputeWeights):
             for index, (param, fqn, item) in enumerate(zip(params, fqns, layout.items))
         ]
         self.requires_grad = params[0].requires_grad
+        self.weights = ComputeWeights(self)  # bound, gathered or refreshed, freed; WeightState
         self.grads = GroupGrads(self)  # main_grad, the gradient path, what the optimizer sees
-        self._pending_weights: Finishable | None = None
-        self._weights_stale = self.extension is not None  # FP8 bytes exist after a refresh
-        # The refresh bucket planned for this group's next refresh, if any (see [Note: refresh
-        # buckets] in _refresh_buckets.py).
-        self.refresh_bucket: RefreshBucket | None = None
-        self.weight_state = (  # see WeightState
-            WeightState.SHARDED if self.plan.gathers_weights else WeightState.REPLICATED
-        )
-        self._main_version = self.dist_param_version()
-        # [Note: gathered weights never older than the main weights] (in _compute_weights.py).
-        self.main_generation = 0
-        self._gathered_generation = 0
 
     # ------------------------------------------------------------------ records
 
@@ -212,6 +203,11 @@ class FlatParamGroup(ComputeWeights):
     def local_row_range(self, index: int) -> tuple[int, int]:
         """Global dim-0 rows of parameter ``index`` in this rank's optimizer-facing shard."""
         return self.records[index].local_rows
+
+    def dist_param_version(self) -> int:
+        """The sum of the optimizer-facing parameters' version counters: changes with every
+        in-place write through them."""
+        return sum(r.dist_param._version for r in self.records)
 
     # ------------------------------------------------------------------ construction
 
@@ -297,11 +293,6 @@ class FlatParamGroup(ComputeWeights):
                 ops.pack_([initial[main_lo:main_hi]], [0], self.main_weight)
         else:
             self.main_weight = self.model_weight[main_lo - lo : main_hi - lo]
-        self._views_bound = False
-        self._bound_to: torch.Tensor | None = None  # the buffer the compute views are of
-        # Bumped whenever the compute views are bound to another buffer (a trace-pool scratch buffer
-        # that moved): graphs built before must not be backwarded (FSDPState._pre_backward).
-        self.views_generation = 0
 
     def _compute_param(self, param: nn.Parameter, face: TPFace | None) -> nn.Parameter:
         """The compute parameter of ``param``: ``param`` itself, or for a meta parameter (whose
@@ -340,7 +331,7 @@ class FlatParamGroup(ComputeWeights):
         """Every parameter was written (or the user took over with ``to_empty``): the weights
         are current, and the writes are not user edits to refresh from."""
         self.pending_init = False
-        self._main_version = self.dist_param_version()
+        self.weights.forget_main_weight_edits()
 
     def local_view(self, buffer: torch.Tensor, index: int) -> torch.Tensor:
         """Item ``index``'s rows in ``buffer``, which holds the main-weight span (the span the
@@ -386,7 +377,72 @@ class FlatParamGroup(ComputeWeights):
                 setattr(dist_param, name, value)
         return dist_param
 
-    # ------------------------------------------------------------------ weights (ComputeWeights)
+    # ------------------------------------------------------------------ compute weights
+    # What the hooks (_state.py, _unit_state.py) and the tree's callbacks (_context.py) ask of
+    # the group's compute weights: they talk to the group, the group to its ComputeWeights
+    # (which the wiring, the refresh buckets and FP8's gather reach directly).
+
+    def ready_compute_weights(self, async_op: bool = False) -> bool:
+        """Gather or refresh the compute weights (:meth:`ComputeWeights.ready_compute_weights`);
+        whether a collective was issued."""
+        return self.weights.ready_compute_weights(async_op)
+
+    def wait_for_compute_weights(self) -> None:
+        """Wait for the gather or refresh in flight, if any."""
+        self.weights.wait_for_compute_weights()
+
+    def free_gathered_weights(self) -> bool:
+        """Free gathered weights (a group that gathers); whether it did."""
+        return self.weights.free_gathered_weights()
+
+    def reshard_after_forward(self) -> bool:
+        """A unit's post-forward: free gathered weights, keeping a slice where the unit
+        reshards to a smaller group (:meth:`ComputeWeights.reshard_after_forward`)."""
+        return self.weights.reshard_after_forward()
+
+    @property
+    def is_gathered(self) -> bool:
+        """Gathered weights are held, or their gather is in flight."""
+        return self.weights.is_gathered
+
+    @property
+    def holds_weight_work(self) -> bool:
+        """Gathered weights, or a gather or refresh in flight: something to free or wait for."""
+        return self.weights.holds_weight_work
+
+    @property
+    def needs_refresh(self) -> bool:
+        """The compute weights are older than updated main weights."""
+        return self.weights.needs_refresh
+
+    @property
+    def views_generation(self) -> int:
+        """Changes whenever the compute parameters are bound to another buffer."""
+        return self.weights.views_generation
+
+    def note_views_exposed(self) -> None:
+        """The compute parameters are about to be used: keep their scratch buffer's memory
+        (:meth:`ComputeWeights.note_views_exposed`)."""
+        self.weights.note_views_exposed()
+
+    def mark_main_weights_updated(self) -> None:
+        """The main weights changed: refresh, or gather again, before the next use."""
+        self.weights.mark_main_weights_updated()
+
+    def detect_main_weight_edits(self) -> None:
+        """Mark the main weights updated if an in-place op wrote an optimizer-facing parameter."""
+        self.weights.detect_main_weight_edits()
+
+    def drop_stale_gathered(self) -> bool:
+        """Before a forward: free gathered weights older than the main weights."""
+        return self.weights.drop_stale_gathered()
+
+    def drop_gathered_views(self) -> None:
+        """Scratch-buffer memory was replaced or released (a trace-pool replan,
+        ``release_memory_pool()``): the compute views (:meth:`ComputeWeights.drop_gathered_views`)
+        and the gradient aliases (:meth:`GroupGrads.forget_temporary_aliases`) over it let go."""
+        self.grads.forget_temporary_aliases()
+        self.weights.drop_gathered_views()
 
     def sync_requires_grad(self) -> None:
         """Follow ``requires_grad_`` calls on the optimizer-facing parameters after wrapping:

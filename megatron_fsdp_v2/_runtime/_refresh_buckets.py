@@ -136,14 +136,14 @@ class RefreshCoalescer:
                 continue  # alone: its own in-place all-gather, nothing copied
             bucket = RefreshBucket(self, members, len(self._plan))
             for group in members:
-                group.refresh_bucket = bucket
+                group.weights.refresh_bucket = bucket
             self._plan.append(bucket)
 
     def settle(self) -> None:
         """End of a forward (or the next plan): complete buckets in flight, drop the rest."""
         for bucket in self._plan[self._next:]:
             for group in bucket.members:
-                group.refresh_bucket = None  # still stale: refreshed on its own when used
+                group.weights.refresh_bucket = None  # still stale: refreshed alone when used
         self._plan, self._next = [], 0
         while self._alive:
             self._retire(self._alive[0])
@@ -205,8 +205,8 @@ class RefreshCoalescer:
         shared = Deferred("a refresh bucket's all-gather, then its copy-out",
                           lambda: self.complete(bucket))
         for group in members:
-            group.refresh_bucket = None
-            group.take_refresh(shared)
+            group.weights.refresh_bucket = None
+            group.weights.take_refresh(shared)
         self._alive.append(bucket)
         self.coalesced_collectives += 1
         self.coalesced_groups += len(members)
@@ -236,5 +236,5 @@ class RefreshCoalescer:
     def issues_now(self, group: FlatParamGroup) -> bool:
         """Whether the root's launch of every refresh issues ``group``'s now: a group on its
         own, or in a bucket while fewer than two are alive (the rest follow as they complete)."""
-        return group.refresh_bucket is None or len(self._alive) < _MAX_ALIVE
+        return group.weights.refresh_bucket is None or len(self._alive) < _MAX_ALIVE
 

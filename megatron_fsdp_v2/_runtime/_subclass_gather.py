@@ -149,7 +149,7 @@ class ExtensionGather:
     def _set_compute_param(self, record: ParamRecord, param: nn.Parameter) -> None:
         record.compute_param = param
         _registry.register_records([record])
-        self.group.views_generation += 1
+        self.group.weights.views_generation += 1
 
     # ------------------------------------------------------------------ the protocol
 

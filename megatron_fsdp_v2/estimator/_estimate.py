@@ -437,7 +437,7 @@ def _collectives(groups: list[FlatParamGroup], micro_batches: int,
         # One all-gather per gathered dtype: the compute dtype, or an FP8 group's input buffers.
         for step in plan.gather_steps:  # before forward and before backward, each micro-batch
             for dtype in gathered_dtypes(group):
-                if group.post_forward_size:  # the backward's within the group of n ranks
+                if group.weights.post_forward_size:  # the backward's within the group of n ranks
                     add(step.op, micro_batches, full, dtype)
                     add(step.op, micro_batches, full, dtype, "post_forward")
                 else:

@@ -82,12 +82,12 @@ class _Replay:
 
     def reshard(self, i: int, after_forward: bool = False) -> None:
         for k, g in enumerate(self.states[i].groups):
-            if after_forward and g.post_forward_size and self.alloc.is_allocated((i, k, "w0")):
+            n = g.weights.post_forward_size
+            if after_forward and n and self.alloc.is_allocated((i, k, "w0")):
                 # reshard_after_forward=<n>: the slice for the group of n is copied out of the
                 # gathered weights before they are freed (see [Note: resharding to a smaller
                 # group] in _runtime/_compute_weights.py).
-                self.alloc.allocate((i, k, "pf"), g.layout.total_numel // g.post_forward_size,
-                                    g.dtypes.model, _META)
+                self.alloc.allocate((i, k, "pf"), g.layout.total_numel // n, g.dtypes.model, _META)
             for j in range(len(gathered_dtypes(g))):
                 self.alloc.free((i, k, f"w{j}"))
 

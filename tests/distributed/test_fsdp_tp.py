@@ -95,7 +95,7 @@ def _placements_worker(rank: int, world: int, strategy: str) -> None:
     def look(module: nn.Module, args: object) -> None:
         w = module.weight
         record = record_of(w)
-        bound = record.group._bound_to if record is not None else None
+        bound = record.group.weights._bound_to if record is not None else None
         seen.append((type(w).__name__, tuple(getattr(w, "placements", ())),
                      getattr(getattr(w, "device_mesh", None), "mesh_dim_names", None),
                      tuple(w.to_local().shape) if isinstance(w, DTensor) else None,

@@ -188,7 +188,7 @@ def _skipped_after_refresh(rank: int, world: int, strategy: str) -> None:
     model.skip_rank = rank  # every rank skips block 1 this time
     model(torch.randn(2, 4))
     pending = [g.name for m in model.modules() if (s := state_of(m))
-               for g in s.groups if g._pending_weights is not None]
+               for g in s.groups if g.weights._pending is not None]
     assert all_ranks_ok(not pending), f"collectives never waited on: {pending}"
 
 

@@ -317,7 +317,7 @@ def _refusals_worker(rank: int, world: int) -> list[str]:
         fully_shard(model, reshard_after_forward=size, mesh=mesh)
         state = state_of(model)
         ok = state is not None and state.reshard_after_forward is True and not any(
-            g.post_forward_size for g in state.groups)
+            g.weights.post_forward_size for g in state.groups)
         found.append("ok" if ok else f"{size} on {mesh} is not True")
     return found
 

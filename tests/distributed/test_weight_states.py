@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from megatron_fsdp_v2 import fully_shard
 
-# private: a group's WeightState (state_of(m).groups[0].weight_state), the invariant under test;
+# private: a group's WeightState (state_of(m).groups[0].weights.state), the invariant under test;
 #   no public API reports it
 from megatron_fsdp_v2._registry import state_of
 
@@ -32,7 +32,7 @@ def _walk(rank: int, world: int, strategy: str) -> list[str]:
     fully_shard(model[0], sharding_strategy=strategy)
     fully_shard(model, sharding_strategy=strategy)
     group = state_of(model[0]).groups[0]  # type: ignore[union-attr]
-    seen = [group.weight_state.value]
+    seen = [group.weights.state.value]
     if strategy == "optim":  # replicated compute weights: refreshed after a step
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -43,13 +43,13 @@ def _walk(rank: int, world: int, strategy: str) -> list[str]:
         ref_opt.step()
         seen.append("stale" if group.needs_refresh else "current")
     handle = model[0].unshard(async_op=True)  # type: ignore[operator]
-    seen.append(group.weight_state.value)
+    seen.append(group.weights.state.value)
     handle.wait()
-    seen.append(group.weight_state.value)
+    seen.append(group.weights.state.value)
     # What GATHERED / REPLICATED claims: the module computes with the current weights.
     torch.testing.assert_close(model[0].weight.detach(), reference[0].weight.detach())
     model[0].reshard()  # type: ignore[operator]
-    seen.append(group.weight_state.value)
+    seen.append(group.weights.state.value)
     return seen
 
 

@@ -173,7 +173,8 @@ class FlatParamGroup:
         self._group_id = group_id
         self.extension = ExtensionGather(self, list(params)) if extensions else None  # FP8
 
-        self._build_weight_buffers(
+        # The persistent weight buffers ([Note: buffer roles]); main_weight may view model_weight.
+        self.model_weight, self.main_weight = self._weight_buffers(
             None if self.pending_init else self._initial_flat(params, sync_from_rank0)
         )
         self.records = [
@@ -270,29 +271,31 @@ class FlatParamGroup:
         groups = [self.outer_process_group, self.process_group]
         return [g for g in groups if g is not None and dist.get_world_size(g) > 1]
 
-    def _build_weight_buffers(self, initial: torch.Tensor | None) -> None:
-        """``initial``: the full flat values, or ``None`` (meta parameters): zeros until
-        :meth:`write_full_param` fills each parameter's part."""
+    def _weight_buffers(self, initial: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``model_weight`` and ``main_weight`` built. ``initial``: the full flat values, or
+        ``None`` (meta parameters): zeros until :meth:`write_full_param` fills each parameter's
+        part."""
         plan, dtypes, device = self.plan, self.dtypes, self.device
         alloc = torch.zeros if initial is None else torch.empty  # padding must read as zeros
         lo, hi = plan.model_weight_span
         # Empty when every gather casts the main shard itself (Refresh.CAST_AT_GATHER).
-        self.model_weight = alloc(hi - lo if plan.keeps_model_weight else 0, dtype=dtypes.model,
-                                  device=device)
+        model_weight = alloc(hi - lo if plan.keeps_model_weight else 0, dtype=dtypes.model,
+                             device=device)
         if initial is not None and plan.keeps_model_weight:
-            ops.pack_([initial[lo:hi]], [0], self.model_weight)
+            ops.pack_([initial[lo:hi]], [0], model_weight)
         main_lo, main_hi = plan.main_weight_span
         if plan.main_weight_separate and self.host_offload is not None:  # host memory
-            self.main_weight = self.host_offload.empty(main_hi - main_lo, dtypes.main,
-                                                       zeros=initial is None)
+            main_weight = self.host_offload.empty(main_hi - main_lo, dtypes.main,
+                                                  zeros=initial is None)
             if initial is not None:  # from the device (pack_ wants one device)
-                self.main_weight.copy_(initial[main_lo:main_hi])
+                main_weight.copy_(initial[main_lo:main_hi])
         elif plan.main_weight_separate:
-            self.main_weight = alloc(main_hi - main_lo, dtype=dtypes.main, device=device)
+            main_weight = alloc(main_hi - main_lo, dtype=dtypes.main, device=device)
             if initial is not None:
-                ops.pack_([initial[main_lo:main_hi]], [0], self.main_weight)
+                ops.pack_([initial[main_lo:main_hi]], [0], main_weight)
         else:
-            self.main_weight = self.model_weight[main_lo - lo : main_hi - lo]
+            main_weight = model_weight[main_lo - lo : main_hi - lo]
+        return model_weight, main_weight
 
     def _compute_param(self, param: nn.Parameter, face: TPFace | None) -> nn.Parameter:
         """The compute parameter of ``param``: ``param`` itself, or for a meta parameter (whose

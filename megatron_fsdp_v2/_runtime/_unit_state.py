@@ -31,7 +31,10 @@ def in_backward() -> bool:
 
 
 class UnitState:
-    """Training state of one unit, without its hooks (see ``FSDPState``)."""
+    """Training state of one unit, without its hooks (see ``FSDPState``). One concept in two
+    files: every field of a unit is created here, and ``FSDPState`` (``_state.py``), the hooks
+    that decide when the primitives below run, adds none (checked by
+    ``tests/unit/test_runtime_boundaries.py``)."""
 
     def __init__(
         self, module: nn.Module, groups: list[FlatParamGroup], mp_policy: MixedPrecisionPolicy,

@@ -29,7 +29,9 @@ TP-local piece is cut out of it at DTensor's own ``torch.chunk`` offsets (TP's s
 DTensor's, only the dp dims hold uneven rows), and this rank's dp rows out of that piece, the
 row offset found as above over the dp mesh dimensions (their groups hold ranks of one TP
 coordinate, whose TP-local tensors are the same tensor). A ``_StridedShard`` dp placement is
-read as what the library means by it: consecutive rows of the TP-local tensor.
+read as what the library means by it: consecutive rows of the TP-local tensor; a plain dp
+``Shard(d)`` next to a TP ``Shard(d)`` (``distribute_tensor`` on the root mesh; never a unit's)
+as DTensor's nested ``torch.chunk`` pieces, as ``_redistribute.py`` reads it.
 """
 
 from __future__ import annotations
@@ -93,12 +95,30 @@ def _row_offset(dtensor: Any, sharded: list[tuple[int, int]]) -> int:
     return sum(sum(row) for row in table[:s]) + sum(table[s][:r])
 
 
+def _nested_tp_shard(dtensor: Any, tp_dims: tuple[int, ...]) -> bool:
+    """A plain dp ``Shard(d)`` next to a TP ``Shard(d)``: DTensor's nested meaning (dp chunk
+    first, e.g. ``distribute_tensor`` on the root mesh), never a unit's (those are
+    ``_StridedShard``), as ``_redistribute._redistribute_2d`` reads it: ``torch.chunk`` pieces
+    on every mesh dim."""
+    placements = dtensor.placements
+    tp_shard = {cast(Shard, placements[k]).dim % dtensor.ndim for k in tp_dims
+                if placements[k].is_shard()}
+    return any(p.is_shard() and cast(Shard, p).dim % dtensor.ndim in tp_shard
+               for k, p in enumerate(placements) if k not in tp_dims)
+
+
 def _tp_piece(full: torch.Tensor, dtensor: Any, tp_dims: tuple[int, ...]) -> torch.Tensor:
     """This rank's TP-local piece of ``full`` (a view): DTensor's own offsets for the TP
     placements, the dp dims read as ``Replicate()``."""
+    return _piece(full, dtensor, tuple(p if k in tp_dims else Replicate()
+                                       for k, p in enumerate(dtensor.placements)))
+
+
+def _piece(full: torch.Tensor, dtensor: Any, placements: tuple[Any, ...]) -> torch.Tensor:
+    """The part of ``full`` DTensor's ``torch.chunk`` layout gives this rank under
+    ``placements`` (a view)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    placements = [p if k in tp_dims else Replicate() for k, p in enumerate(dtensor.placements)]
     shape, offsets = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh,
                                                            placements)
     piece = full
@@ -116,12 +136,17 @@ def random_op(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     if not _is_ours(target, tp_dims):
         return NotImplemented
     local = target._local_tensor
-    sharded = _sharded_dims(target, tp_dims)
+    nested = _nested_tp_shard(target, tp_dims)
+    sharded = [] if nested else _sharded_dims(target, tp_dims)
     offset = _row_offset(target, sharded) if sharded else 0
     full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
     op_call(full, *args[1:], **kwargs)
-    piece = _tp_piece(full, target, tp_dims) if tp_dims else full
+    if nested:  # torch.chunk pieces on every mesh dim: DTensor's own offsets
+        piece = _piece(full, target, tuple(target.placements))
+    else:
+        piece = _tp_piece(full, target, tp_dims) if tp_dims else full
+        if sharded:
+            piece = piece.narrow(sharded[0][1], offset, local.shape[sharded[0][1]])
     with torch.no_grad():
-        local.copy_(piece.narrow(sharded[0][1], offset, local.shape[sharded[0][1]])
-                    if sharded else piece)
+        local.copy_(piece)
     return target

@@ -42,7 +42,7 @@ from _tp_common import (
     train,
     wrap_ours,
 )
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from megatron_fsdp_v2 import fully_shard
 
@@ -110,17 +110,34 @@ def _build(face: str, strategy: str) -> tuple[nn.Module, nn.Module, Any]:
     return model, ref, mesh
 
 
+def _distributed_tensors(mesh: Any) -> None:
+    """DTensors of ``distribute_tensor`` on the registered dp x tp mesh (``torch.chunk``
+    pieces; a plain dp ``Shard(0)`` next to a TP ``Shard(0)`` is DTensor's nested layout, dp
+    first) draw the single-process values too."""
+    err = ""
+    for placements in ((Shard(0), Shard(0)), (Shard(0), Shard(1)), (Replicate(), Shard(1))):
+        x = distribute_tensor(torch.zeros(10, 6), mesh, placements)
+        torch.manual_seed(5)
+        nn.init.normal_(x)
+        torch.manual_seed(5)
+        if not torch.equal(x.full_tensor(), torch.empty(10, 6).normal_()):
+            err = err or f"distribute_tensor {placements}: not the single-process draw"
+    if not all_ranks_ok(not err):
+        raise AssertionError(err or "differs on another rank")
+
+
 def _init_case(rank: int, world: int, face: str, strategy: str) -> None:
     model, ref, mesh = _build(face, strategy)
     init_and_compare(f"{face} {strategy}", model, ref)
     if face == "dtensor":
+        _distributed_tensors(mesh)
         data = batches(steps=1, micro=1, dp=2)
         train(ref, data, None, clip=clip_torch)
         train(model, data, mesh.get_local_rank("dp"), mark=True, clip=clip_ours)
         compare(f"{strategy}: after a step", full_values(model), full_values(ref))
         return
     from test_spmd_types_tp import _batches, _close, _dp_rank, _full
-    from test_spmd_types_tp import _train as train_spmd
+    from test_spmd_types_tp import _rank_run as train_spmd
 
     dp_rank, dp = _dp_rank(mesh)
     data = _batches(1, dp)

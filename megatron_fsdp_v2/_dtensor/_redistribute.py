@@ -61,6 +61,30 @@ two DTensors of the same placements but different rows (``p.copy_(distribute_ten
 its own order while a rank with an empty shard of a parameter has no state for it
 (``_runtime/_optim_state_check.py`` refuses that case on every rank before any gather).
 
+[Note: deciding by tensor on a dp x TP mesh]
+On a dp x TP mesh that ``fully_shard`` registered from FSDP2's SPMD mesh (``dp_mesh_dims``,
+torchtitan's ``full_dtensor`` backend), the user's activations are DTensors too, ``Shard`` on
+the dp dims (their batch, ``torch.chunk`` rows) next to the TP placements. Taking them through
+the uneven path gathers them over dp before every TP-only redistribution (torchtitan: 219
+all-gathers per step against FSDP2's 55). Which path a tensor takes must be the same on every
+rank of the mesh (the two paths issue different collectives), and a tensor of ours may hold
+``torch.chunk``'s row count on some ranks and not on others, so this rank's local shape cannot
+decide. The spec can: the library's rows along a dp dim are rows of dim 0 of a parameter
+(``register_mesh(row_counts=...)`` records every parameter's global dim-0 size), and the
+gradients, optimizer states and derived tensors that keep that dimension (``p * 2``,
+``zeros_like(p)``, ``p.t()``, a reduction over other dims) keep its size. So a source whose
+dp-sharded dims (plain ``Shard``; ``_StridedShard`` there is a unit's) have sizes that no
+parameter on the mesh has dim 0 of goes to torch's path; any other, the uneven one, which is
+right for ``torch.chunk`` rows as well (an activation that happens to share a parameter's
+size only costs the gather). The sizes are global and every rank wraps the same modules, so
+every rank decides alike, with no communication. The one guess that can be wrong, a view of
+ours that changed the sharded dimension's size (``p.flatten()``), is caught: before torch's
+path each rank compares its local sizes along those dims with ``torch.chunk``'s, and a rank
+whose rows are not raises (ranks whose rows happen to agree go on and wait), never wrong values.
+The op dispatcher's line-up (:func:`redistribute_local_args`) and the ``copy_`` handler
+(``_copy_rows.py``) use the same test (:func:`chunk_rows`). Dp-only and dp x TP meshes built
+from a separate TP mesh (DTensor TP, where activations live on the TP mesh) are unchanged.
+
 Not covered: gradients flowing back *into* a parameter through ``full_tensor()``/
 ``redistribute()`` (``Replicate -> Shard`` in backward produces ``torch.chunk`` rows, not the
 parameter's), and ops other than ``copy_`` that combine one of our DTensors with a
@@ -75,9 +99,9 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from ._uneven_gather import ALTERNATIVE, gather_shard, gather_sizes, is_shard_like
-from ._uneven_meshes import any_mesh_registered, mesh_kind, tp_dims_of
+from ._uneven_meshes import any_mesh_registered, mesh_kind, row_counts_of, tp_dims_of
 
-__all__ = ["redistribute_local_args", "redistribute_local_tensor"]
+__all__ = ["chunk_rows", "redistribute_local_args", "redistribute_local_tensor"]
 
 # torch's ``redistribute_local_tensor`` and ``OpDispatcher.redistribute_local_args``, as the
 # patch passes them in.
@@ -176,7 +200,8 @@ def _redistribute_2d(
     ``torch.chunk`` pieces. Whenever anything changes, the dp dimension is gathered first (the
     TP-local tensor, whatever the TP placements), then torch does the TP part, whose layout is
     its own; a change that leaves the dp dimension and its layout alone (``Partial ->
-    Replicate`` over TP) goes to torch as it is."""
+    Replicate`` over TP) goes to torch as it is, and so does a tensor that cannot hold our
+    rows ([Note: deciding by tensor on a dp x TP mesh])."""
     mesh = current_spec.mesh
     source, target = tuple(current_spec.placements), tuple(target_spec.placements)
     what = f"redistributing a DTensor {source} -> {target} on {mesh}"
@@ -191,7 +216,7 @@ def _redistribute_2d(
     if not sharded or not mesh._is_current_rank_part_of_mesh() or any(
         source[j].is_shard() and cast(Any, source[j]).dim % ndim in tp_shard_dims
         for j in sharded
-    ):
+    ) or chunk_rows(local_tensor, current_spec, sharded, what):
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
     if len(sharded) > 1 and not (sharded == [0, 1] and mesh_kind(mesh)):
         raise NotImplementedError(
@@ -224,6 +249,35 @@ def _redistribute_2d(
         return gathered
     mid = DTensorSpec(mesh, replicated, tensor_meta=current_spec.tensor_meta)
     return torch_redistribute(gathered, mid, target_spec, **kwargs)
+
+
+def chunk_rows(local_tensor: torch.Tensor, spec: Any, mesh_dims: list[int], what: str) -> bool:
+    """Whether the DTensor (``local_tensor``, ``spec``) on a registered dp x TP mesh holds
+    DTensor's own ``torch.chunk`` rows along its dp-sharded ``mesh_dims``, so torch's path is
+    right for it ([Note: deciding by tensor on a dp x TP mesh]). Decided from the spec alone
+    (the same on every rank); the local sizes are then checked, and a tensor the spec calls
+    ``torch.chunk``'s whose rows are not raises on the ranks where they differ."""
+    placements = spec.placements
+    if any(type(placements[i]) is not Shard for i in mesh_dims):
+        return False  # _StridedShard: a unit's dp placement where TP shards dim 0 too
+    ndim = max(len(spec.shape), 1)
+    dims = {cast(Shard, placements[i]).dim % ndim for i in mesh_dims}
+    counts = row_counts_of(spec.mesh)
+    if any(spec.shape[d] in counts for d in dims):
+        return False  # may be a unit's parameter, gradient, state or a same-size derivative
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    expected, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, placements)
+    for d in sorted(dims):
+        if local_tensor.shape[d] != expected[d]:
+            raise NotImplementedError(
+                f"{what}: this rank holds {local_tensor.shape[d]} rows of dim {d}, not the "
+                f"{expected[d]} of torch.chunk, though no parameter of fully_shard on this "
+                f"mesh has {spec.shape[d]} rows (a view of a parameter that changed the "
+                "sharded dimension's size?); redistribute the parameter, or a derived tensor "
+                f"of the same size along that dimension, instead, or {ALTERNATIVE}"
+            )
+    return True
 
 
 def redistribute_local_args(
@@ -346,6 +400,8 @@ def _line_up_2d(
         ]
         if not anchors:
             continue  # nothing to line up with: DTensor's own (torch.chunk) layout is right
+        if all(chunk_rows(before[j], a, [k], what) for j, a in anchors):
+            continue  # the anchors hold torch.chunk rows: torch's cut lines up with them
         if len(ks) > 1:
             raise NotImplementedError(
                 f"{what} on a dp x TP mesh used by fully_shard: sharding over two "

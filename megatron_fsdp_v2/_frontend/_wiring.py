@@ -235,7 +235,8 @@ def install_unit(
     register_mesh(options.mesh, outer_optim=options.outer_optim)
     for face in (f for group in flat_groups for f in group.tp_faces if f is not None):
         register_mesh(face.dist_mesh, outer_optim=options.outer_optim,
-                      tp_dims=tuple(range(face.dp_ndim, face.dist_mesh.ndim)))
+                      tp_dims=tuple(range(face.dp_ndim, face.dist_mesh.ndim)),
+                      row_counts=tuple(face.shape[:1]))
     _torch_patches.install_all()  # once; see _torch_patches/__init__.py for the list
     state.register_dist_params()
     for target in targets:

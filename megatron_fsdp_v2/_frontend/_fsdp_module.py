@@ -64,8 +64,9 @@ class FSDPModule(FSDP2Surface):
         DTensor of a tensor-parallel one) and submodules may be called directly. The
         optimizer's DTensor parameters are unchanged. With ``async_op=True`` returns a handle
         whose ``wait()`` does the registering; the next forward waits on it anyway."""
-        # Before anything runs: torch's zero-bubble pipeline schedules cannot train our units.
-        _pipelining.refuse_split_backward(sys._getframe(1))
+        # A zero-bubble pipeline schedule's step: see [Note: pipeline schedules over
+        # fully_shard units].
+        _pipelining.note_split_backward(self, sys._getframe(1))  # type: ignore[arg-type]
         state = _registry.state_of(self)  # type: ignore[arg-type]
         assert state is not None
         # A meta-built unit gets its values first, as at the first forward or state_dict().

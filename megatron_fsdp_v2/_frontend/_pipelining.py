@@ -22,14 +22,36 @@ the installed gradients by the number of micro-batches (``scale_grads``), as und
 ``PipelineStage.perform_reduce_grad`` reads that entry: torch's other FSDP2 helpers reach the
 state through ``_get_fsdp_state()``, which stays refused.
 
-Schedules that split a backward into an input-gradient pass and a deferred weight-gradient
-pass (zero-bubble: ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
-``ScheduleDualPipeV``, any schedule with ``I``/``W`` actions) are refused. Their weight pass
-takes ``torch.autograd.grad`` with respect to ``stage.submod.parameters()``, the sharded
-DTensor parameters the optimizer sees, while the forward ran on our compute weights: those are
-not in the graph, and the pass failed deep inside torch with a shape error on some ranks while
-the others waited for their pipeline peers. :func:`refuse_split_backward` raises instead, at
-the step's first ``UNSHARD`` action, which every rank runs before any pipeline communication.
+Schedules that split a backward into an input-gradient pass ``I`` and a deferred weight pass
+``W`` (zero-bubble: ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
+``ScheduleDualPipeV``, any schedule with ``I``/``W`` actions) train too. ``I`` is
+``torch.autograd.grad`` with respect to the stage inputs (graph kept); it records which
+parameters the graph reaches from ``stage.submod.parameters()`` *read at its start*, and ``W``
+differentiates those from saved intermediates, maps them back through
+``stage.submod.parameters()`` *read again* and writes ``weight.grad = dw`` (or ``+=``), calling
+no hook. FSDP2 works because its unsharded parameters stay registered from the forward
+(``reshard_after_forward=False``) through ``W``, and ``perform_reduce_grad`` reduces their
+accumulated ``.grad`` once. Ours: :func:`note_split_backward` (at the step's first ``UNSHARD``
+action, which runtime schedules issue on every stage whose module is an ``FSDPModule``) sets
+``split_backward_step`` on the stage's units, and while it is set (1) the compute parameters,
+the leaves the forward used, stay registered (``register_dist_params`` does nothing), so
+``I`` and ``W`` both read them; (2) a post-backward in a backward that will not accumulate
+into the unit's compute parameters (``torch._C._will_engine_execute_node`` of a parameter's
+``AccumulateGrad`` is false: an ``I`` pass) is deferred: nothing reduced, registered or freed,
+gathered weights kept (``W`` reads saved tensors), and ``W`` then adds into the compute
+parameters' ``.grad`` (the aliases armed by ``I``'s pre-backward, or tensors of its own).
+:func:`end_pipeline_step` clears the flag and runs the deferred post-backwards, which reduce
+what the ``W`` passes wrote, before ending the window. A full backward (``B``; the first
+stage's ``W``, which torch runs as a full backward since it has no ``I``) runs the
+post-backward as usual and reduces any deferred gradients with its own. Per flat group and
+step, reduce-scatters of ``optim_grads``/``optim_grads_params``: one per full backward plus one
+at the step's end for ``I`` passes after the last one (zero-bubble 1P and ZBV: N on the first
+stage, 1 on the others); gathers and ``no_shard``/``optim`` as under the other schedules.
+Not covered: a stage whose root is not a unit (blocks wrapped only) runs no ``UNSHARD`` and no
+``perform_reduce_grad`` of ours, so nothing marks the step and no hook runs after ``W``: every
+stage but the first gets no gradient (``.grad`` None, no error; measured with ``no_shard``
+blocks under ``ScheduleInterleavedZeroBubble``). Refusing it on every rank would need a hook
+that every rank runs before the schedule's first send; our units get none there.
 """
 
 from __future__ import annotations
@@ -46,15 +68,32 @@ from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _tor
 from .. import _registry
 from .._runtime._state import FSDPState
 
-__all__ = ["PipelineStepEnd", "attach", "end_pipeline_step", "refuse_split_backward"]
+__all__ = ["PipelineStepEnd", "attach", "end_pipeline_step", "note_split_backward"]
 
 
 def end_pipeline_step(states: list[FSDPState]) -> None:
     """End the accumulation window of ``states`` (a stage's units) after a pipeline step's last
-    backward: reduce what is still accumulated, wait for every reduction, run HSDP's outer
-    reduction, install the gradients; then free gathered weights kept across micro-batches and
-    register the sharded parameters. The same groups in the same order on every rank of the
-    stage's data-parallel mesh, so the collectives match."""
+    backward: run the post-backwards a zero-bubble schedule's input-gradient passes deferred
+    (the weight passes have written the gradients since), reduce what is still accumulated,
+    wait for every reduction, run HSDP's outer reduction, install the gradients; then free
+    gathered weights kept across micro-batches and register the sharded parameters. The same
+    groups in the same order on every rank of the stage's data-parallel mesh, so the
+    collectives match."""
+    for state in states:
+        state.split_backward_step = False  # the weight passes are done
+    deferred = [state for state in states if state.deferred_post_backward]
+    for state in reversed(deferred):  # backward order, as their hooks would have run
+        state.deferred_post_backward = False
+        state.run_post_backward()
+    ctx = states[0].ctx if states else None
+    if deferred and ctx is not None:
+        if ctx.coalescer is not None:
+            ctx.coalescer.flush()
+        ctx.drain_reductions(0)
+        ctx.reducing.clear()
+        for state in deferred:
+            for group in state.groups:
+                group.finish_reductions()
     groups = [group for state in states for group in state.groups]
     windows = [group.end_window(async_op=False) for group in groups
                if group.grads.pending_install]
@@ -108,10 +147,12 @@ def _has_split_backward(schedule: Any, schedules: Any) -> bool:
     return False
 
 
-def refuse_split_backward(caller: FrameType | None) -> None:
-    """Raise ``NotImplementedError`` when ``caller`` (the frame that called ``unshard()``) is a
+def note_split_backward(module: nn.Module, caller: FrameType | None) -> None:
+    """When ``caller`` (the frame that called ``module.unshard()``) is a
     ``torch.distributed.pipelining`` schedule that splits backwards into input and weight
-    passes (see [Note: pipeline schedules over fully_shard units])."""
+    passes, mark the step on ``module``'s units (``split_backward_step``: compute parameters
+    registered until the step's end, input-gradient passes' post-backwards deferred to it; see
+    [Note: pipeline schedules over fully_shard units])."""
     # Not imported: no schedule can be calling (the library never imports pipelining itself).
     schedules = sys.modules.get("torch.distributed.pipelining.schedules")
     if schedules is None or caller is None:
@@ -125,10 +166,5 @@ def refuse_split_backward(caller: FrameType | None) -> None:
         splits = _has_split_backward(schedule, schedules)
         _registry.pipeline_schedule_splits[schedule] = splits
     if splits:
-        raise NotImplementedError(
-            f"{type(schedule).__name__} splits each backward into an input-gradient pass and a "
-            "deferred weight-gradient pass (zero-bubble I/W actions), which "
-            "megatron_fsdp_v2.fully_shard stages do not support: the weight pass differentiates "
-            "the sharded parameters, not the weights the forward computed with. Use "
-            "ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B or ScheduleLoopedBFS"
-        )
+        for _, state in _registry.unit_states(module):
+            state.split_backward_step = True

@@ -414,8 +414,36 @@ class FSDPState(UnitState):
         if self.pending_post_backward <= 0 and self.needs_post_backward:
             self.run_post_backward()
 
+    def _backward_writes_gradients(self) -> bool:
+        """Whether the running backward accumulates into this unit's compute parameters (not
+        a zero-bubble input-gradient pass, ``autograd.grad`` with respect to the stage inputs,
+        whose weight gradients a later weight pass computes)."""
+        for group in self.groups:
+            for record in group.records:
+                if record.compute_param.requires_grad:
+                    node = torch.autograd.graph.get_gradient_edge(record.compute_param).node
+                    return bool(torch._C._will_engine_execute_node(node))
+        return True
+
+    def _defer_post_backward(self) -> None:
+        """The post-backward of an input-gradient pass (see [Note: pipeline schedules over
+        fully_shard units]): the weight pass writes the gradients later, so nothing is reduced
+        or freed now; the compute parameters stay registered (``split_backward_step``) and the
+        gathered weights kept; the step's end reduces."""
+        self.needs_post_backward = False
+        self.pending_post_backward = 0
+        self._graph_backwarded = True
+        self.deferred_post_backward = True
+        self.keep_gathered()
+        self.backward_done = True
+        self.training_state = TrainingState.IDLE
+
     @traced("mfsdp::post_backward")
     def run_post_backward(self) -> None:
+        if self.split_backward_step and in_backward() and not self._backward_writes_gradients():
+            self._defer_post_backward()
+            return
+        self.deferred_post_backward = False  # reduced with this backward's gradients
         self.needs_post_backward = False
         self.pending_post_backward = 0
         self._graph_backwarded = True

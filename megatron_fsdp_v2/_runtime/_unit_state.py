@@ -69,6 +69,12 @@ class UnitState:
         self.registered_calls = 0
         self._graph_backwarded = False
         self._backward_task: int | None = None
+        # [Note: pipeline schedules over fully_shard units] (_frontend/_pipelining.py): a
+        # zero-bubble schedule's step is running (set at its UNSHARD, cleared at the step's
+        # end): the compute parameters stay registered, and the post-backward of an
+        # input-gradient pass is deferred to the step's end (``deferred_post_backward``).
+        self.split_backward_step = False
+        self.deferred_post_backward = False
         # The autograd graph task in which this unit's backward hooks last ran: the units a
         # backward over part of the graph finishes (see [Note: backward over part of the
         # graph] in _context.py).
@@ -125,6 +131,8 @@ class UnitState:
         self.backward_done = False
 
     def register_dist_params(self) -> None:
+        if self.split_backward_step:  # a weight pass to come differentiates the compute ones
+            return
         self.registered_params.register_dist_params()
 
     def register_compute_params(self) -> None:

@@ -18,11 +18,15 @@ backward ends a window (``no_shard``: N all-reduces), still exact. FSDP2 reduce-
 once per step (it keeps unsharded gradients across the micro-batches; ours keep them sharded).
 
 HSDP inside the stages (pp 2 x replicate 2 x shard 2, 8 ranks, FSDP2's HSDP as the control)
-checks the values under 1F1B.
+checks the values under 1F1B and ZBV.
 
-Zero-bubble schedules (a backward split into input and weight passes) are refused with a
-``NotImplementedError`` naming the schedule, on every rank, before the step's pipeline
-communication (see [Note: pipeline schedules over fully_shard units]).
+Zero-bubble schedules (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV: backwards split into
+input passes ``I`` and weight passes ``W``) train the same way; the post-backward of an ``I``
+is deferred to the step's end (see [Note: pipeline schedules over fully_shard units]), so the
+reduce-scatters per group are one per full backward plus one at the end for ``I`` passes after
+the last (:func:`_reductions`, read off the schedule's actions). HSDP is checked under ZBV too.
+The blocks-only wrapping is not run under them: not supported there (every stage but the first
+would get no gradient; see the Note).
 """
 
 from __future__ import annotations
@@ -42,12 +46,14 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining import schedules as pp_schedules
 from torch.distributed.tensor import DTensor
 
 from megatron_fsdp_v2 import fully_shard
@@ -62,13 +68,18 @@ TIMEOUT_S = 120
 DIM, HEADS, SEQ, MICRO_ROWS = 16, 2, 4, 2
 BLOCKS, MICRO, STEPS = 4, 4, 2
 STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-# (name, schedule class, stages per rank, V layout: rank r holds stages r and 2*pp-1-r)
-SCHEDULES: dict[str, tuple[type, int]] = {
-    "gpipe": (ScheduleGPipe, 1),
-    "1f1b": (Schedule1F1B, 1),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2),
-    "looped_bfs": (ScheduleLoopedBFS, 2),
+# name: (schedule class, stages per rank, V layout: rank r holds stages r and 2*pp-1-r)
+SCHEDULES: dict[str, tuple[type, int, bool]] = {
+    "gpipe": (ScheduleGPipe, 1, False),
+    "1f1b": (Schedule1F1B, 1, False),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, 2, False),
+    "looped_bfs": (ScheduleLoopedBFS, 2, False),
+    # Zero-bubble: backwards split into input (I) and weight (W) passes.
+    "interleaved_zero_bubble": (ScheduleInterleavedZeroBubble, 2, False),
+    "zbv_zero_bubble": (ScheduleZBVZeroBubble, 2, True),
+    "dualpipev": (ScheduleDualPipeV, 2, True),
 }
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 def _mesh() -> DeviceMesh:
@@ -119,33 +130,63 @@ def _wrap(sub: nn.Sequential, mesh: DeviceMesh, variant: str) -> None:
             fully_shard(module, mesh=mesh, sharding_strategy=variant)
 
 
-def _expected(variant: str, groups: int) -> Counter:
-    """Collectives over the dp group per step (after the first), for ``groups`` flat groups."""
-    n = MICRO
-    per_group = {
-        "no_shard": {"AR": 1},
-        "optim": {"AG": 1, "RS": 1},
-        "optim_grads": {"AG": 1, "RS": n},
-        "optim_grads_params": {"AG": n + 1, "RS": n},
-        "optim_grads_params/raf=False": {"AG": 1, "RS": n},
-        # Stage root not wrapped: the schedule marks nothing, every backward ends a window.
-        "no_shard/blocks": {"AR": n},
-        "fsdp2": {"AG": 1, "RS": 1},  # the control: one reduce-scatter per step
-    }[variant]
-    return Counter({op: k * groups for op, k in per_group.items()})
+def _expected(variant: str, stages: list[tuple[int, int]]) -> Counter:
+    """Collectives over the dp group per step (after the first), for ``stages``: per stage on
+    this rank, (its flat groups, its reductions per step: N, or :func:`_reductions`)."""
+    total: Counter = Counter()
+    for groups, r in stages:
+        per_group = {
+            "no_shard": {"AR": 1},
+            "optim": {"AG": 1, "RS": 1},
+            "optim_grads": {"AG": 1, "RS": r},
+            "optim_grads_params": {"AG": MICRO + 1, "RS": r},
+            "optim_grads_params/raf=False": {"AG": 1, "RS": r},
+            # Stage root not wrapped: the schedule marks nothing, every backward ends a window.
+            "no_shard/blocks": {"AR": r},
+            "fsdp2": {"AG": 1, "RS": 1},  # the control: one reduce-scatter per step
+        }[variant]
+        total.update({op: k * groups for op, k in per_group.items()})
+    return total
+
+
+def _reductions(sched: Any, pp_rank: int, stage: int) -> int:
+    """Post-backwards of ``stage`` per step that reduce gradients: N, except under a schedule
+    that splits backwards (see [Note: pipeline schedules over fully_shard units]): one per full
+    backward (``B``, and the first stage's ``W``, which torch runs as a full backward), plus
+    one at the step's end for input passes (``I``) after the stage's last full backward, whose
+    weight passes (``W``) wrote gradients no post-backward reduced yet."""
+    if not isinstance(sched, tuple(SCHEDULES[name][0] for name in SPLIT_BACKWARD)):
+        return MICRO
+    pending = [*reversed(sched.pipeline_order[pp_rank])]
+    count, deferred = 0, False
+    while pending:
+        action = pending.pop()
+        if action is None:
+            continue
+        pending.extend(reversed(getattr(action, "sub_actions", None) or ()))
+        if action.stage_index != stage:
+            continue
+        kind = action.computation_type
+        if kind is pp_schedules.FULL_BACKWARD or (
+            kind is pp_schedules.BACKWARD_WEIGHT and stage == 0
+        ):
+            count, deferred = count + 1, False
+        elif kind is pp_schedules.BACKWARD_INPUT and stage != 0:
+            deferred = True
+    return count + deferred
 
 
 def _train(mesh: DeviceMesh, schedule: str, variant: str, ref: nn.Sequential,
-           data: list[tuple[torch.Tensor, torch.Tensor]], v_layout: bool = False,
+           data: list[tuple[torch.Tensor, torch.Tensor]],
            dp_mesh: DeviceMesh | None = None, dp_rank: int | None = None,
-           ) -> tuple[list[list[float]], list[nn.Sequential], list[int], list[Counter]]:
+           ) -> tuple[list[list[float]], list[nn.Sequential], list[int], list[Counter],
+                      list[int]]:
     """Train ``STEPS`` steps on a fresh split of ``ref``'s (untrained) blocks: per step the last
-    stage's micro-batch losses (empty elsewhere), the stage modules, their stage ids, and the
-    collectives each step issued over the ``"dp"`` group. ``dp_mesh``/``dp_rank``: the mesh the
+    stage's micro-batch losses (empty elsewhere), the stage modules, their stage ids, the
+    collectives each step issued over the ``"dp"`` group, and each stage's reductions per step
+    (:func:`_reductions`). ``dp_mesh``/``dp_rank``: the mesh the
     stages are wrapped on and this rank's data slice (default ``mesh["dp"]``, its rank)."""
-    cls, per_rank = SCHEDULES[schedule] if schedule in SCHEDULES else (ScheduleZBVZeroBubble, 2)
-    if schedule == "interleaved_zero_bubble":
-        cls, per_rank = ScheduleInterleavedZeroBubble, 2
+    cls, per_rank, v_layout = SCHEDULES[schedule]
     pp_rank = mesh.get_local_rank("pp")
     dp_rank = mesh.get_local_rank("dp") if dp_rank is None else dp_rank
     num_stages = 2 * per_rank
@@ -175,7 +216,7 @@ def _train(mesh: DeviceMesh, schedule: str, variant: str, ref: nn.Sequential,
         all_losses.append([loss.item() for loss in losses])
         counts.append(Counter({op: k for (op, ranks), k in comm.by_group.items()
                                if ranks == dp_ranks}))
-    return all_losses, subs, ids, counts
+    return all_losses, subs, ids, counts, [_reductions(sched, pp_rank, s) for s in ids]
 
 
 def _reference_run(ref: nn.Sequential, data: list[tuple[torch.Tensor, torch.Tensor]],
@@ -211,19 +252,21 @@ def _parity_worker(rank: int, world: int, schedule: str, hsdp: bool = False) -> 
     else:
         mesh, dp_mesh = _mesh(), None
         dp_rank = mesh.get_local_rank("dp")
-        variants = ("fsdp2", *STRATEGIES, "optim_grads_params/raf=False", "no_shard/blocks")
+        variants = ("fsdp2", *STRATEGIES, "optim_grads_params/raf=False")
+        if schedule not in SPLIT_BACKWARD:  # not supported there: see the module docstring
+            variants += ("no_shard/blocks",)
     data = _data(dp=4 if hsdp else 2)
     want_losses = _reference_run(_reference(), data)
     want = _reference()
     _reference_run(want, data)  # ``want`` holds the trained reference parameters
     for variant in variants:
-        losses, subs, ids, counts = _train(mesh, schedule, variant, _reference(), data,
-                                           dp_mesh=dp_mesh, dp_rank=dp_rank)
+        losses, subs, ids, counts, reductions = _train(
+            mesh, schedule, variant, _reference(), data, dp_mesh=dp_mesh, dp_rank=dp_rank)
         per_stage = BLOCKS // (len(ids) * 2)
 
         def check(losses: Any = losses, subs: Any = subs, ids: Any = ids,
                   counts: Any = counts, per_stage: int = per_stage, variant: str = variant,
-                  ) -> None:
+                  reductions: Any = reductions) -> None:
             last = 2 * len(ids) - 1
             if last in ids:
                 for step in range(STEPS):
@@ -240,11 +283,13 @@ def _parity_worker(rank: int, world: int, schedule: str, hsdp: bool = False) -> 
                         msg=lambda m: f"{variant} stage {s} {name} after {STEPS} steps: {m}")
             if hsdp:
                 return  # counts: the 1-D cases; here the values
-            expected_counts = _expected(variant, _groups(subs, variant))
+            expected_counts = _expected(
+                variant, [(_groups([sub], variant), r) for sub, r in zip(subs, reductions)])
             for step in range(1, STEPS):  # step 0 adds torch's metadata-inference pass
                 assert counts[step] == expected_counts, (
                     f"{variant} step {step}: collectives over dp {dict(counts[step])}, want "
-                    f"{dict(expected_counts)} (N = {MICRO} micro-batches)")
+                    f"{dict(expected_counts)} (N = {MICRO} micro-batches, reductions per "
+                    f"stage {dict(zip(ids, reductions))})")
 
         agree(f"{schedule} {variant}", check)
 
@@ -256,25 +301,9 @@ def test_schedule_matches_one_process_and_fsdp2(ranks: RankPools, schedule: str)
     ranks.run(_parity_worker, 4, schedule, timeout_s=TIMEOUT_S)
 
 
-def test_hsdp_stages_match_one_process_and_fsdp2(ranks: RankPools) -> None:
-    """HSDP inside each stage (inner ``optim_grads_params``, outer ``no_shard``) under 1F1B on
-    pp 2 x replicate 2 x shard 2, FSDP2's HSDP as the control: the window's end at the step's
-    end runs the outer reduction too."""
-    ranks.run(_parity_worker, 8, "1f1b", True, timeout_s=TIMEOUT_S)
-
-
-def _zero_bubble_worker(rank: int, world: int, schedule: str) -> None:
-    mesh = _mesh()
-    name = {"interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-            "zbv_zero_bubble": "ScheduleZBVZeroBubble"}[schedule]
-    with pytest.raises(NotImplementedError, match=f"{name} splits each backward.*Use "
-                       "ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B"):
-        _train(mesh, schedule, "optim_grads_params", _reference(), _data()[:1],
-               v_layout=schedule == "zbv_zero_bubble")
-
-
-@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv_zero_bubble"])
-def test_zero_bubble_schedules_are_refused_on_every_rank(ranks: RankPools, schedule: str) -> None:
-    """A schedule with split (I/W) backwards raises on every rank, naming itself and the
-    schedules that work, before the step's pipeline communication (no rank hangs)."""
-    ranks.run(_zero_bubble_worker, 4, schedule, timeout_s=TIMEOUT_S)
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv_zero_bubble"])
+def test_hsdp_stages_match_one_process_and_fsdp2(ranks: RankPools, schedule: str) -> None:
+    """HSDP inside each stage (inner ``optim_grads_params``, outer ``no_shard``) on pp 2 x
+    replicate 2 x shard 2, FSDP2's HSDP as the control: the window's end at the step's end runs
+    the outer reduction too (under ZBV also after the deferred post-backwards)."""
+    ranks.run(_parity_worker, 8, schedule, True, timeout_s=TIMEOUT_S)

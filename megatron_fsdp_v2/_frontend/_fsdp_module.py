@@ -81,6 +81,9 @@ class FSDPModule(FSDP2Surface):
     def reshard(self) -> None:
         """Free this unit's gathered weights (ZeRO-3; replicated strategies keep theirs) and
         register the sharded DTensor parameters again (FSDP2's ``reshard``)."""
+        # A zero-bubble schedule over a stage whose root is not a unit: see [Note: pipeline
+        # schedules over fully_shard units].
+        _pipelining.refuse_split_backward_over_blocks(sys._getframe(1))
         state = _registry.state_of(self)  # type: ignore[arg-type]
         assert state is not None
         state.reshard()

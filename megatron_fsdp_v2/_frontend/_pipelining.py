@@ -47,11 +47,14 @@ post-backward as usual and reduces any deferred gradients with its own. Per flat
 step, reduce-scatters of ``optim_grads``/``optim_grads_params``: one per full backward plus one
 at the step's end for ``I`` passes after the last one (zero-bubble 1P and ZBV: N on the first
 stage, 1 on the others); gathers and ``no_shard``/``optim`` as under the other schedules.
-Not covered: a stage whose root is not a unit (blocks wrapped only) runs no ``UNSHARD`` and no
+Refused: a stage whose root is not a unit (blocks wrapped only) runs no ``UNSHARD`` and no
 ``perform_reduce_grad`` of ours, so nothing marks the step and no hook runs after ``W``: every
-stage but the first gets no gradient (``.grad`` None, no error; measured with ``no_shard``
-blocks under ``ScheduleInterleavedZeroBubble``). Refusing it on every rank would need a hook
-that every rank runs before the schedule's first send; our units get none there.
+stage but the first got no gradient (``.grad`` None, no error; measured with ``no_shard``
+blocks under ``ScheduleInterleavedZeroBubble``). :func:`refuse_split_backward_over_blocks`
+raises instead, from the units' ``reshard()`` that torch's ``_post_metadata_inference_cleanup``
+calls (its frame's ``self`` is the stage, whose ``submod`` is not a unit; the schedule is found
+further up the stack): every rank runs that cleanup at the first step, once its own metadata
+inference is done and before the step's first action, so every rank raises.
 """
 
 from __future__ import annotations
@@ -68,7 +71,10 @@ from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _tor
 from .. import _registry
 from .._runtime._state import FSDPState
 
-__all__ = ["PipelineStepEnd", "attach", "end_pipeline_step", "note_split_backward"]
+__all__ = [
+    "PipelineStepEnd", "attach", "end_pipeline_step", "note_split_backward",
+    "refuse_split_backward_over_blocks",
+]
 
 
 def end_pipeline_step(states: list[FSDPState]) -> None:
@@ -147,6 +153,51 @@ def _has_split_backward(schedule: Any, schedules: Any) -> bool:
     return False
 
 
+def _splits(schedule: Any, schedules: Any) -> bool:
+    """Whether ``schedule`` has ``I``/``W`` actions; read once per schedule object."""
+    splits = _registry.pipeline_schedule_splits.get(schedule)
+    if splits is None:
+        splits = _has_split_backward(schedule, schedules)
+        _registry.pipeline_schedule_splits[schedule] = splits
+    return splits
+
+
+def refuse_split_backward_over_blocks(caller: FrameType | None) -> None:
+    """Raise ``NotImplementedError`` when ``caller`` (the frame that called a unit's
+    ``reshard()``) is torch's cleanup after a stage's metadata inference, the stage's root is
+    not a unit, and the schedule running it splits backwards (see [Note: pipeline schedules
+    over fully_shard units]): every rank runs that cleanup once its own inference is done,
+    before the step's first action."""
+    schedules = sys.modules.get("torch.distributed.pipelining.schedules")
+    stage_module = sys.modules.get("torch.distributed.pipelining.stage")
+    if schedules is None or stage_module is None or caller is None:
+        return
+    if caller.f_code.co_name != "_post_metadata_inference_cleanup":
+        return
+    stage = caller.f_locals.get("self")
+    if not isinstance(stage, stage_module._PipelineStageBase):
+        return
+    if _registry.state_of(stage.submod) is not None:
+        return  # the stage root is a unit: note_split_backward handles the step
+    frame = caller.f_back
+    while frame is not None:
+        schedule = frame.f_locals.get("self")
+        if isinstance(schedule, schedules._PipelineSchedule):
+            break
+        frame = frame.f_back
+    else:
+        return
+    if _splits(schedule, schedules):
+        raise NotImplementedError(
+            f"{type(schedule).__name__} splits each backward into an input-gradient pass and a "
+            f"deferred weight-gradient pass, and stage {stage.stage_index}'s module "
+            f"({type(stage.submod).__name__}) is not a fully_shard unit (only modules inside "
+            "it are): nothing would reduce the gradients the weight passes write, so every "
+            "stage but the first would train without gradients. Wrap the stage module with "
+            "fully_shard too (after its blocks), or use a schedule without I/W actions"
+        )
+
+
 def note_split_backward(module: nn.Module, caller: FrameType | None) -> None:
     """When ``caller`` (the frame that called ``module.unshard()``) is a
     ``torch.distributed.pipelining`` schedule that splits backwards into input and weight
@@ -160,11 +211,6 @@ def note_split_backward(module: nn.Module, caller: FrameType | None) -> None:
     schedule = caller.f_locals.get("self")
     if not isinstance(schedule, schedules._PipelineSchedule):
         return
-    # Read once per schedule object, not at every step.
-    splits = _registry.pipeline_schedule_splits.get(schedule)
-    if splits is None:
-        splits = _has_split_backward(schedule, schedules)
-        _registry.pipeline_schedule_splits[schedule] = splits
-    if splits:
+    if _splits(schedule, schedules):
         for _, state in _registry.unit_states(module):
             state.split_backward_step = True

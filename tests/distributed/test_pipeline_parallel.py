@@ -25,8 +25,8 @@ input passes ``I`` and weight passes ``W``) train the same way; the post-backwar
 is deferred to the step's end (see [Note: pipeline schedules over fully_shard units]), so the
 reduce-scatters per group are one per full backward plus one at the end for ``I`` passes after
 the last (:func:`_reductions`, read off the schedule's actions). HSDP is checked under ZBV too.
-The blocks-only wrapping is not run under them: not supported there (every stage but the first
-would get no gradient; see the Note).
+The blocks-only wrapping (stage root not a unit) is refused under them on every rank, at the
+first step (every stage but the first would otherwise get no gradient; see the Note).
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def _parity_worker(rank: int, world: int, schedule: str, hsdp: bool = False) -> 
         mesh, dp_mesh = _mesh(), None
         dp_rank = mesh.get_local_rank("dp")
         variants = ("fsdp2", *STRATEGIES, "optim_grads_params/raf=False")
-        if schedule not in SPLIT_BACKWARD:  # not supported there: see the module docstring
+        if schedule not in SPLIT_BACKWARD:  # refused there: see the last test
             variants += ("no_shard/blocks",)
     data = _data(dp=4 if hsdp else 2)
     want_losses = _reference_run(_reference(), data)
@@ -307,3 +307,19 @@ def test_hsdp_stages_match_one_process_and_fsdp2(ranks: RankPools, schedule: str
     replicate 2 x shard 2, FSDP2's HSDP as the control: the window's end at the step's end runs
     the outer reduction too (under ZBV also after the deferred post-backwards)."""
     ranks.run(_parity_worker, 8, schedule, True, timeout_s=TIMEOUT_S)
+
+
+def _blocks_only_worker(rank: int, world: int, schedule: str) -> None:
+    name = SCHEDULES[schedule][0].__name__
+    with pytest.raises(NotImplementedError, match=f"{name} splits each backward.*is not a "
+                       "fully_shard unit.*Wrap the stage module with fully_shard too"):
+        _train(_mesh(), schedule, "no_shard/blocks", _reference(), _data()[:1])
+
+
+@pytest.mark.parametrize("schedule", SPLIT_BACKWARD)
+def test_zero_bubble_over_blocks_only_is_refused_on_every_rank(
+        ranks: RankPools, schedule: str) -> None:
+    """A split-backward schedule over stages whose root is not a unit raises on every rank,
+    at torch's cleanup after the first step's metadata inference (before the step's first
+    action), instead of training every stage but the first without gradients."""
+    ranks.run(_blocks_only_worker, 4, schedule, timeout_s=TIMEOUT_S)

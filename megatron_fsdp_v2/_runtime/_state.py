@@ -417,13 +417,14 @@ class FSDPState(UnitState):
     def _backward_writes_gradients(self) -> bool:
         """Whether the running backward accumulates into this unit's compute parameters (not
         a zero-bubble input-gradient pass, ``autograd.grad`` with respect to the stage inputs,
-        whose weight gradients a later weight pass computes)."""
-        for group in self.groups:
-            for record in group.records:
-                if record.compute_param.requires_grad:
-                    node = torch.autograd.graph.get_gradient_edge(record.compute_param).node
-                    return bool(torch._C._will_engine_execute_node(node))
-        return True
+        whose weight gradients a later weight pass computes). Any parameter: one unused in
+        this graph is not executed in a full backward either."""
+        trained = [r.compute_param for g in self.groups for r in g.records
+                   if r.compute_param.requires_grad]
+        return not trained or any(
+            torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(p).node)
+            for p in trained
+        )
 
     def _defer_post_backward(self) -> None:
         """The post-backward of an input-gradient pass (see [Note: pipeline schedules over

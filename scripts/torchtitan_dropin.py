@@ -98,14 +98,10 @@ losses and norms are bitwise those of our run from the seed checkpoint, which on
 process wrote with the same seed; FSDP2's differ from step 1 (8.16e-2; its sharded draws on CPU
 are per rank). torchtitan's other SPMD backends (``compare --nproc 4 --tp 2 -- --parallelism.
 spmd_backend partial_dtensor`` or ``full_dtensor``, 2026-12-05): losses bitwise FSDP2's over 8
-steps, norms within 5.2e-7; all-gathers per step 55 / 55 under ``partial_dtensor`` but 55 / 219
-under ``full_dtensor``, whose activations are DTensors on the SPMD mesh, which ``fully_shard``
-registered (the optimizer-facing mesh): each redistribution of one that changes only its TP
-placements (torchtitan's ``_redistribute_inputs``/``_redistribute_outputs``, the loss) is
-gathered over the dp dim first by ``_dtensor/_redistribute.py``'s ``_redistribute_2d`` (its
-dp rows could be a unit's uneven ones; the spec does not tell), two all-gathers each, and the
-rope table's implicit redistribution to the batch's dp rows adds a size all-gather (counted on
-rank 0 with a 2-step run). The values are right; the cost is not FSDP2's. HSDP x TP
+steps, norms within 5.2e-7; all-gathers per step 55 / 55 under both (``full_dtensor``, whose
+activations are DTensors on the SPMD mesh ``fully_shard`` registered, issued 55 / 219 until
+``_dtensor/_redistribute.py`` decided by tensor: [Note: deciding by tensor on a dp x TP mesh];
+reduce-scatters 35 / 42, all-reduces 43 / 43, FSDP2 / ours). HSDP x TP
 (``compare --nproc 4 --tp 2 -- --parallelism.data_parallel_shard_degree 1
 --parallelism.data_parallel_replicate_degree 2``, with the seed checkpoint of a plain run copied
 into the dump folder, since the extra arguments reach the 1-rank seed run too): losses and

@@ -85,9 +85,25 @@ def test_check_catches_a_wrong_gather_and_a_wrong_reduction(one_rank: None, kind
         bench.check(state, params, grads)
 
 
-def test_three_gloo_ranks_on_uneven_shapes() -> None:
-    """The benchmark's own rank code (spawned, file rendezvous) checks every layout after its
-    warm-up and its timed round; a mismatch would fail the launch."""
+class _PreloadedRanks:
+    """``bench.launch``'s ``mp``, whose ``"spawn"`` context is the rank pools' fork server's
+    (torch and the library imported once per session, see [Note: ranks fork from a preloaded
+    server]): a spawned rank spent seconds of CPU importing torch before its first line."""
+
+    @staticmethod
+    def get_context(method: str) -> object:
+        # private: the rank pools' multiprocessing context (the preloaded fork server)
+        from megatron_fsdp_v2.testing._pool import _context
+
+        assert method == "spawn", method
+        return _context()
+
+
+def test_three_gloo_ranks_on_uneven_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark's own rank code (fresh processes, file rendezvous: ``launch`` as written,
+    its ranks forked from the preloaded server instead of spawned) checks every layout after
+    its warm-up and its timed round; a mismatch would fail the launch."""
+    monkeypatch.setattr(bench, "mp", _PreloadedRanks)
     world = 3
     groups = [ODD, bench.gpt_groups("tiny")[0]]
     a = dict(world=world, layouts=list(bench.LAYOUTS + bench.EXTRA_LAYOUTS), rounds=1,

@@ -16,7 +16,7 @@ from megatron_fsdp_v2 import fully_shard
 
 # private: the parameter groups still pending a reduction
 from megatron_fsdp_v2._registry import state_of
-from megatron_fsdp_v2.testing import run_distributed
+from megatron_fsdp_v2.testing import RankPools, run_distributed
 
 from _models import all_ranks_ok
 
@@ -58,7 +58,8 @@ def _skipped_unit(rank: int, world: int, strategy: str) -> str:
 def test_debug_check_names_mismatched_collectives(strategy: str) -> None:
     """With the debug flag, a rank that skips a unit (the others' next bucket has the same size:
     without the check they would exchange the wrong data) fails on every rank with an error
-    naming what each rank issues, instead of training wrong or aborting in gloo."""
+    naming what each rank issues, instead of training wrong or aborting in gloo. Fresh ranks
+    (the others share the session's): the ranks stop mid-step on different collectives."""
     messages = run_distributed(_skipped_unit, 2, strategy, timeout_s=60)
     for message in messages:
         assert re.search(
@@ -108,10 +109,10 @@ def _agreeing_control_flow(rank: int, world: int) -> tuple[int, list[float]]:
     return checked, losses["1"]
 
 
-def test_debug_check_passes_when_ranks_agree() -> None:
+def test_debug_check_passes_when_ranks_agree(ranks: RankPools) -> None:
     """The check runs before every collective (gathers, reductions, refreshes) and passes,
     changing no number."""
-    results = run_distributed(_agreeing_control_flow, 2, timeout_s=60)
+    results = ranks.run(_agreeing_control_flow, 2, timeout_s=60)
     for checked, losses in results:
         assert checked >= 2 * 3 * 2, (checked, losses)  # >= a gather per unit per pass
 
@@ -130,10 +131,10 @@ def _padding_warning(rank: int, world: int) -> list[str]:
     return [str(w.message) for w in caught]
 
 
-def test_padding_warning_names_parameter() -> None:
+def test_padding_warning_names_parameter(ranks: RankPools) -> None:
     """A (1, 100000) parameter at world 3 cannot be split by rows: 200% padding is warned about,
     naming the parameter and the fixes."""
-    for messages in run_distributed(_padding_warning, 3, timeout_s=60):
+    for messages in ranks.run(_padding_warning, 3, timeout_s=60):
         assert any(
             re.search(r"parameter 'wide' of shape \(1, 100000\) .* padded by 200% .*world size 3"
                       r".*max_padding_ratio is 0.01.*ignored_params", m)
@@ -155,8 +156,8 @@ def _strided_parameter(rank: int, world: int, strategy: str) -> None:
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_strided_view_parameter(strategy: str) -> None:
-    run_distributed(_strided_parameter, 2, strategy, timeout_s=60)
+def test_strided_view_parameter(ranks: RankPools, strategy: str) -> None:
+    ranks.run(_strided_parameter, 2, strategy, timeout_s=60)
 
 
 def _submodule_called_directly(rank: int, world: int) -> None:
@@ -168,8 +169,8 @@ def _submodule_called_directly(rank: int, world: int) -> None:
     model(torch.randn(2, 4)).sum().backward()  # calling the unit works
 
 
-def test_submodule_called_outside_its_unit() -> None:
-    run_distributed(_submodule_called_directly, 2, timeout_s=60)
+def test_submodule_called_outside_its_unit(ranks: RankPools) -> None:
+    ranks.run(_submodule_called_directly, 2, timeout_s=60)
 
 
 def _skipped_after_refresh(rank: int, world: int, strategy: str) -> None:
@@ -193,5 +194,5 @@ def _skipped_after_refresh(rank: int, world: int, strategy: str) -> None:
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
-def test_skipped_unit_refresh_is_waited_on(strategy: str) -> None:
-    run_distributed(_skipped_after_refresh, 2, strategy, timeout_s=60)
+def test_skipped_unit_refresh_is_waited_on(ranks: RankPools, strategy: str) -> None:
+    ranks.run(_skipped_after_refresh, 2, strategy, timeout_s=60)

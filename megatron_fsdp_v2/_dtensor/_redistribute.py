@@ -47,6 +47,10 @@ Refused with ``NotImplementedError`` (before any collective; every rank raises):
   ``checkpoint.get_full_state_dict`` / ``get_state_dict`` handle these units.
 * ``_StridedShard`` sources on a registered mesh (a view of an uneven shard has no strided
   equivalent);
+* on a dp x TP mesh, a unit's dp ``_StridedShard(d)`` kept in the target while TP stops
+  sharding ``d`` (a colwise parameter redistributed TP-only to ``Replicate()``): the result
+  would hold torch's strided rows of the whole tensor, which torch itself gathers wrongly for
+  uneven sizes; it returned reordered rows before, silently (``test_spmd_activations.py``);
 * any of the above while tracing (``torch.compile``/export of DTensor code): the size exchange
   is data dependent. The library's own forward/backward runs on plain compute parameters and
   never reaches DTensor redistribution.
@@ -213,11 +217,33 @@ def _redistribute_2d(
     # e.g. distribute_tensor on the root mesh), never a unit's (those are _StridedShard): torch's.
     ndim = max(len(current_spec.shape), 1)
     tp_shard_dims = {cast(Any, source[j]).dim % ndim for j in tp_dims if source[j].is_shard()}
+    # A dp _StridedShard(d) is a unit's only where TP shards d too; without that (torch's own
+    # result, e.g. of a TP-only redistribution to Replicate()) its rows are torch's strided
+    # rows, and gathering them as one TP-local piece would reorder them: torch's.
     if not sharded or not mesh._is_current_rank_part_of_mesh() or any(
-        source[j].is_shard() and cast(Any, source[j]).dim % ndim in tp_shard_dims
+        cast(Any, source[j]).dim % ndim in tp_shard_dims
+        if source[j].is_shard() else cast(Any, source[j]).dim % ndim not in tp_shard_dims
         for j in sharded
     ) or chunk_rows(local_tensor, current_spec, sharded, what):
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
+    # A unit's dp _StridedShard(d) (TP shards d too) redistributed to keep it while TP stops
+    # sharding d: the result's rows would be torch's strided rows of the whole tensor, which
+    # torch itself gathers wrongly for uneven sizes (2.14: zeros or an error). Refused on every
+    # rank alike (the placements are the same everywhere), before any collective.
+    target_tp_shard_dims = {
+        cast(Any, target[j]).dim % ndim for j in tp_dims if target[j].is_shard()
+    }
+    if any(
+        not target[j].is_shard() and is_shard_like(target[j])
+        and cast(Any, target[j]).dim % ndim not in target_tp_shard_dims
+        for j in range(len(target)) if j not in tp_dims and mesh.size(j) > 1
+    ):
+        raise NotImplementedError(
+            f"{what}: a strided shard (_StridedShard) over a data-parallel dimension means "
+            "fully_shard's rows of a TP-local piece only while TP shards the same tensor "
+            "dimension; redistribute the data-parallel dimension too (e.g. to Replicate() on "
+            f"every dimension, then to what you need); {ALTERNATIVE}"
+        )
     if len(sharded) > 1 and not (sharded == [0, 1] and mesh_kind(mesh)):
         raise NotImplementedError(
             f"{what}: a DTensor sharded over two data-parallel mesh dimensions that are not "

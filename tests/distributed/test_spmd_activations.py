@@ -98,9 +98,21 @@ def _worker(rank: int, world: int) -> list[str]:
         want = base.get_parameter(name).detach()
         if not torch.equal(p.redistribute(mesh, [Replicate(), Replicate()]).to_local(), want):
             errors.append(f"{name}: redistribute to Replicate differs from the module's value")
-        if type(p.placements[0]) is not Shard:
-            continue  # a's: _StridedShard over dp (TP shards dim 0 too), not this test's matter
         tp_only = [p.placements[0], Replicate()]
+        if type(p.placements[0]) is not Shard:
+            # a's: _StridedShard over dp (TP shards dim 0 too). Keeping it while TP replicates
+            # would mean torch's strided rows, which torch gathers wrongly for uneven sizes:
+            # refused on every rank, before any collective (it gave reordered rows, silently).
+            with CollectiveCounts() as comm:
+                try:
+                    p.redistribute(mesh, tp_only)
+                    errors.append(f"{name}: TP-only redistribution of a strided shard: no error")
+                except NotImplementedError as err:
+                    if "_StridedShard" not in str(err):
+                        errors.append(f"{name}: unclear refusal: {err}")
+            if comm.get_total_counts():
+                errors.append(f"{name}: collectives before the refusal: {comm.get_comm_counts()}")
+            continue
         if not torch.equal(p.redistribute(mesh, tp_only).full_tensor(), want):
             errors.append(f"{name}: TP-only redistribution differs from the module's value")
     # dp rows 4 and 1 of 5 (torch.chunk: 3 and 2), a size no parameter has: every rank raises.

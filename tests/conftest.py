@@ -1,6 +1,8 @@
 """Session-wide set-up shared by every test folder."""
 
 import os
+import shlex
+import subprocess
 import sys
 from collections.abc import Iterator
 
@@ -31,3 +33,31 @@ def fresh_python() -> Iterator[FreshPython]:
     server = FreshPython()
     yield server
     server.close()
+
+
+@pytest.fixture(scope="session")
+def launched_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """An executable that runs like ``python ARGS`` for the ranks torchrun starts
+    (``torchrun --no-python <it> script.py ...``): each rank forked from one
+    ``tests/_forked_programs.py`` server that imported torch and the library, so a launch pays
+    those imports (about 3 s of CPU per rank) once per session instead of once per rank. The
+    script still runs as ``__main__`` in a process of its own with torchrun's environment, its
+    own process group, teardown and exit status (the client exits with the program's). The
+    server starts in the environment the launches use (CPU only, one OpenMP thread)."""
+    folder = tmp_path_factory.mktemp("launched_python")
+    server_socket = str(folder / "server.sock")
+    forked = os.path.join(os.path.dirname(__file__), "_forked_programs.py")
+    server = subprocess.Popen([sys.executable, forked, "serve", server_socket],
+                              env=dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1"),
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None and server.stdout.readline() == "ready\n", \
+            "the launched-python server did not start"
+        wrapper = folder / "python"
+        wrapper.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -S "
+                           f"{shlex.quote(forked)} run {shlex.quote(server_socket)} \"$@\"\n")
+        wrapper.chmod(0o755)
+        yield str(wrapper)
+    finally:
+        server.kill()
+        server.wait(timeout=30)

@@ -6,7 +6,9 @@ our library).
 
 Two runs go through torchrun, for what only the launched script shows: train.py's own process
 group, teardown and exit status (``test_train_example_runs``), and ``--help`` parsed by every
-rank (``test_train_example_help_prints_once_under_torchrun``). The other runs (FP8, HSDP mesh,
+rank (``test_train_example_help_prints_once_under_torchrun``); torchrun starts each rank as a
+``python`` forked from a server that imported torch and the library (the ``launched_python``
+fixture of tests/conftest.py). The other runs (FP8, HSDP mesh,
 the Hugging Face models) call the example's ``main(argv)`` on forked ranks of a rank pool (see
 [Note: rank pools] in megatron_fsdp_v2/testing/_pool.py), in the pool's process group as a
 harness or a user's own launcher would, and check every rank's printed output: the same
@@ -44,11 +46,11 @@ _ZERO3 = ["--strategy", "optim_grads_params", "--steps", "3", "--micro-batches",
 _ZERO3_RUNS: list[subprocess.CompletedProcess] = []
 
 
-def _zero3_run() -> subprocess.CompletedProcess:
+def _zero3_run(launched_python: str) -> subprocess.CompletedProcess:
     """The bf16 run of ``_ZERO3`` under torchrun, once per session (the launch test's run, and
     the FP8 test's reference bytes: the counter counts the same under any launcher)."""
     if not _ZERO3_RUNS:
-        _ZERO3_RUNS.append(_torchrun("train.py", _ZERO3, timeout=240))
+        _ZERO3_RUNS.append(_torchrun(launched_python, "train.py", _ZERO3, timeout=240))
     proc = _ZERO3_RUNS[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -61,11 +63,11 @@ def _steps(stdout: str) -> list[tuple[int, float, float, int]]:
     return [(int(s), float(loss), float(c), int(b.replace(",", ""))) for s, loss, c, b in found]
 
 
-def test_train_example_runs() -> None:
+def test_train_example_runs(launched_python: str) -> None:
     """ZeRO-3 on a 1-D mesh of 2 ranks. train.py passes ``--strategy`` to fully_shard as given
     (no branch of its own), so one strategy proves the example's 1-D path; the HSDP run below is
     the ``optim_grads`` run (every strategy's training is proven in tests/distributed)."""
-    proc = _zero3_run()
+    proc = _zero3_run(launched_python)
     steps = _steps(proc.stdout)
     assert [s for s, *_ in steps] == [1, 2, 3], proc.stdout
     assert all(math.isfinite(loss) for _, loss, _, _ in steps)
@@ -101,7 +103,7 @@ def _run_main(pools: RankPools, script: str, argv: list[str], nproc: int = 2,
     return "".join(pools.run(_main_worker, nproc, script, argv, timeout_s=timeout))
 
 
-def test_train_example_fp8(pools: RankPools) -> None:
+def test_train_example_fp8(pools: RankPools, launched_python: str) -> None:
     """``--fp8`` under ZeRO-3: torchao float8 linears with FP8 all-gathers train (finite,
     decreasing loss), and each step all-gathers at most 0.52x the bytes of the same run in bf16
     (the example's byte counter: the collectives issued, FP8 moved as 1 byte per element)."""
@@ -112,7 +114,7 @@ def test_train_example_fp8(pools: RankPools) -> None:
     assert [s for s, *_ in steps] == [1, 2, 3], stdout
     losses = [loss for _, loss, _, _ in steps]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
-    bf16 = _steps(_zero3_run().stdout)
+    bf16 = _steps(_zero3_run(launched_python).stdout)
     ratios = [fp8[3] / ref[3] for fp8, ref in zip(steps, bf16)]
     assert len(ratios) == 3 and all(r <= 0.52 for r in ratios), (ratios, steps, bf16)
 
@@ -149,10 +151,12 @@ def test_train_example_hsdp_mesh(pools: RankPools) -> None:
     assert "memory_report rank 3:" in stdout
 
 
-def _torchrun(script: str, args: list[str], nproc: int = 2,
+def _torchrun(launched_python: str, script: str, args: list[str], nproc: int = 2,
               timeout: float = 180) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", os.path.join(EXAMPLES, script), *args]
+    """``script`` under torchrun, each rank a ``python`` with torch and the library imported
+    (the ``launched_python`` fixture of tests/conftest.py)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--no-python",
+           f"--nproc_per_node={nproc}", launched_python, os.path.join(EXAMPLES, script), *args]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -187,9 +191,9 @@ def test_example_help_shows_every_default_on_rank_0_only(
     assert _help_and_error(script, "1", monkeypatch, capsys)[:2] == ("", "")
 
 
-def test_train_example_help_prints_once_under_torchrun() -> None:
+def test_train_example_help_prints_once_under_torchrun(launched_python: str) -> None:
     """Every rank parses the command line; ``--help`` still prints once."""
-    proc = _torchrun("train.py", ["--help"], timeout=120)
+    proc = _torchrun(launched_python, "train.py", ["--help"], timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("usage:") == 1, proc.stdout
     assert "(default: optim_grads_params)" in proc.stdout, proc.stdout

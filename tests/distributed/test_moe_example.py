@@ -117,13 +117,15 @@ def test_moe_example_top1_and_clipping(ranks: RankPools, control: str,
     _check(ranks.run(_moe_worker, 4, control, extra, timeout_s=TIMEOUT_S), control)
 
 
-def test_moe_example_runs_under_torchrun() -> None:
+def test_moe_example_runs_under_torchrun(launched_python: str) -> None:
     """The script as launched (its own process group, teardown and exit status): finite losses,
     all-to-alls counted. 2 CPU ranks, EP=2 x edp=1, the fewest that still send tokens to another
-    rank's experts: each torchrun rank is an interpreter importing torch, and the 4-rank
-    EP=2 x edp=2 runs of ``main`` are the cases below."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(EXAMPLES, "train_moe.py"), *TINY, "--strategy", "optim_grads_params"]
+    rank's experts: each torchrun rank is a process of its own (forked from a server that
+    imported torch: the ``launched_python`` fixture), and the 4-rank EP=2 x edp=2 runs of
+    ``main`` are the cases below."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--no-python",
+           "--nproc_per_node=2", launched_python, os.path.join(EXAMPLES, "train_moe.py"), *TINY,
+           "--strategy", "optim_grads_params"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -491,17 +491,19 @@ def test_float8(ranks: RankPools) -> None:
 
 # ---------------------------------------------------------------------- the example
 
-def test_example_feeds_another_process() -> None:
+def test_example_feeds_another_process(launched_python: str) -> None:
     """``examples/stream_weights.py`` under torchrun on 2 ranks (ZeRO-1, 10 KiB buckets): rank
     0 pushes the streamed weights through a bounded queue to an engine process it spawned; the
     engine's weights equal the model's full state dict bitwise and its logits the wrapped
-    model's (the script exits non-zero otherwise)."""
+    model's (the script exits non-zero otherwise). The ranks are forked from a server that
+    imported torch (the ``launched_python`` fixture); the engine is spawned as the script says."""
     import os
     import subprocess
     import sys
 
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--no-python",
+           "--nproc_per_node=2", launched_python,
            os.path.join(root, "examples", "stream_weights.py"), "--strategy", "optim",
            "--bucket-mb", "0.01"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1",

@@ -37,10 +37,11 @@ def fresh_python() -> Iterator[FreshPython]:
 
 @pytest.fixture(scope="session")
 def launched_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """An executable that runs like ``python ARGS`` for the ranks torchrun starts
-    (``torchrun --no-python <it> script.py ...``): each rank forked from one
-    ``tests/_forked_programs.py`` server that imported torch and the library, so a launch pays
-    those imports (about 3 s of CPU per rank) once per session instead of once per rank. The
+    """An executable that runs like ``python ARGS``, for torchrun and the ranks it starts
+    (``<it> -m torch.distributed.run --no-python ... <it> script.py ...``): the launcher and
+    each rank forked from one ``tests/_forked_programs.py`` server that imported torch and the
+    library, so a launch pays those imports (about 2-3 s of CPU per process) once per session
+    instead of once per process. The
     script still runs as ``__main__`` in a process of its own with torchrun's environment, its
     own process group, teardown and exit status (the client exits with the program's). The
     server starts in the environment the launches use (CPU only, one OpenMP thread)."""

@@ -155,7 +155,7 @@ def _torchrun(launched_python: str, script: str, args: list[str], nproc: int = 2
               timeout: float = 180) -> subprocess.CompletedProcess:
     """``script`` under torchrun, each rank a ``python`` with torch and the library imported
     (the ``launched_python`` fixture of tests/conftest.py)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--no-python",
+    cmd = [launched_python, "-m", "torch.distributed.run", "--standalone", "--no-python",
            f"--nproc_per_node={nproc}", launched_python, os.path.join(EXAMPLES, script), *args]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)

@@ -123,7 +123,7 @@ def test_moe_example_runs_under_torchrun(launched_python: str) -> None:
     rank's experts: each torchrun rank is a process of its own (forked from a server that
     imported torch: the ``launched_python`` fixture), and the 4-rank EP=2 x edp=2 runs of
     ``main`` are the cases below."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--no-python",
+    cmd = [launched_python, "-m", "torch.distributed.run", "--standalone", "--no-python",
            "--nproc_per_node=2", launched_python, os.path.join(EXAMPLES, "train_moe.py"), *TINY,
            "--strategy", "optim_grads_params"]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")

@@ -499,10 +499,9 @@ def test_example_feeds_another_process(launched_python: str) -> None:
     imported torch (the ``launched_python`` fixture); the engine is spawned as the script says."""
     import os
     import subprocess
-    import sys
 
     root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--no-python",
+    cmd = [launched_python, "-m", "torch.distributed.run", "--standalone", "--no-python",
            "--nproc_per_node=2", launched_python,
            os.path.join(root, "examples", "stream_weights.py"), "--strategy", "optim",
            "--bucket-mb", "0.01"]

@@ -26,7 +26,7 @@ from megatron_fsdp_v2 import fully_shard
 # private: a parameter's shard rows and its group's outer process group
 from megatron_fsdp_v2._registry import record_of
 from megatron_fsdp_v2.checkpoint._process_group import dcp_process_group, model_process_group
-from megatron_fsdp_v2.testing import run_distributed
+from megatron_fsdp_v2.testing import RankPools
 
 from _models import OddMLP, TinyGPT, agree, lm_loss, mlp_loss, step_mean_loss
 
@@ -307,11 +307,11 @@ def _world3_worker(rank: int, world: int, root: str) -> None:
     _consume(rank, world, root, "O_lm", "optim", hsdp=False)
 
 
-def test_hsdp_checkpoints_reshard_and_full_state_dicts() -> None:
+def test_hsdp_checkpoints_reshard_and_full_state_dicts(ranks: RankPools) -> None:
     """World 4: state dicts, chunk offsets and full export/import on 2x2 HSDP; checkpoints
     saved on 2x2 and on a 1-D mesh; the 1-D ones resumed on 2x2 and each 2x2 one on 2x2.
     World 3: the 2x2 checkpoints resumed on a 1-D mesh of 3 ranks. Resumed runs reproduce the
     uninterrupted losses and final parameters."""
     with tempfile.TemporaryDirectory() as root:
-        run_distributed(_world4_worker, 4, root, timeout_s=240)
-        run_distributed(_world3_worker, 3, root, timeout_s=120)
+        ranks.run(_world4_worker, 4, root, timeout_s=240)
+        ranks.run(_world3_worker, 3, root, timeout_s=120)

@@ -150,6 +150,16 @@ def _init_case(rank: int, world: int, face: str, strategy: str) -> None:
         raise AssertionError(f"spmd_types {strategy}: {errors or 'failed on another rank'}")
 
 
+def _need_spmd_types() -> None:
+    """The spmd_types face needs the package and FSDP2's ``DataParallelMeshDims`` (torch 2.14
+    and later; test_spmd_types_tp.py skips alike)."""
+    pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
+    import torch.distributed.fsdp as torch_fsdp
+
+    if getattr(torch_fsdp, "DataParallelMeshDims", None) is None:
+        pytest.skip("torch.distributed.fsdp has no DataParallelMeshDims")
+
+
 @pytest.mark.timeout(TIMEOUT_S)
 @pytest.mark.parametrize("face,strategy", [
     ("dtensor", "optim_grads_params"),
@@ -159,7 +169,7 @@ def _init_case(rank: int, world: int, face: str, strategy: str) -> None:
 ])
 def test_random_init_matches_single_process(ranks: RankPools, face: str, strategy: str) -> None:
     if face == "spmd_types":
-        pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
+        _need_spmd_types()
     ranks.run(_init_case, 4, face, strategy, timeout_s=TIMEOUT_S)
 
 
@@ -195,5 +205,5 @@ def _copy_case(rank: int, world: int, face: str) -> None:
 @pytest.mark.parametrize("face", ["dtensor", "spmd_types"])
 def test_copy_replicated_into_tp_params(ranks: RankPools, face: str) -> None:
     if face == "spmd_types":
-        pytest.importorskip("spmd_types", reason="a test dependency (scripts/install.sh)")
+        _need_spmd_types()
     ranks.run(_copy_case, 4, face, timeout_s=TIMEOUT_S)

@@ -306,6 +306,23 @@ def chunk_rows(local_tensor: torch.Tensor, spec: Any, mesh_dims: list[int], what
     return True
 
 
+def _anchor_rows(anchors: list[tuple[int, Any]], k: int, local_args: Any,
+                 device: torch.device, mesh: Any, what: str) -> list[int]:
+    """Every rank's row count along mesh dim ``k`` of the op's sharded arguments (``anchors``:
+    (argument index, spec)), from one small all-gather; the anchors must hold the same rows on
+    every rank, else their layouts differ and nothing can line up with them."""
+    dims = [cast(Any, a.placements[k]).dim % max(a.ndim, 1) for _, a in anchors]
+    own = [local_args[j].shape[d] for (j, _), d in zip(anchors, dims)]
+    table = gather_sizes(own, device, mesh, k)
+    if any(len(set(row)) > 1 for row in table):
+        raise ValueError(
+            f"{what}: the op's other sharded arguments hold different rows on some rank "
+            f"({table}), so their layouts differ (a fully_shard parameter mixed with a "
+            "torch.chunk-sharded DTensor?); redistribute one of them to Replicate() first"
+        )
+    return [row[0] for row in table]
+
+
 def redistribute_local_args(
     torch_redistribute_args: TorchRedistributeArgs, torch_redistribute: TorchRedistribute,
     op_info: Any, suggested_input_schema: Any, use_val_from_redistribute_schema: bool,
@@ -363,17 +380,8 @@ def redistribute_local_args(
             )
         # Every anchor's size along its sharded dim, on every rank (one small all-gather): the
         # anchors must agree with each other on every rank, and tile the target dimension.
-        dims = [cast(Shard, a.placements[k]).dim % a.ndim for _, a in anchors]
-        own = [op_info.local_args[j].shape[d] for (j, _), d in zip(anchors, dims)]
-        table = gather_sizes(own, before[i].device, src.mesh, k)
+        sizes = _anchor_rows(anchors, k, op_info.local_args, before[i].device, src.mesh, what)
         dim = cast(Shard, shard).dim % dst.ndim
-        sizes = [row[0] for row in table]
-        if any(len(set(row)) > 1 for row in table):
-            raise ValueError(
-                f"{what}: the op's other sharded arguments hold different rows on some rank "
-                f"({table}), so their layouts differ (a fully_shard parameter mixed with a "
-                "torch.chunk-sharded DTensor?); redistribute one of them to Replicate() first"
-            )
         if sum(sizes) != dst.shape[dim]:
             raise ValueError(
                 f"{what}: the sharded argument's rows {sizes} do not tile dim {dim} of shape "
@@ -434,16 +442,7 @@ def _line_up_2d(
                 f"data-parallel mesh dimensions cannot line up with fully_shard's uneven "
                 f"shards; {ALTERNATIVE}"
             )
-        dims = [cast(Any, a.placements[k]).dim % max(a.ndim, 1) for _, a in anchors]
-        own = [local_args[j].shape[d] for (j, _), d in zip(anchors, dims)]
-        table = gather_sizes(own, before[i].device, mesh, k)
-        sizes = [row[0] for row in table]
-        if any(len(set(row)) > 1 for row in table):
-            raise ValueError(
-                f"{what}: the op's other sharded arguments hold different rows on some rank "
-                f"({table}), so their layouts differ (a fully_shard parameter mixed with a "
-                "torch.chunk-sharded DTensor?); redistribute one of them to Replicate() first"
-            )
+        sizes = _anchor_rows(anchors, k, local_args, before[i].device, mesh, what)
         mid = DTensorSpec(
             mesh, dst.placements[:k] + (Replicate(),) + dst.placements[k + 1 :],
             tensor_meta=src.tensor_meta,

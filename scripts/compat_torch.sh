@@ -9,9 +9,10 @@
 # second in-place build would replace this checkout's `_C` with one for another torch), then runs
 # the compatibility subset from that copy: the example, the torch-version reasons of the patches,
 # unit and op tests, and the distributed tests of the DTensor paths, torch's and our state-dict
-# and checkpoint APIs, parity per strategy, HSDP, meta init, tensor parallel, FP8 and the
-# hostile cases (test_hostile_*.py: checkpoint safety, errors, training semantics). The
-# same tests as the full suite, not a lighter variant; the full suite runs on the install default.
+# and checkpoint APIs, parity per strategy, HSDP, meta init, tensor parallel, FP8, FSDP2's
+# methods (manual finalization included), pipeline parallel and the hostile cases
+# (test_hostile_*.py: checkpoint safety, errors, training semantics). The same tests as the
+# full suite, not a lighter variant; the full suite runs on the install default.
 #
 # Where the machine caps torch through a pip constraints file (PIP_CONSTRAINT or pip's config),
 # the cap is lifted for this environment only (PIP_CONSTRAINT=/dev/null for its pip calls).
@@ -77,6 +78,9 @@ exec "${PYTHON}" -m pytest -q -p no:cacheprovider \
   tests/distributed/test_fsdp_tp_checkpoint.py \
   tests/distributed/test_fp8_params.py \
   tests/distributed/test_comm_groups.py \
+  tests/distributed/test_fsdp2_surface.py \
+  tests/distributed/test_manual_finalization.py \
+  tests/distributed/test_pipeline_parallel.py \
   tests/distributed/test_hostile_checkpoint.py \
   tests/distributed/test_hostile_errors.py \
   tests/distributed/test_hostile_training.py

@@ -23,9 +23,12 @@ design:
 * ``set_requires_all_reduce(False)`` on an HSDP unit keeps the window open for the outer axis:
   the backward is not the last of its window (see ``UnitState.is_last_backward``).
 * ``reset_iter_state`` is the tree's ``recover()`` (see ``_runtime/_context.py``).
+* ``set_manual_backward_finalization`` / ``finalize_backward`` (torch 2.15's; ours on every
+  supported torch): see [Note: manual backward finalization] in ``_runtime/_finalize.py``.
 * refused: what replaces FSDP2's per-collective buffers and streams (custom collectives,
   symmetric or process-group memory, input-buffer caps, a second reduce-scatter group,
-  post-optimizer events), and torch's private state accessors.
+  post-optimizer events, kept unsharded storage of ZeRO-3 units), and torch's private state
+  accessors (``_get_fsdp_state()`` answers only ``_comm_ctx``: :class:`FSDP2StateView`).
 * ``set_all_reduce_hook``: the hook runs on each group's reduced shard at the end of its
   window (see [Note: the all-reduce hook] in ``_runtime/_all_reduce_hook.py``).
 """
@@ -43,9 +46,12 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp._fully_shard import _fully_shard as _torch_fully_shard
 
 from .. import _registry
+from .._runtime import _finalize
+from .._runtime._context import FSDPContext
+from .._runtime._issuer import Deferred
 from .._runtime._state import FSDPState
 
-__all__ = ["FSDP2Surface", "REFUSED"]
+__all__ = ["FSDP2StateView", "FSDP2Surface", "GradientReductionHandle", "REFUSED"]
 
 # Each refused method of torch's FSDPModule: why a flat-buffer design has no equivalent, and
 # what to use instead. The messages of the NotImplementedError raised are built from it.
@@ -89,12 +95,22 @@ REFUSED: dict[str, str] = {
         "FSDP2's private switch; prefetch explicitly with unshard(async_op=True) or "
         "set_modules_to_forward_prefetch"
     ),
-    "_get_fsdp_state": (
-        "this module was wrapped by megatron_fsdp_v2.fully_shard and has no FSDP2 state; use "
-        "its FSDPModule methods (torch helpers that reach FSDP2's internals, e.g. "
-        "register_fsdp_forward_method or share_comm_ctx, do not apply)"
+    "set_keep_unsharded_storage": (
+        "a ZeRO-3 unit gathers its weights into the library's scratch buffers, freed after use "
+        "(True is accepted for units whose weights stay replicated); use "
+        "fully_shard(enable_trace_pool=True), which plans the gathered weights at fixed "
+        "addresses across steps (what CUDA graph capture needs), or "
+        "sharding_strategy='optim_grads', whose weights stay replicated"
     ),
 }
+
+# What reaching into FSDP2's state through ``_get_fsdp_state()`` raises (see
+# :class:`FSDP2StateView`).
+NO_FSDP2_STATE = (
+    "this module was wrapped by megatron_fsdp_v2.fully_shard and has no FSDP2 state; use "
+    "its FSDPModule methods (torch helpers that reach FSDP2's internals, e.g. "
+    "register_fsdp_forward_method or share_comm_ctx, do not apply)"
+)
 
 
 def refuse(method: str) -> NotImplementedError:
@@ -202,6 +218,94 @@ class FSDP2Surface(TorchFSDPModule):
         _check_bool("reduce_scatter_unused_params", reduce_scatter_unused_params)
         self._states_of(recurse)
 
+    # ------------------------------------------------------------------ manual finalization
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """FSDP2's method (torch 2.15; available here on every supported torch): ``True`` makes
+        no backward end an accumulation window, whatever :meth:`set_requires_gradient_sync`
+        says; :meth:`finalize_backward` ends it, once per step, with the settings in force
+        when it is called (see [Note: manual backward finalization] in
+        ``_runtime/_finalize.py``). torch 2.15's pipeline stages end each step this way. Call
+        it on the root unit, outside a backward. ``RuntimeError`` (changing nothing) on a unit
+        below the root, inside a backward, or when turning it off while backwards wait for
+        their :meth:`finalize_backward`."""
+        value = _check_bool("enabled", enabled)
+        state = self._own_state()
+        ctx = state.ctx
+        if ctx is not None and ctx.root is not state:
+            raise RuntimeError(
+                "set_manual_backward_finalization must be called on the root fully_shard "
+                f"module, not on {type(self).__name__} (a unit below the root)"
+            )
+        if value == state.manual_backward_finalization:
+            return
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode during backward"
+            )
+        if ctx is not None and ctx.awaits_finalization:
+            raise RuntimeError(
+                "set_manual_backward_finalization(False) after a backward that ran under manual "
+                "finalization: call finalize_backward() first (or reset_iter_state() to drop "
+                "the step's gradients)"
+            )
+        state.manual_backward_finalization = value
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """FSDP2's method (torch 2.15; available here on every supported torch): end the
+        backward iteration after the backwards of a step under
+        :meth:`set_manual_backward_finalization`: reduce what is accumulated, wait for the
+        reductions, run HSDP's outer reduction, install the gradients, free gathered weights
+        and register the sharded parameters, as the final callback of a backward marked last
+        would, with the current :meth:`set_requires_gradient_sync` /
+        :meth:`set_requires_all_reduce` / :meth:`set_reshard_after_backward` settings.
+        ``async_op=True`` launches the collectives and returns a handle whose ``wait()``
+        finishes; wait before reading the gradients (the next forward waits anyway). A no-op
+        before the root's first forward. ``RuntimeError`` (before any collective) on a unit
+        below the root, without manual finalization, inside a backward, or while an earlier
+        handle was not waited on."""
+        async_op = _check_bool("async_op", async_op)
+        state = self._own_state()
+        ctx = state.ctx
+        if ctx is None:
+            return GradientReductionHandle(None, None) if async_op else None
+        if ctx.root is not state:
+            raise RuntimeError(
+                "finalize_backward must be called on the root fully_shard module, not on "
+                f"{type(self).__name__} (a unit below the root)"
+            )
+        if ctx.finalization is not None:
+            raise RuntimeError(
+                "The previous gradient reduction must be waited on before finalizing backward "
+                "again: call wait() on the handle finalize_backward(async_op=True) returned"
+            )
+        if not (state.manual_backward_finalization or ctx.awaits_finalization):
+            raise RuntimeError(
+                "finalize_backward requires manual backward finalization. Call "
+                "set_manual_backward_finalization(True) before forward"
+            )
+        if ctx.final_callback_queued or torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("finalize_backward must be called after backward completes")
+        ctx.awaits_finalization = False
+        finalization = _finalize.finalize(list(ctx.states), async_op=async_op)
+        if not async_op:
+            finalization.finish()
+            return None
+        ctx.finalization = finalization
+        return GradientReductionHandle(ctx, finalization)
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """FSDP2's method (torch 2.15): keep the unsharded parameters' storage across reshard
+        and unshard, for CUDA graphs. ``False`` (the default) is accepted; so is ``True`` for
+        units whose weights stay replicated (``no_shard``/``optim``/``optim_grads``: their
+        compute weights are never freed). ZeRO-3 units gather into scratch buffers:
+        ``True`` is refused there (``fully_shard(enable_trace_pool=True)`` gives gathered
+        weights fixed addresses across steps)."""
+        if not _check_bool("keep", keep):
+            return
+        if any(g.strategy.shards_model_weights for s in self._states_of(recurse) for g in s.groups):
+            raise refuse("set_keep_unsharded_storage")
+
     def reset_iter_state(self) -> None:
         """FSDP2's method: after an exception aborted a forward or backward, wait for the
         collectives in flight, free gathered weights, reset the hook state and (after a failed
@@ -301,5 +405,60 @@ class FSDP2Surface(TorchFSDPModule):
     def _set_unshard_async_op(self, async_op: bool) -> None:
         raise refuse("_set_unshard_async_op")
 
-    def _get_fsdp_state(self) -> Any:
-        raise refuse("_get_fsdp_state")
+    def _get_fsdp_state(self) -> Any:  # an FSDP2StateView
+        """FSDP2's private accessor: a :class:`FSDP2StateView` with the one attribute torch's
+        pipelining reads, refusing every other."""
+        return FSDP2StateView(self._own_state())
+
+
+class FSDP2StateView:
+    """What ``_get_fsdp_state()`` returns on our units. torch 2.15's pipeline schedules read
+    ``_comm_ctx`` of each stage's state, with ``defer_reduce_grad_wait=True``, to check that
+    no two stages share FSDP2's communication context (``share_comm_ctx``), so that one
+    stage's reduction in flight never waits behind another's; ours never share one (each
+    unit's collectives are its own), so it is the unit's state, distinct per unit. Any other
+    attribute raises ``NotImplementedError`` naming the alternative."""
+
+    __slots__ = ("_comm_ctx",)
+
+    def __init__(self, state: FSDPState) -> None:
+        self._comm_ctx = state
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotImplementedError(
+            f"FSDPModule._get_fsdp_state().{name} is not supported by "
+            f"megatron_fsdp_v2.fully_shard: {NO_FSDP2_STATE}"
+        )
+
+
+# torch 2.15 declares the handle type (its pipeline stages annotate ours with it); before, none.
+_TorchGradientReductionHandle: type = getattr(
+    torch.distributed.fsdp, "GradientReductionHandle", object
+)
+
+
+class GradientReductionHandle(_TorchGradientReductionHandle):
+    """What :meth:`FSDP2Surface.finalize_backward` returns with ``async_op=True``: its
+    :meth:`wait` finishes the finalization (waits for the window ends, installs the
+    gradients, reshards)."""
+
+    def __init__(self, ctx: FSDPContext | None, finalization: Deferred | None) -> None:
+        self._ctx = ctx
+        self._finalization = finalization
+
+    def wait(self) -> None:
+        """Finish the finalization; later calls do nothing. ``RuntimeError`` if
+        ``reset_iter_state()`` (or the recovery after a failed step) dropped it first, as in
+        FSDP2."""
+        ctx, finalization = self._ctx, self._finalization
+        self._ctx = self._finalization = None
+        if ctx is None or finalization is None:
+            return
+        if ctx.finalization is not finalization:
+            if finalization.holds_temporary:  # dropped unfinished by recovery
+                raise RuntimeError(
+                    "this gradient reduction handle was invalidated by reset_iter_state() (or "
+                    "the recovery after a failed step): its gradients were discarded"
+                )
+            return  # finished already: by an optimizer step, zero_grad or the next forward
+        finalization.finish()  # clears ctx.finalization

@@ -19,8 +19,11 @@ window the way the final callback of a backward marked last does: the delayed re
 waited on, HSDP's outer reduction, gradients installed; then the gathered weights kept across
 the micro-batches are freed and the sharded parameters registered again. torch then divides
 the installed gradients by the number of micro-batches (``scale_grads``), as under FSDP2. Only
-``PipelineStage.perform_reduce_grad`` reads that entry: torch's other FSDP2 helpers reach the
-state through ``_get_fsdp_state()``, which stays refused.
+``PipelineStage.perform_reduce_grad`` of torch 2.14 reads that entry: torch 2.15's stages end
+the step through FSDP2's public ``set_manual_backward_finalization`` / ``finalize_backward``
+(ours: [Note: manual backward finalization] in ``_runtime/_finalize.py``; both paths run the
+same ``finalize``), and torch's other FSDP2 helpers reach the state through
+``_get_fsdp_state()``, which answers only the ``_comm_ctx`` 2.15's schedules compare.
 
 Schedules that split a backward into an input-gradient pass ``I`` and a deferred weight pass
 ``W`` (zero-bubble: ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``,
@@ -69,6 +72,7 @@ from torch.distributed._composable.contract import STATE_KEY
 from torch.distributed.fsdp._fully_shard._fully_shard import fully_shard as _torch_fully_shard
 
 from .. import _registry
+from .._runtime import _finalize
 from .._runtime._state import FSDPState
 
 __all__ = [
@@ -79,35 +83,12 @@ __all__ = [
 
 def end_pipeline_step(states: list[FSDPState]) -> None:
     """End the accumulation window of ``states`` (a stage's units) after a pipeline step's last
-    backward: run the post-backwards a zero-bubble schedule's input-gradient passes deferred
-    (the weight passes have written the gradients since), reduce what is still accumulated,
-    wait for every reduction, run HSDP's outer reduction, install the gradients; then free
-    gathered weights kept across micro-batches and register the sharded parameters. The same
-    groups in the same order on every rank of the stage's data-parallel mesh, so the
-    collectives match."""
-    for state in states:
-        state.split_backward_step = False  # the weight passes are done
-    deferred = [state for state in states if state.deferred_post_backward]
-    for state in reversed(deferred):  # backward order, as their hooks would have run
-        state.deferred_post_backward = False
-        state.run_post_backward()
-    ctx = states[0].ctx if states else None
-    if deferred and ctx is not None:
-        if ctx.coalescer is not None:
-            ctx.coalescer.flush()
-        ctx.drain_reductions(0)
-        ctx.reducing.clear()
-        for state in deferred:
-            for group in state.groups:
-                group.finish_reductions()
-    groups = [group for state in states for group in state.groups]
-    windows = [group.end_window(async_op=False) for group in groups
-               if group.grads.pending_install]
-    for window in windows:
-        window.finish()
-    for state in states:
-        state.reshard()
-        state.register_dist_params()
+    backward, as ``finalize_backward()`` does (see [Note: manual backward finalization] in
+    ``_runtime/_finalize.py``): run the post-backwards a zero-bubble schedule's input-gradient
+    passes deferred, reduce what is still accumulated, wait for every reduction, run HSDP's
+    outer reduction, install the gradients; then free gathered weights and register the
+    sharded parameters."""
+    _finalize.finalize(states, async_op=False).finish()
 
 
 class PipelineStepEnd:
@@ -133,7 +114,10 @@ class PipelineStepEnd:
 
 
 def attach(module: nn.Module) -> None:
-    """Make ``fully_shard.state(module)`` (torch's) return a :class:`PipelineStepEnd`."""
+    """Make ``fully_shard.state(module)`` (torch's) return a :class:`PipelineStepEnd`, and (on
+    a torch whose stages have no metadata-inference cleanup) check at each forward that no
+    split-backward schedule runs the unit in a stage whose root is not a unit."""
+    module.register_forward_pre_hook(_refuse_blocks_only_stage_at_forward, prepend=True)
     key = getattr(_torch_fully_shard, "__wrapped__", None)
     if key is None:
         return  # a torch whose contract keys differently: pipelining cannot find it either
@@ -168,34 +152,74 @@ def refuse_split_backward_over_blocks(caller: FrameType | None) -> None:
     not a unit, and the schedule running it splits backwards (see [Note: pipeline schedules
     over fully_shard units]): every rank runs that cleanup once its own inference is done,
     before the step's first action."""
+    stage_module = sys.modules.get("torch.distributed.pipelining.stage")
+    if stage_module is None or caller is None:
+        return
+    if caller.f_code.co_name != _CLEANUP:
+        return
+    _refuse_blocks_only_stage(caller, at_forward=False)
+
+
+# torch's cleanup after a stage's metadata inference (``PipelineStage``, from torch 2.12).
+_CLEANUP = "_post_metadata_inference_cleanup"
+
+
+def _refuse_blocks_only_stage(frame: FrameType | None, at_forward: bool) -> None:
+    """From ``frame`` up: the first pipeline stage found (``self`` of a frame) and the
+    schedule running it; raise if the stage's root is not a unit and the schedule splits
+    backwards. ``at_forward``: from a unit's forward, where a stage that has torch's cleanup
+    is left to it. Looks no further than :data:`_MAX_FRAMES` frames."""
     schedules = sys.modules.get("torch.distributed.pipelining.schedules")
     stage_module = sys.modules.get("torch.distributed.pipelining.stage")
-    if schedules is None or stage_module is None or caller is None:
+    if schedules is None or stage_module is None:
         return
-    if caller.f_code.co_name != "_post_metadata_inference_cleanup":
-        return
-    stage = caller.f_locals.get("self")
-    if not isinstance(stage, stage_module._PipelineStageBase):
-        return
-    if _registry.state_of(stage.submod) is not None:
-        return  # the stage root is a unit: note_split_backward handles the step
-    frame = caller.f_back
-    while frame is not None:
-        schedule = frame.f_locals.get("self")
-        if isinstance(schedule, schedules._PipelineSchedule):
-            break
+    # Only frames of code in torch's stage and schedule modules are looked into (reading a
+    # frame's locals costs more than comparing its globals: this runs at every unit forward
+    # while pipelining is imported).
+    stage_globals, schedules_globals = vars(stage_module), vars(schedules)
+    stage = owner = None
+    for _ in range(_MAX_FRAMES):
+        if frame is None:
+            return
+        if stage is None and frame.f_globals is stage_globals:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, stage_module._PipelineStageBase):
+                if _registry.state_of(owner.submod) is not None:
+                    return  # the stage root is a unit: note_split_backward handles the step
+                if at_forward and hasattr(type(owner), _CLEANUP):
+                    return  # refused at the cleanup, on every rank
+                stage = owner
+        elif stage is not None and frame.f_globals is schedules_globals:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, schedules._PipelineSchedule):
+                break
         frame = frame.f_back
     else:
         return
-    if _splits(schedule, schedules):
+    if _splits(owner, schedules):
         raise NotImplementedError(
-            f"{type(schedule).__name__} splits each backward into an input-gradient pass and a "
+            f"{type(owner).__name__} splits each backward into an input-gradient pass and a "
             f"deferred weight-gradient pass, and stage {stage.stage_index}'s module "
             f"({type(stage.submod).__name__}) is not a fully_shard unit (only modules inside "
             "it are): nothing would reduce the gradients the weight passes write, so every "
             "stage but the first would train without gradients. Wrap the stage module with "
             "fully_shard too (after its blocks), or use a schedule without I/W actions"
         )
+
+
+# How far up the stack a unit's check looks for the pipeline stage and schedule calling it
+# (torch's schedule -> stage -> module call: about a dozen frames).
+_MAX_FRAMES = 40
+
+
+def _refuse_blocks_only_stage_at_forward(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook for stages without torch's metadata-inference cleanup (torch 2.11):
+    the same refusal at a unit's forward. The first stage's rank raises at its shape
+    inference, before the schedule's first action; the other ranks' processes then fail in
+    their first exchange with it (torchrun ends the job), as they cannot reach a forward."""
+    # Not imported: no schedule can be calling (the library never imports pipelining itself).
+    if "torch.distributed.pipelining.stage" in sys.modules:
+        _refuse_blocks_only_stage(sys._getframe(1), at_forward=True)
 
 
 def note_split_backward(module: nn.Module, caller: FrameType | None) -> None:

@@ -20,6 +20,7 @@ from .._comm._deadline import WaitBound, collective_timeout_s, group_error
 from .._profiling import traced
 from ._coalesce import ReductionCoalescer
 from ._flat_param_group import FlatParamGroup
+from ._issuer import Deferred
 from ._refresh_buckets import RefreshCoalescer
 
 if TYPE_CHECKING:
@@ -46,6 +47,11 @@ class FSDPContext:
         )
         self.final_callback_queued = False
         self.callback_failed = False  # the final callback raised: see recover()
+        # [Note: manual backward finalization] (_finalize.py): a backward ran under manual
+        # finalization and finalize_backward() has not ended its windows yet; the handle of an
+        # asynchronous finalization not waited on yet.
+        self.awaits_finalization = False
+        self.finalization: Deferred | None = None
         # The submodule-registration count at the last walk of the module trees (-1: none
         # yet; see [Note: module tree changes after wrapping] in _module_tree.py).
         self.checked_tree_generation = -1
@@ -218,6 +224,8 @@ class FSDPContext:
                 self.mark_owed_updates()
             else:
                 self.owed_updates += ended
+            if self.root.manual_backward_finalization:
+                self.awaits_finalization = True  # finalize_backward() ends the windows
         except BaseException:
             self.callback_failed = True  # reductions may be half-waited: recover() next forward
             raise
@@ -285,9 +293,15 @@ class FSDPContext:
             raise RuntimeError(self.unrecoverable)
         if self.coalescer is not None:
             self.coalescer.abandon()  # never issue a bucket the failed backward left open
-        discard_grads = self.final_callback_queued or self.callback_failed or any(
-            s.training_state is TrainingState.PRE_BACKWARD for s in self.states
-        )
+        # An asynchronous finalize_backward() not waited on is dropped, its gradients with it
+        # (FSDP2's reset; its handle's wait() raises): nothing may finish it any more.
+        dropped_finalization = self.finalization is not None
+        self.finalization = None
+        for group in self.groups:
+            group.finalization = None
+        discard_grads = dropped_finalization or self.final_callback_queued or (
+            self.callback_failed
+        ) or any(s.training_state is TrainingState.PRE_BACKWARD for s in self.states)
         error: BaseException | None = None
         groups = self._process_groups()
         seconds = max((collective_timeout_s(g, d) for g, d in groups), default=0.0)
@@ -323,6 +337,7 @@ class FSDPContext:
         self.final_callback_queued = False
         self.callback_failed = False
         self.root_graph_pending = self.root_graph_reached = False
+        self.awaits_finalization = False
         self.mark_owed_updates()
         for state in self.states:
             state.reset_to_idle()

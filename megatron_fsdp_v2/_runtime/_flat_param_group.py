@@ -525,6 +525,22 @@ class FlatParamGroup:
             self.grads.zero_grad(set_to_none=True)
 
     @property
+    def pending_install(self) -> bool:
+        """Gradients were staged or reduced that the optimizer has not been shown yet."""
+        return self.grads.pending_install
+
+    @property
+    def finalization(self) -> Deferred | None:
+        """The asynchronous ``finalize_backward()`` that launched this group's window end and
+        has not finished it yet (see [Note: manual backward finalization] in
+        ``_finalize.py``)."""
+        return self.grads.finalization
+
+    @finalization.setter
+    def finalization(self, finalization: Deferred | None) -> None:
+        self.grads.finalization = finalization
+
+    @property
     def reduction_holds_temporary(self) -> bool:
         """An in-flight reduction holds a scratch buffer until finished."""
         return self.grads.reduction_holds_temporary

@@ -86,6 +86,9 @@ class GroupGrads:
         self.window = WindowState.CLOSED
         # [Note: HSDP window carry] main_grad_local's values at the window start, if any.
         self._carrying = False
+        # [Note: manual backward finalization] (_finalize.py): the finalization that launched
+        # this group's window end and has not finished it yet (its handle not waited on).
+        self.finalization: Deferred | None = None
         # [Note: the all-reduce hook] FSDP2's hook on the window's reduced shard, its stream.
         self.all_reduce_hook: AllReduceHook | None = None
         self.all_reduce_hook_stream: torch.cuda.Stream | None = None
@@ -446,6 +449,8 @@ class GroupGrads:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (``FSDPModule.zero_grad``)."""
+        if self.finalization is not None:  # installed first, so that nothing installs later
+            self.finalization.finish()
         self.staging.disarm()
         for record in self.group.records:
             if set_to_none:
@@ -521,7 +526,12 @@ class GroupGrads:
 
 def finalize_unsynchronized(groups: Iterable[FlatParamGroup], where: str) -> None:
     """Reduce and expose gradients that no backward marked as the last of its window, so that
-    ``where`` (the optimizer step, clipping) never silently works on missing gradients."""
+    ``where`` (the optimizer step, clipping) never silently works on missing gradients. An
+    asynchronous ``finalize_backward()`` whose handle was not waited on yet is finished first."""
+    groups = list(groups)
+    for group in groups:
+        if group.grads.finalization is not None:
+            group.grads.finalization.finish()  # clears the field of every group it ended
     finalized = []
     for group in groups:
         if group.grads.pending_install:

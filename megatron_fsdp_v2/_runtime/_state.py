@@ -228,6 +228,10 @@ class FSDPState(UnitState):
         if self.ctx.step_failed:
             # The last forward or backward raised before finishing (see FSDPContext.recover).
             self.ctx.recover()
+        if self.ctx.finalization is not None:
+            # finalize_backward(async_op=True)'s handle not waited on yet: FSDP2 asks the
+            # caller to wait before more work on the module; waiting here keeps it correct.
+            self.ctx.finalization.finish()  # clears ctx.finalization
         self.ctx.forward_pass += 1
         self.ctx.mark_owed_updates()  # before the refreshes below are planned
         if self.ctx.allocator.begin_iteration():  # see [Note: trace-planned pool]

@@ -55,6 +55,9 @@ class UnitState:
         self.marked_last_backward = True
         # FSDP2's set_requires_all_reduce: False keeps an HSDP unit's window open.
         self.requires_all_reduce = True
+        # FSDP2's set_manual_backward_finalization, read on the root: no backward ends a
+        # window, finalize_backward() does (see [Note: manual backward finalization]).
+        self.manual_backward_finalization = False
         # FSDP2's set_force_sum_reduction_for_comms: kept for reading back only (every
         # reduction here is a SUM of pre-scaled gradients; see [Note: FSDP2's methods on flat
         # buffers] in _frontend/_fsdp2_surface.py).
@@ -144,7 +147,11 @@ class UnitState:
     def is_last_backward(self) -> bool:
         """Whether the next backward ends the unit's accumulation window: marked so by
         ``set_is_last_backward`` and, for an HSDP unit (one with an outer reduction), not held
-        open by ``set_requires_all_reduce(False)``."""
+        open by ``set_requires_all_reduce(False)``; never inside a backward under the root's
+        manual finalization (see [Note: manual backward finalization] in ``_finalize.py``)."""
+        ctx = self.ctx
+        if ctx is not None and ctx.root.manual_backward_finalization and in_backward():
+            return False
         if self.requires_all_reduce or not any(g.plan.window_steps for g in self.groups):
             return self.marked_last_backward
         return False

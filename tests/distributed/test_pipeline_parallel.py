@@ -60,6 +60,7 @@ from megatron_fsdp_v2 import fully_shard
 
 # private: counts the units' parameter groups (state_of(unit).groups)
 from megatron_fsdp_v2._registry import state_of
+from megatron_fsdp_v2.testing import DistributedTestError
 
 from _models import Block, agree
 from _pool import RankPools
@@ -80,6 +81,26 @@ SCHEDULES: dict[str, tuple[type, int, bool]] = {
     "dualpipev": (ScheduleDualPipeV, 2, True),
 }
 SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
+TORCH_RELEASE = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+# torch 2.11's V-layout schedules fail in their first gloo exchange with no FSDP at all
+# ("Pair is not connected"; FSDP2 and plain stages alike): nothing of ours to test there.
+V_SCHEDULES_RUN = TORCH_RELEASE >= (2, 12)
+# torch 2.12 added the cleanup after metadata inference where a split-backward schedule over
+# blocks-only stages is refused on every rank; before it, the first stage's ranks refuse at
+# their first forward and the others fail in their exchange with them.
+METADATA_CLEANUP = TORCH_RELEASE >= (2, 12)
+# torch 2.15: a runtime schedule may leave each stage's gradient reduction in flight until
+# the next one starts (FSDPModule.finalize_backward(async_op=True)).
+DEFERS_REDUCE_GRAD_WAIT = TORCH_RELEASE >= (2, 15)
+
+
+def _runs_here(schedule: str) -> Any:
+    """``schedule`` as a pytest parameter, skipped where torch's own schedule cannot run."""
+    v_layout = SCHEDULES[schedule][2]
+    return pytest.param(schedule, marks=pytest.mark.skipif(
+        v_layout and not V_SCHEDULES_RUN,
+        reason=f"torch {torch.__version__}'s {schedule} fails in its first gloo exchange "
+               "without FSDP too"))
 
 
 def _mesh() -> DeviceMesh:
@@ -179,13 +200,15 @@ def _reductions(sched: Any, pp_rank: int, stage: int) -> int:
 def _train(mesh: DeviceMesh, schedule: str, variant: str, ref: nn.Sequential,
            data: list[tuple[torch.Tensor, torch.Tensor]],
            dp_mesh: DeviceMesh | None = None, dp_rank: int | None = None,
+           schedule_kwargs: dict[str, Any] | None = None,
            ) -> tuple[list[list[float]], list[nn.Sequential], list[int], list[Counter],
                       list[int]]:
     """Train ``STEPS`` steps on a fresh split of ``ref``'s (untrained) blocks: per step the last
     stage's micro-batch losses (empty elsewhere), the stage modules, their stage ids, the
     collectives each step issued over the ``"dp"`` group, and each stage's reductions per step
     (:func:`_reductions`). ``dp_mesh``/``dp_rank``: the mesh the
-    stages are wrapped on and this rank's data slice (default ``mesh["dp"]``, its rank)."""
+    stages are wrapped on and this rank's data slice (default ``mesh["dp"]``, its rank);
+    ``schedule_kwargs``: passed to the schedule class."""
     cls, per_rank, v_layout = SCHEDULES[schedule]
     pp_rank = mesh.get_local_rank("pp")
     dp_rank = mesh.get_local_rank("dp") if dp_rank is None else dp_rank
@@ -199,8 +222,8 @@ def _train(mesh: DeviceMesh, schedule: str, variant: str, ref: nn.Sequential,
         subs.append(sub)
         stages.append(PipelineStage(sub, s, num_stages, torch.device("cpu"),
                                     group=mesh.get_group("pp")))
-    sched = (cls(stages, n_microbatches=MICRO, loss_fn=_loss) if per_rank > 1
-             else cls(stages[0], n_microbatches=MICRO, loss_fn=_loss))
+    sched = (cls(stages, n_microbatches=MICRO, loss_fn=_loss, **(schedule_kwargs or {}))
+             if per_rank > 1 else cls(stages[0], n_microbatches=MICRO, loss_fn=_loss))
     opt = torch.optim.AdamW([p for sub in subs for p in sub.parameters()], lr=1e-2)
     dp_ranks = tuple(dist.get_process_group_ranks(mesh.get_group("dp")))
     all_losses, counts = [], []
@@ -243,7 +266,8 @@ def _groups(subs: list[nn.Sequential], variant: str) -> int:
                if (s := state_of(m)) is not None)
 
 
-def _parity_worker(rank: int, world: int, schedule: str, hsdp: bool = False) -> None:
+def _parity_worker(rank: int, world: int, schedule: str, hsdp: bool = False,
+                   schedule_kwargs: dict[str, Any] | None = None) -> None:
     if hsdp:  # pp 2 x (replicate 2 x shard 2): 8 ranks, 4 data-parallel slices
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "replicate", "dp"))
         dp_mesh: DeviceMesh | None = mesh["replicate", "dp"]
@@ -261,7 +285,8 @@ def _parity_worker(rank: int, world: int, schedule: str, hsdp: bool = False) -> 
     _reference_run(want, data)  # ``want`` holds the trained reference parameters
     for variant in variants:
         losses, subs, ids, counts, reductions = _train(
-            mesh, schedule, variant, _reference(), data, dp_mesh=dp_mesh, dp_rank=dp_rank)
+            mesh, schedule, variant, _reference(), data, dp_mesh=dp_mesh, dp_rank=dp_rank,
+            schedule_kwargs=schedule_kwargs)
         per_stage = BLOCKS // (len(ids) * 2)
 
         def check(losses: Any = losses, subs: Any = subs, ids: Any = ids,
@@ -294,14 +319,14 @@ def _parity_worker(rank: int, world: int, schedule: str, hsdp: bool = False) -> 
         agree(f"{schedule} {variant}", check)
 
 
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("schedule", [_runs_here(name) for name in SCHEDULES])
 def test_schedule_matches_one_process_and_fsdp2(ranks: RankPools, schedule: str) -> None:
     """Losses and parameters equal one process on the global batch (FSDP2 in the same run as
     the control), every strategy, and the dp collectives of each step are the contract's."""
     ranks.run(_parity_worker, 4, schedule, timeout_s=TIMEOUT_S)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbv_zero_bubble"])
+@pytest.mark.parametrize("schedule", [_runs_here(name) for name in ("1f1b", "zbv_zero_bubble")])
 def test_hsdp_stages_match_one_process_and_fsdp2(ranks: RankPools, schedule: str) -> None:
     """HSDP inside each stage (inner ``optim_grads_params``, outer ``no_shard``) on pp 2 x
     replicate 2 x shard 2, FSDP2's HSDP as the control: the window's end at the step's end runs
@@ -316,10 +341,100 @@ def _blocks_only_worker(rank: int, world: int, schedule: str) -> None:
         _train(_mesh(), schedule, "no_shard/blocks", _reference(), _data()[:1])
 
 
-@pytest.mark.parametrize("schedule", SPLIT_BACKWARD)
+def _blocks_only_first_stage_worker(rank: int, world: int, schedule: str) -> None:
+    """Before torch 2.12: the first stage's ranks raise at their first forward (the error
+    propagates); the others wait for them in an exchange that never comes."""
+    _train(_mesh(), schedule, "no_shard/blocks", _reference(), _data()[:1])
+
+
+@pytest.mark.parametrize("schedule", [_runs_here(name) for name in SPLIT_BACKWARD])
 def test_zero_bubble_over_blocks_only_is_refused_on_every_rank(
         ranks: RankPools, schedule: str) -> None:
     """A split-backward schedule over stages whose root is not a unit raises on every rank,
     at torch's cleanup after the first step's metadata inference (before the step's first
-    action), instead of training every stage but the first without gradients."""
-    ranks.run(_blocks_only_worker, 4, schedule, timeout_s=TIMEOUT_S)
+    action), instead of training every stage but the first without gradients. torch 2.11 has
+    no such cleanup: the ranks of the first stage raise at its first forward, and the other
+    ranks (waiting for it) fail as their peers' processes end."""
+    if METADATA_CLEANUP:
+        ranks.run(_blocks_only_worker, 4, schedule, timeout_s=TIMEOUT_S)
+        return
+    name = SCHEDULES[schedule][0].__name__
+    with pytest.raises(DistributedTestError) as failed:
+        ranks.run(_blocks_only_first_stage_worker, 4, schedule, timeout_s=TIMEOUT_S)
+    report = str(failed.value)
+    for pp0_rank in (0, 1):  # mesh ("pp", "dp") = (2, 2): pp rank 0 holds ranks 0 and 1
+        section = report.split(f"--- rank {pp0_rank} ---", 1)[-1].split("--- rank", 1)[0]
+        assert f"NotImplementedError: {name} splits each backward" in section, report
+
+
+@pytest.mark.skipif(not DEFERS_REDUCE_GRAD_WAIT,
+                    reason="defer_reduce_grad_wait is torch 2.15's schedule option")
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv_zero_bubble"])
+def test_deferred_reduce_grad_wait_matches_one_process_and_fsdp2(
+        ranks: RankPools, schedule: str) -> None:
+    """``defer_reduce_grad_wait=True``: each stage's gradient reduction is started with
+    ``finalize_backward(async_op=True)`` and waited on when the next starts or at the step's
+    end; the same losses, parameters and collectives as without it, FSDP2 as the control."""
+    ranks.run(_parity_worker, 4, schedule, False, {"defer_reduce_grad_wait": True},
+              timeout_s=TIMEOUT_S)
+
+
+def _accumulating_worker(rank: int, world: int, schedule: str) -> None:
+    """Two ``step(finalize_gradients=False)`` calls and a final ``step()``, then one optimizer
+    step: the parameters equal one process that backpropagates the three global batches' mean
+    losses summed (each call's gradients divided by N once, at the last call, as documented)."""
+    mesh = _mesh()
+    dp_rank = mesh.get_local_rank("dp")
+    cls, per_rank, v_layout = SCHEDULES[schedule]
+    pp_rank = mesh.get_local_rank("pp")
+    num_stages = 2 * per_rank
+    per_stage = BLOCKS // num_stages
+    ids = _stage_ids(pp_rank, per_rank, v_layout)
+    g = torch.Generator().manual_seed(3)
+    shape = (2, MICRO * MICRO_ROWS, SEQ, DIM)
+    calls = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(3)]
+    want = _reference()
+    opt = torch.optim.SGD(want.parameters(), lr=0.1)
+    sum(_loss(want(x.flatten(0, 1)), y.flatten(0, 1)) for x, y in calls).backward()
+    opt.step()
+    for variant in ("fsdp2", *STRATEGIES, "optim_grads_params/raf=False"):
+        ref = _reference()
+        subs, stages = [], []
+        for s in ids:
+            sub = nn.Sequential(*copy.deepcopy(list(ref[s * per_stage:(s + 1) * per_stage])))
+            _wrap(sub, mesh["dp"], variant)
+            subs.append(sub)
+            stages.append(PipelineStage(sub, s, num_stages, torch.device("cpu"),
+                                        group=mesh.get_group("pp")))
+        sched = (cls(stages, n_microbatches=MICRO, loss_fn=_loss) if per_rank > 1
+                 else cls(stages[0], n_microbatches=MICRO, loss_fn=_loss))
+        sub_opt = torch.optim.SGD([p for sub in subs for p in sub.parameters()], lr=0.1)
+        for i, (x, y) in enumerate(calls):
+            last = i == len(calls) - 1
+            if 0 in ids:
+                sched.step(x[dp_rank], target=y[dp_rank], finalize_gradients=last)
+            else:
+                sched.step(target=y[dp_rank], finalize_gradients=last)
+        sub_opt.step()
+
+        def check(subs: Any = subs, variant: str = variant) -> None:
+            for s, sub in zip(ids, subs):
+                for name, p in sub.named_parameters():
+                    i, rest = name.split(".", 1)
+                    full = p.full_tensor() if isinstance(p, DTensor) else p
+                    expected = want[s * per_stage + int(i)].get_parameter(rest)
+                    torch.testing.assert_close(
+                        full.detach(), expected.detach(), rtol=1e-5, atol=1e-6,
+                        msg=lambda m: f"{variant} stage {s} {name}: {m}")
+
+        agree(f"{schedule} {variant} finalize_gradients=False", check)
+
+
+@pytest.mark.skipif(not DEFERS_REDUCE_GRAD_WAIT,
+                    reason="step(finalize_gradients=False) is torch 2.15's schedule option")
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved_1f1b"])
+def test_gradients_accumulated_across_steps(ranks: RankPools, schedule: str) -> None:
+    """``schedule.step(finalize_gradients=False)`` keeps the stages' windows open across calls
+    (torch 2.15); the call with ``True`` finalizes them: one process's parameters after the
+    optimizer step, every strategy, FSDP2 as the control."""
+    ranks.run(_accumulating_worker, 4, schedule, timeout_s=TIMEOUT_S)

@@ -1,5 +1,6 @@
 """The schedule talks to a flat group, never to its parts: the hooks (``_state.py``,
-``_unit_state.py``, ``_lazy_init.py``) and the tree's callbacks (``_context.py``) call
+``_unit_state.py``, ``_lazy_init.py``) and the tree's callbacks (``_context.py``,
+``_finalize.py``) call
 ``FlatParamGroup`` methods (end of window, finish reductions, gather and free, what it holds),
 and the group talks to its components, ``GroupGrads`` and ``ComputeWeights``. A reach into
 ``group.grads`` or ``group.weights`` from there would tie the schedule to a component's
@@ -13,7 +14,7 @@ import pathlib
 import megatron_fsdp_v2
 
 RUNTIME = pathlib.Path(megatron_fsdp_v2.__file__).parent / "_runtime"
-SCHEDULE = ("_context.py", "_state.py", "_unit_state.py", "_lazy_init.py")
+SCHEDULE = ("_context.py", "_state.py", "_unit_state.py", "_lazy_init.py", "_finalize.py")
 
 
 COMPONENTS = frozenset({"grads", "weights"})  # FlatParamGroup's

@@ -65,6 +65,7 @@ MAX_JOBS="${MAX_JOBS:-2}" "${PYTHON}" -m pip install --disable-pip-version-check
 exec "${PYTHON}" -m pytest -q -p no:cacheprovider \
   tests/unit tests/ops \
   tests/distributed/test_dtensor_paths.py \
+  tests/distributed/test_spmd_activations.py \
   tests/distributed/test_parity.py \
   tests/distributed/test_torch_state_dict.py \
   tests/distributed/test_torch_full_state_dict.py \

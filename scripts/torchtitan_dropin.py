@@ -100,7 +100,7 @@ are per rank). torchtitan's other SPMD backends (``compare --nproc 4 --tp 2 -- -
 spmd_backend partial_dtensor`` or ``full_dtensor``, 2026-12-05): losses bitwise FSDP2's over 8
 steps, norms within 5.2e-7; all-gathers per step 55 / 55 under both (``full_dtensor``, whose
 activations are DTensors on the SPMD mesh ``fully_shard`` registered, issued 55 / 219 until
-``_dtensor/_redistribute.py`` decided by tensor: [Note: deciding by tensor on a dp x TP mesh];
+``_dtensor/_redistribute.py`` decided by tensor: [Note: deciding by tensor];
 reduce-scatters 35 / 42, all-reduces 43 / 43, FSDP2 / ours). HSDP x TP
 (``compare --nproc 4 --tp 2 -- --parallelism.data_parallel_shard_degree 1
 --parallelism.data_parallel_replicate_degree 2``, with the seed checkpoint of a plain run copied

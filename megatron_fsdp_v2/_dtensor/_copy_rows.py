@@ -33,15 +33,14 @@ def copy_rows(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     k, dim = dims
     mesh = dst.device_mesh
     what = f"DTensor copy_ of {src.placements} into {dst.placements}"
+    # [Note: deciding by tensor] in _redistribute.py: two DTensors whose dp-sharded sizes no
+    # parameter has hold torch.chunk rows both (checked): a local copy.
     tp_dims = tp_dims_of(mesh)
-    if tp_dims:
-        # [Note: deciding by tensor on a dp x TP mesh] in _redistribute.py: two DTensors whose
-        # dp-sharded sizes no parameter has hold torch.chunk rows both (checked): a local copy.
-        dp_sharded = [n for n, p in enumerate(dst.placements)
-                      if n not in tp_dims and is_shard_like(p) and mesh.size(n) > 1]
-        if dp_sharded and all(chunk_rows(t._local_tensor, t._spec, dp_sharded, what)
-                              for t in (dst, src)):
-            return NotImplemented
+    dp_sharded = [n for n, p in enumerate(dst.placements)
+                  if n not in tp_dims and is_shard_like(p) and mesh.size(n) > 1]
+    if dp_sharded and all(chunk_rows(t._local_tensor, t._spec, dp_sharded, what)
+                          for t in (dst, src)):
+        return NotImplemented
     if mesh_kind(mesh) and sum(1 for n, p in enumerate(dst.placements)
                                if is_shard_like(p) and mesh.size(n) > 1) > 1:
         raise NotImplementedError(

@@ -25,7 +25,8 @@ Every redistribution goes through
 dispatcher in ``_dispatch.py``, ``from_local``'s backward in ``_api.py``; modules that imported
 it by name hold their own reference, so each is patched). The replacement
 (:func:`redistribute_local_tensor`) calls the original for everything that is not on a mesh
-registered by ``fully_shard`` (``_uneven_meshes.register_mesh``). On a registered mesh, when
+registered by ``fully_shard`` (``_uneven_meshes.register_mesh``), and for a source on a
+registered mesh that cannot hold the library's rows ([Note: deciding by tensor]). Otherwise, when
 the source is sharded (``Shard``) along exactly one mesh dimension of size > 1 and that
 dimension's placement changes, it first gathers along that dimension with the true sizes, then
 hands the result (now ``Replicate()`` there) to the original for the rest, which is then
@@ -35,15 +36,16 @@ partial reductions along other dimensions run over equal shapes. A transform tha
 sharded dimension as it is (e.g. ``(Partial(), Shard(0)) -> (Replicate(), Shard(0))``) goes to
 the original unchanged: it never reads the row layout.
 
-The decision depends only on the specs (mesh, placements), which every rank shares, so every
-rank takes the same branch and issues the same collectives: no deadlock.
+The decision depends only on the specs (mesh, placements, global shape), which every rank
+shares, so every rank takes the same branch and issues the same collectives: no deadlock.
 
 Refused with ``NotImplementedError`` (before any collective; every rank raises):
 
-* ``(Shard(0), Shard(0))`` on a 2-D mesh used with ``outer_dp_sharding_strategy="optim"``:
-  rank (r, s) holds sub-shard ``s * R + r`` (inner first), while DTensor's nested ``Shard``
-  means outer first; a ``distribute_tensor`` result on the same mesh is outer first, and the
-  spec cannot tell the two apart, so neither can be gathered safely. The library's
+* ``(Shard(0), Shard(0))`` on a 2-D mesh used with ``outer_dp_sharding_strategy="optim"``,
+  of a size some parameter there has: rank (r, s) holds sub-shard ``s * R + r`` (inner
+  first), while DTensor's nested ``Shard`` means outer first; a ``distribute_tensor`` result
+  on the same mesh is outer first, and the spec cannot tell the two apart, so neither can be
+  gathered safely. The library's
   ``checkpoint.get_full_state_dict`` / ``get_state_dict`` handle these units.
 * ``_StridedShard`` sources on a registered mesh (a view of an uneven shard has no strided
   equivalent);
@@ -65,12 +67,14 @@ two DTensors of the same placements but different rows (``p.copy_(distribute_ten
 its own order while a rank with an empty shard of a parameter has no state for it
 (``_runtime/_optim_state_check.py`` refuses that case on every rank before any gather).
 
-[Note: deciding by tensor on a dp x TP mesh]
-On a dp x TP mesh that ``fully_shard`` registered from FSDP2's SPMD mesh (``dp_mesh_dims``,
-torchtitan's ``full_dtensor`` backend), the user's activations are DTensors too, ``Shard`` on
-the dp dims (their batch, ``torch.chunk`` rows) next to the TP placements. Taking them through
-the uneven path gathers them over dp before every TP-only redistribution (torchtitan: 219
-all-gathers per step against FSDP2's 55). Which path a tensor takes must be the same on every
+[Note: deciding by tensor]
+A mesh ``fully_shard`` shards over also carries DTensors that are not the library's: the
+user's ``distribute_tensor`` results, and on a dp x TP mesh registered from FSDP2's SPMD mesh
+(``dp_mesh_dims``, torchtitan's ``full_dtensor`` backend) the activations, ``Shard`` on the dp
+dims (their batch, ``torch.chunk`` rows) next to the TP placements. Taking them through the
+uneven path costs a size all-gather per redistribution on any mesh, and on the SPMD mesh it
+gathers activations over dp before every TP-only redistribution (torchtitan: 219 all-gathers
+per step against FSDP2's 55). Which path a tensor takes must be the same on every
 rank of the mesh (the two paths issue different collectives), and a tensor of ours may hold
 ``torch.chunk``'s row count on some ranks and not on others, so this rank's local shape cannot
 decide. The spec can: the library's rows along a dp dim are rows of dim 0 of a parameter
@@ -86,8 +90,8 @@ ours that changed the sharded dimension's size (``p.flatten()``), is caught: bef
 path each rank compares its local sizes along those dims with ``torch.chunk``'s, and a rank
 whose rows are not raises (ranks whose rows happen to agree go on and wait), never wrong values.
 The op dispatcher's line-up (:func:`redistribute_local_args`) and the ``copy_`` handler
-(``_copy_rows.py``) use the same test (:func:`chunk_rows`). Dp-only and dp x TP meshes built
-from a separate TP mesh (DTensor TP, where activations live on the TP mesh) are unchanged.
+(``_copy_rows.py``) use the same test (:func:`chunk_rows`), on every registered mesh: 1-D,
+HSDP's 2-D and dp x TP ones (the wrap registers each unit's parameter sizes with its mesh).
 
 Not covered: gradients flowing back *into* a parameter through ``full_tensor()``/
 ``redistribute()`` (``Replicate -> Shard`` in backward produces ``torch.chunk`` rows, not the
@@ -137,6 +141,9 @@ def redistribute_local_tensor(
             f"{what}: a strided shard (_StridedShard) on a mesh used by fully_shard may be "
             f"derived from an uneven shard and cannot be gathered correctly; {ALTERNATIVE}"
         )
+    if chunk_rows(local_tensor, current_spec, sharded, what):
+        # [Note: deciding by tensor]: no parameter on the mesh has its sharded sizes.
+        return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
     if len(sharded) > 1:
         if outer_optim:
             raise NotImplementedError(
@@ -205,7 +212,7 @@ def _redistribute_2d(
     TP-local tensor, whatever the TP placements), then torch does the TP part, whose layout is
     its own; a change that leaves the dp dimension and its layout alone (``Partial ->
     Replicate`` over TP) goes to torch as it is, and so does a tensor that cannot hold our
-    rows ([Note: deciding by tensor on a dp x TP mesh])."""
+    rows ([Note: deciding by tensor])."""
     mesh = current_spec.mesh
     source, target = tuple(current_spec.placements), tuple(target_spec.placements)
     what = f"redistributing a DTensor {source} -> {target} on {mesh}"
@@ -278,9 +285,9 @@ def _redistribute_2d(
 
 
 def chunk_rows(local_tensor: torch.Tensor, spec: Any, mesh_dims: list[int], what: str) -> bool:
-    """Whether the DTensor (``local_tensor``, ``spec``) on a registered dp x TP mesh holds
-    DTensor's own ``torch.chunk`` rows along its dp-sharded ``mesh_dims``, so torch's path is
-    right for it ([Note: deciding by tensor on a dp x TP mesh]). Decided from the spec alone
+    """Whether the DTensor (``local_tensor``, ``spec``) on a registered mesh holds DTensor's
+    own ``torch.chunk`` rows along its dp-sharded ``mesh_dims``, so torch's path is
+    right for it ([Note: deciding by tensor]). Decided from the spec alone
     (the same on every rank); the local sizes are then checked, and a tensor the spec calls
     ``torch.chunk``'s whose rows are not raises on the ranks where they differ."""
     placements = spec.placements
@@ -288,6 +295,8 @@ def chunk_rows(local_tensor: torch.Tensor, spec: Any, mesh_dims: list[int], what
         return False  # _StridedShard: a unit's dp placement where TP shards dim 0 too
     ndim = max(len(spec.shape), 1)
     dims = {cast(Shard, placements[i]).dim % ndim for i in mesh_dims}
+    if any(type(spec.shape[d]) is not int for d in dims):
+        return False  # symbolic sizes (tracing): the uneven path, which handles tracing
     counts = row_counts_of(spec.mesh)
     if any(spec.shape[d] in counts for d in dims):
         return False  # may be a unit's parameter, gradient, state or a same-size derivative
@@ -372,6 +381,8 @@ def redistribute_local_args(
             continue  # nothing to line up with: DTensor's own (torch.chunk) layout is right
         shard = dst.placements[k]
         what = f"implicit redistribution of an argument {src.placements} -> {dst.placements}"
+        if all(chunk_rows(before[j], a, [k], what) for j, a in anchors):
+            continue  # the anchors hold torch.chunk rows: torch's cut lines up with them
         if sum(1 for n, p in enumerate(dst.placements) if is_shard_like(p)
                and src.mesh.size(n) > 1) > 1:
             raise NotImplementedError(

@@ -22,11 +22,11 @@ def register_mesh(mesh: DeviceMesh, *, outer_optim: bool, tp_dims: tuple[int, ..
     a 2-D mesh whose units shard over both dimensions in inner-first order. ``tp_dims``: the
     mesh dimensions that are tensor parallelism's (a dp x TP mesh of 2-D parameters, see [Note:
     2-D parameters] in ``_tp_params.py``): their shards are DTensor's own ``torch.chunk``
-    pieces; only the other (dp) dimensions hold uneven rows. ``row_counts``: on a dp x TP mesh,
-    the global dim-0 sizes of the parameters whose optimizer-facing DTensors live on it (the
-    dimension the dp dims shard), which decide which DTensors there may hold our rows
-    ([Note: deciding by tensor on a dp x TP mesh] in ``_redistribute.py``). The torch patches
-    that read this are installed by ``fully_shard`` (``_torch_patches.install_all``)."""
+    pieces; only the other (dp) dimensions hold uneven rows. ``row_counts``: the global dim-0
+    sizes of the parameters whose optimizer-facing DTensors live on it (the dimension the dp
+    dims shard), which decide which DTensors there may hold our rows ([Note: deciding by
+    tensor] in ``_redistribute.py``). The torch patches that read this are installed by
+    ``fully_shard`` (``_torch_patches.install_all``)."""
     for entry in _registry.uneven_meshes:
         # Every unit builds its own dp x TP mesh object; equal ones are one entry.
         if entry[0] is mesh or (tp_dims and entry[2] == tuple(tp_dims) and entry[0] == mesh):
@@ -65,7 +65,7 @@ def tp_dims_of(mesh: DeviceMesh) -> tuple[int, ...]:
 
 
 def row_counts_of(mesh: DeviceMesh) -> frozenset[int]:
-    """The registered parameters' dim-0 sizes on a registered dp x TP ``mesh`` (see
+    """The registered parameters' dim-0 sizes on a registered ``mesh`` (see
     :func:`register_mesh`); the same on every rank of the mesh, since every rank wraps the same
     modules and the sizes are global."""
     found: frozenset[int] = frozenset()

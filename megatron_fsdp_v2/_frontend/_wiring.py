@@ -231,8 +231,12 @@ def install_unit(
     targets = state.members  # ``module`` itself, or the members of a list
     for member in targets:
         _registry.set_state(member, state)
-    # DTensor redistribution of uneven shards.
-    register_mesh(options.mesh, outer_optim=options.outer_optim)
+    # DTensor redistribution of uneven shards: the mesh, and the dim-0 sizes of the parameters
+    # whose DTensors live on it (which decide which DTensors there may hold our rows).
+    register_mesh(options.mesh, outer_optim=options.outer_optim, row_counts=tuple(
+        record.item.shape[0] for group in flat_groups for record in group.records
+        if record.tp is None and len(record.item.shape) > 0
+    ))
     for face in (f for group in flat_groups for f in group.tp_faces if f is not None):
         register_mesh(face.dist_mesh, outer_optim=options.outer_optim,
                       tp_dims=tuple(range(face.dp_ndim, face.dist_mesh.ndim)),

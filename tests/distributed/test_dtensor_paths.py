@@ -281,8 +281,17 @@ def _case(rank: int, world: int, strategy: str, hsdp: str | None) -> list[str]:
     checks.run("distribute_tensor round trip", lambda: checks.close(
         "distribute_tensor(...).full_tensor()", theirs.full_tensor(), full))
     if outer_optim:
+        # Decided by tensor ([Note: deciding by tensor]): no parameter has 7 rows, so this is
+        # torch's outer-first layout; one with a parameter's row count may be a unit's
+        # inner-first sub-shards, which the spec cannot tell apart: refused.
         both = distribute_tensor(full, mesh, [Shard(0), Shard(0)])
-        checks.raises("torch (Shard(0), Shard(0)) on an outer-optim mesh", both.full_tensor)
+        checks.run("torch (Shard(0), Shard(0)) of an unregistered size", lambda: checks.close(
+            "distribute_tensor(..., [Shard(0), Shard(0)]).full_tensor()", both.full_tensor(),
+            full))
+        like = next(iter(model.parameters()))
+        same_rows = distribute_tensor(torch.zeros(like.shape), mesh, [Shard(0), Shard(0)])
+        checks.raises("torch (Shard(0), Shard(0)) of a parameter's size on an outer-optim mesh",
+                      same_rows.full_tensor)
     # copy_ between one of ours and a torch.chunk DTensor of the same placements: the local
     # tensors hold different rows, so a local copy would be wrong (or broadcast silently).
     for name, p in names.items():

@@ -1,11 +1,17 @@
-"""Activations on the SPMD mesh ``fully_shard`` registered (FSDP2's ``dp_mesh_dims`` with
-tensor parallelism, torchtitan's ``full_dtensor`` backend) take DTensor's own path: a TP-only
-redistribution of a batch-sharded activation issues no all-gather over dp and gives torch's
-values, a ``copy_`` between two of them issues no collective, while parameters (and an
-activation that shares a parameter's row count) still take the uneven path and give the
-single-process values, and a tensor whose dp rows are not ``torch.chunk``'s though no parameter
-has its size raises on every rank before any collective ([Note: deciding by tensor on a dp x TP
-mesh] in ``megatron_fsdp_v2/_dtensor/_redistribute.py``)."""
+"""DTensors that are not the library's, on a mesh ``fully_shard`` registered, take DTensor's
+own path ([Note: deciding by tensor] in ``megatron_fsdp_v2/_dtensor/_redistribute.py``).
+
+On a 1-D mesh: the user's ``distribute_tensor`` results (``full_tensor``, ``redistribute``,
+``copy_``, an op against a replicated operand) issue DTensor's collectives and no size
+exchange, while parameters keep the uneven path.
+
+On the SPMD mesh ``fully_shard`` registered (FSDP2's ``dp_mesh_dims`` with tensor parallelism,
+torchtitan's ``full_dtensor`` backend), activations: a TP-only redistribution of a
+batch-sharded activation issues no all-gather over dp and gives torch's values, a ``copy_``
+between two of them issues no collective, while parameters (and an activation that shares a
+parameter's row count) still take the uneven path and give the single-process values, and a
+tensor whose dp rows are not ``torch.chunk``'s though no parameter has its size raises on every
+rank before any collective."""
 
 from __future__ import annotations
 
@@ -25,8 +31,8 @@ from _models import SmallMLP, all_ranks_ok
 from _pool import RankPools
 
 DataParallelMeshDims = getattr(torch_fsdp, "DataParallelMeshDims", None)
-pytestmark = pytest.mark.skipif(DataParallelMeshDims is None,
-                                reason="torch.distributed.fsdp has no DataParallelMeshDims")
+needs_dp_mesh_dims = pytest.mark.skipif(
+    DataParallelMeshDims is None, reason="torch.distributed.fsdp has no DataParallelMeshDims")
 
 TIMEOUT_S = 240
 
@@ -133,6 +139,63 @@ def _worker(rank: int, world: int) -> list[str]:
     return [f"rank {rank}: {e}" for e in errors]
 
 
+@needs_dp_mesh_dims
 def test_activations_take_torch_path(ranks: RankPools) -> None:
     failures = [e for r in ranks.run(_worker, 4, timeout_s=TIMEOUT_S) for e in r]
+    assert not failures, "\n".join(failures[:20])
+
+
+def _one_d_worker(rank: int, world: int) -> list[str]:
+    """A 1-D mesh of 3 ranks (7 rows: ours (3, 3, 1) or similar, torch.chunk's (3, 3, 1) too,
+    so a 5-row tensor (2, 2, 1) and an 8-row one (3, 3, 2) are the user's)."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    base = SmallMLP()  # a: 7 x 5, b: 3 x 7: registered row counts {7, 3}
+    model = copy.deepcopy(base)
+    fully_shard(model, mesh=mesh)
+    errors: list[str] = []
+    g = torch.Generator().manual_seed(1)
+    for rows in (5, 8):
+        full = torch.randn(rows, 6, generator=g)
+        x = distribute_tensor(full, mesh, [Shard(0)])
+        with CollectiveCounts() as comm:
+            gathered = x.full_tensor()
+        if _all_gathers(_counts(comm)) != 1 or comm.get_total_counts() != 1:
+            errors.append(f"{rows} rows: full_tensor issued {_counts(comm)}, want DTensor's one")
+        if not torch.equal(gathered, full):
+            errors.append(f"{rows} rows: full_tensor values differ")
+        with CollectiveCounts() as comm:
+            moved = x.redistribute(mesh, [Shard(1)])
+        if comm.get_total_counts() != 1:  # DTensor's all-to-all
+            errors.append(f"{rows} rows: Shard(0) -> Shard(1) issued {_counts(comm)}")
+        if not torch.equal(moved.full_tensor(), full):
+            errors.append(f"{rows} rows: Shard(0) -> Shard(1) values differ")
+        other = distribute_tensor(full * 2, mesh, [Shard(0)])
+        with CollectiveCounts() as comm:
+            x.copy_(other)
+        if comm.get_total_counts():
+            errors.append(f"{rows} rows: copy_ between the user's DTensors issued {_counts(comm)}")
+        ones = distribute_tensor(torch.ones(rows, 6), mesh, [Replicate()])
+        with CollectiveCounts() as comm:
+            summed = x + ones  # the replicated operand cut at torch.chunk rows, locally
+        if comm.get_total_counts():
+            errors.append(f"{rows} rows: x + replicated issued {_counts(comm)}")
+        if not torch.equal(summed.full_tensor(), full * 2 + 1):
+            errors.append(f"{rows} rows: x + replicated values differ")
+    # Parameters (and what keeps their row count) still take the uneven path: right values.
+    for name, p in model.named_parameters():
+        want = base.get_parameter(name).detach()
+        if not torch.equal(p.full_tensor(), want):
+            errors.append(f"{name}: full_tensor differs from the module's value")
+        if not torch.equal((p * 2).redistribute(mesh, [Replicate()]).to_local(), want * 2):
+            errors.append(f"{name}: (p * 2) redistributed differs")
+    if not all_ranks_ok(not errors):
+        errors = errors or ["failed on another rank"]
+    return [f"rank {rank}: {e}" for e in errors]
+
+
+def test_one_d_mesh_decides_by_tensor(ranks: RankPools) -> None:
+    """On a 1-D mesh too, only DTensors whose sharded size a parameter has take the uneven
+    path; the user's issue DTensor's own collectives (before: one size all-gather more each)."""
+    failures = [e for r in ranks.run(_one_d_worker, 3, timeout_s=TIMEOUT_S) for e in r]
     assert not failures, "\n".join(failures[:20])

@@ -197,6 +197,42 @@ def _reductions(sched: Any, pp_rank: int, stage: int) -> int:
     return count + deferred
 
 
+def _split(mesh: DeviceMesh, schedule: str, variant: str, ref: nn.Sequential,
+           dp_mesh: DeviceMesh | None = None, schedule_kwargs: dict[str, Any] | None = None,
+           ) -> tuple[list[nn.Sequential], list[int], Any]:
+    """This rank's stages of a fresh split of ``ref``'s blocks, wrapped as ``variant`` on
+    ``dp_mesh`` (default ``mesh["dp"]``): the stage modules, their stage ids and the schedule
+    (``schedule_kwargs`` passed to its class)."""
+    cls, per_rank, v_layout = SCHEDULES[schedule]
+    num_stages = 2 * per_rank
+    per_stage = BLOCKS // num_stages
+    ids = _stage_ids(mesh.get_local_rank("pp"), per_rank, v_layout)
+    subs, stages = [], []
+    for s in ids:
+        sub = nn.Sequential(*copy.deepcopy(list(ref[s * per_stage:(s + 1) * per_stage])))
+        _wrap(sub, mesh["dp"] if dp_mesh is None else dp_mesh, variant)
+        subs.append(sub)
+        stages.append(PipelineStage(sub, s, num_stages, torch.device("cpu"),
+                                    group=mesh.get_group("pp")))
+    sched = (cls(stages, n_microbatches=MICRO, loss_fn=_loss, **(schedule_kwargs or {}))
+             if per_rank > 1 else cls(stages[0], n_microbatches=MICRO, loss_fn=_loss))
+    return subs, ids, sched
+
+
+def _check_params(subs: list[nn.Sequential], ids: list[int], want: nn.Sequential,
+                  what: str) -> None:
+    """Every stage parameter (gathered) against the trained one-process ``want``."""
+    per_stage = BLOCKS // (len(ids) * 2)
+    for s, sub in zip(ids, subs):
+        for name, p in sub.named_parameters():
+            i, rest = name.split(".", 1)
+            full = p.full_tensor() if isinstance(p, DTensor) else p
+            expected = want[s * per_stage + int(i)].get_parameter(rest)
+            torch.testing.assert_close(
+                full.detach(), expected.detach(), rtol=1e-5, atol=1e-6,
+                msg=lambda m: f"{what} stage {s} {name}: {m}")
+
+
 def _train(mesh: DeviceMesh, schedule: str, variant: str, ref: nn.Sequential,
            data: list[tuple[torch.Tensor, torch.Tensor]],
            dp_mesh: DeviceMesh | None = None, dp_rank: int | None = None,
@@ -209,21 +245,9 @@ def _train(mesh: DeviceMesh, schedule: str, variant: str, ref: nn.Sequential,
     (:func:`_reductions`). ``dp_mesh``/``dp_rank``: the mesh the
     stages are wrapped on and this rank's data slice (default ``mesh["dp"]``, its rank);
     ``schedule_kwargs``: passed to the schedule class."""
-    cls, per_rank, v_layout = SCHEDULES[schedule]
     pp_rank = mesh.get_local_rank("pp")
     dp_rank = mesh.get_local_rank("dp") if dp_rank is None else dp_rank
-    num_stages = 2 * per_rank
-    per_stage = BLOCKS // num_stages
-    ids = _stage_ids(pp_rank, per_rank, v_layout)
-    subs, stages = [], []
-    for s in ids:
-        sub = nn.Sequential(*copy.deepcopy(list(ref[s * per_stage:(s + 1) * per_stage])))
-        _wrap(sub, mesh["dp"] if dp_mesh is None else dp_mesh, variant)
-        subs.append(sub)
-        stages.append(PipelineStage(sub, s, num_stages, torch.device("cpu"),
-                                    group=mesh.get_group("pp")))
-    sched = (cls(stages, n_microbatches=MICRO, loss_fn=_loss, **(schedule_kwargs or {}))
-             if per_rank > 1 else cls(stages[0], n_microbatches=MICRO, loss_fn=_loss))
+    subs, ids, sched = _split(mesh, schedule, variant, ref, dp_mesh, schedule_kwargs)
     opt = torch.optim.AdamW([p for sub in subs for p in sub.parameters()], lr=1e-2)
     dp_ranks = tuple(dist.get_process_group_ranks(mesh.get_group("dp")))
     all_losses, counts = [], []
@@ -287,10 +311,9 @@ def _parity_worker(rank: int, world: int, schedule: str, hsdp: bool = False,
         losses, subs, ids, counts, reductions = _train(
             mesh, schedule, variant, _reference(), data, dp_mesh=dp_mesh, dp_rank=dp_rank,
             schedule_kwargs=schedule_kwargs)
-        per_stage = BLOCKS // (len(ids) * 2)
 
         def check(losses: Any = losses, subs: Any = subs, ids: Any = ids,
-                  counts: Any = counts, per_stage: int = per_stage, variant: str = variant,
+                  counts: Any = counts, variant: str = variant,
                   reductions: Any = reductions) -> None:
             last = 2 * len(ids) - 1
             if last in ids:
@@ -298,14 +321,7 @@ def _parity_worker(rank: int, world: int, schedule: str, hsdp: bool = False,
                     torch.testing.assert_close(
                         torch.tensor(losses[step]), torch.tensor(want_losses[step][dp_rank]),
                         rtol=1e-5, atol=1e-6, msg=lambda m: f"{variant} step {step} losses: {m}")
-            for s, sub in zip(ids, subs):
-                for name, p in sub.named_parameters():
-                    i, rest = name.split(".", 1)
-                    full = p.full_tensor() if isinstance(p, DTensor) else p
-                    expected = want[s * per_stage + int(i)].get_parameter(rest)
-                    torch.testing.assert_close(
-                        full.detach(), expected.detach(), rtol=1e-5, atol=1e-6,
-                        msg=lambda m: f"{variant} stage {s} {name} after {STEPS} steps: {m}")
+            _check_params(subs, ids, want, f"{variant} after {STEPS} steps")
             if hsdp:
                 return  # counts: the 1-D cases; here the values
             expected_counts = _expected(
@@ -385,11 +401,6 @@ def _accumulating_worker(rank: int, world: int, schedule: str) -> None:
     losses summed (each call's gradients divided by N once, at the last call, as documented)."""
     mesh = _mesh()
     dp_rank = mesh.get_local_rank("dp")
-    cls, per_rank, v_layout = SCHEDULES[schedule]
-    pp_rank = mesh.get_local_rank("pp")
-    num_stages = 2 * per_rank
-    per_stage = BLOCKS // num_stages
-    ids = _stage_ids(pp_rank, per_rank, v_layout)
     g = torch.Generator().manual_seed(3)
     shape = (2, MICRO * MICRO_ROWS, SEQ, DIM)
     calls = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(3)]
@@ -398,16 +409,7 @@ def _accumulating_worker(rank: int, world: int, schedule: str) -> None:
     sum(_loss(want(x.flatten(0, 1)), y.flatten(0, 1)) for x, y in calls).backward()
     opt.step()
     for variant in ("fsdp2", *STRATEGIES, "optim_grads_params/raf=False"):
-        ref = _reference()
-        subs, stages = [], []
-        for s in ids:
-            sub = nn.Sequential(*copy.deepcopy(list(ref[s * per_stage:(s + 1) * per_stage])))
-            _wrap(sub, mesh["dp"], variant)
-            subs.append(sub)
-            stages.append(PipelineStage(sub, s, num_stages, torch.device("cpu"),
-                                        group=mesh.get_group("pp")))
-        sched = (cls(stages, n_microbatches=MICRO, loss_fn=_loss) if per_rank > 1
-                 else cls(stages[0], n_microbatches=MICRO, loss_fn=_loss))
+        subs, ids, sched = _split(mesh, schedule, variant, _reference())
         sub_opt = torch.optim.SGD([p for sub in subs for p in sub.parameters()], lr=0.1)
         for i, (x, y) in enumerate(calls):
             last = i == len(calls) - 1
@@ -417,17 +419,8 @@ def _accumulating_worker(rank: int, world: int, schedule: str) -> None:
                 sched.step(target=y[dp_rank], finalize_gradients=last)
         sub_opt.step()
 
-        def check(subs: Any = subs, variant: str = variant) -> None:
-            for s, sub in zip(ids, subs):
-                for name, p in sub.named_parameters():
-                    i, rest = name.split(".", 1)
-                    full = p.full_tensor() if isinstance(p, DTensor) else p
-                    expected = want[s * per_stage + int(i)].get_parameter(rest)
-                    torch.testing.assert_close(
-                        full.detach(), expected.detach(), rtol=1e-5, atol=1e-6,
-                        msg=lambda m: f"{variant} stage {s} {name}: {m}")
-
-        agree(f"{schedule} {variant} finalize_gradients=False", check)
+        what = f"{schedule} {variant} finalize_gradients=False"
+        agree(what, lambda subs=subs, ids=ids, what=what: _check_params(subs, ids, want, what))
 
 
 @pytest.mark.skipif(not DEFERS_REDUCE_GRAD_WAIT,

@@ -57,7 +57,10 @@ blocks under ``ScheduleInterleavedZeroBubble``). :func:`refuse_split_backward_ov
 raises instead, from the units' ``reshard()`` that torch's ``_post_metadata_inference_cleanup``
 calls (its frame's ``self`` is the stage, whose ``submod`` is not a unit; the schedule is found
 further up the stack): every rank runs that cleanup at the first step, once its own metadata
-inference is done and before the step's first action, so every rank raises.
+inference is done and before the step's first action, so every rank raises. A stage without
+that cleanup (torch 2.11's, or the tracer-based ``_PipelineStage``) is checked by a forward
+pre-hook of every unit instead (:func:`attach`): the first stage's ranks raise at their first
+forward, and the others fail in their exchange with them.
 """
 
 from __future__ import annotations

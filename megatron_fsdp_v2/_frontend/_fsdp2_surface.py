@@ -148,6 +148,18 @@ class FSDP2Surface(TorchFSDPModule):
         assert state is not None, f"{type(self).__name__} has no fully_shard state"
         return state
 
+    def _root_ctx(self, method: str) -> FSDPContext | None:
+        """The tree's context (None before the root's first forward), for a method FSDP2
+        allows on the root only: ``RuntimeError`` on a unit below the root."""
+        state = self._own_state()
+        ctx = state.ctx
+        if ctx is not None and ctx.root is not state:
+            raise RuntimeError(
+                f"{method} must be called on the root fully_shard module, not on "
+                f"{type(self).__name__} (a unit below the root)"
+            )
+        return ctx
+
     def _states_of(self, recurse: bool) -> list[FSDPState]:
         if not recurse:
             return [self._own_state()]
@@ -231,12 +243,7 @@ class FSDP2Surface(TorchFSDPModule):
         their :meth:`finalize_backward`."""
         value = _check_bool("enabled", enabled)
         state = self._own_state()
-        ctx = state.ctx
-        if ctx is not None and ctx.root is not state:
-            raise RuntimeError(
-                "set_manual_backward_finalization must be called on the root fully_shard "
-                f"module, not on {type(self).__name__} (a unit below the root)"
-            )
+        ctx = self._root_ctx("set_manual_backward_finalization")
         if value == state.manual_backward_finalization:
             return
         if torch._C._current_graph_task_id() != -1:
@@ -266,14 +273,9 @@ class FSDP2Surface(TorchFSDPModule):
         handle was not waited on."""
         async_op = _check_bool("async_op", async_op)
         state = self._own_state()
-        ctx = state.ctx
+        ctx = self._root_ctx("finalize_backward")
         if ctx is None:
             return GradientReductionHandle(None, None) if async_op else None
-        if ctx.root is not state:
-            raise RuntimeError(
-                "finalize_backward must be called on the root fully_shard module, not on "
-                f"{type(self).__name__} (a unit below the root)"
-            )
         if ctx.finalization is not None:
             raise RuntimeError(
                 "The previous gradient reduction must be waited on before finalizing backward "
@@ -311,15 +313,9 @@ class FSDP2Surface(TorchFSDPModule):
         collectives in flight, free gathered weights, reset the hook state and (after a failed
         backward) discard the window's gradients; call on the root. The library also does this
         by itself at the root's next forward (see ``FSDPContext.recover``)."""
-        state = self._own_state()
-        ctx = state.ctx
+        ctx = self._root_ctx("reset_iter_state()")
         if ctx is None:
             return  # no forward ran yet: nothing to reset
-        if ctx.root is not state:
-            raise RuntimeError(
-                f"reset_iter_state() must be called on the root fully_shard module, not on "
-                f"{type(self).__name__} (a unit below the root)"
-            )
         ctx.recover()
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *,

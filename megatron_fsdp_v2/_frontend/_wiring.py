@@ -235,7 +235,7 @@ def install_unit(
     # whose DTensors live on it (which decide which DTensors there may hold our rows).
     register_mesh(options.mesh, outer_optim=options.outer_optim, row_counts=tuple(
         record.item.shape[0] for group in flat_groups for record in group.records
-        if record.tp is None and len(record.item.shape) > 0
+        if record.tp is None  # 0-d parameters are refused at wrap time
     ))
     for face in (f for group in flat_groups for f in group.tp_faces if f is not None):
         register_mesh(face.dist_mesh, outer_optim=options.outer_optim,

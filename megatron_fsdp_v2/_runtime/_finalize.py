@@ -72,7 +72,10 @@ def finalize(states: list[FSDPState], async_op: bool) -> Deferred:
         for state in deferred:
             for group in state.groups:
                 group.finish_reductions()
-    ended = [group for state in states if state.is_last_backward
+    # Decided now, under the settings of this call (not those at the handle's wait).
+    ending = [state.is_last_backward for state in states]
+    resharding = [state.reshard_after_backward or ends for state, ends in zip(states, ending)]
+    ended = [group for state, ends in zip(states, ending) if ends
              for group in state.groups if group.pending_install]
     windows = [group.end_window(async_op=async_op) for group in ended]
 
@@ -83,8 +86,8 @@ def finalize(states: list[FSDPState], async_op: bool) -> Deferred:
             ctx.finalization = None
         for window in windows:
             window.finish()
-        for state in states:
-            if state.reshard_after_backward or state.is_last_backward:
+        for state, reshards in zip(states, resharding):
+            if reshards:
                 state.reshard()
             else:
                 state.keep_gathered()

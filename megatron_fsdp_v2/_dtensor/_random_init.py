@@ -18,9 +18,18 @@ for ``Replicate()``, where DTensor's own path ignores an explicit ``generator=``
 equal, bitwise, those of the same init on the unsharded model with the same seed, and every
 rank's generator advances alike. This rank's row offset comes from one small all-gather of the
 ranks' row counts per sharded mesh dimension (the spec does not carry it). The cost is one
-temporary full-size tensor per call, at init time. DTensors on other meshes, or with a
-``Partial`` placement, take DTensor's own path. The handler is registered in DTensor's op table
-for the in-place random ops by ``_torch_patches/_random_ops.py``.
+temporary full-size tensor per call, at init time. The handler is registered in DTensor's op
+table for the in-place random ops by ``_torch_patches/_random_ops.py``.
+
+Which DTensors it draws for is decided by tensor, as everywhere on a registered mesh ([Note:
+deciding by tensor] in ``_redistribute.py``): one whose data-parallel sharded dims have sizes no
+parameter on the mesh has dim 0 of (the user's ``distribute_tensor`` results, activations) holds
+``torch.chunk`` rows and draws what DTensor draws for it, with FSDP2 as without the library;
+so does one sharded over no data-parallel dim whose dim 0 no parameter has (a replicated
+parameter of ours, ``no_shard``'s, is drawn here, so that ``generator=`` is honoured and the
+values are the single-process ones), and DTensor's nested ``Shard(d)`` over dp next to a TP
+``Shard(d)`` (never a unit's). DTensors on other meshes, or with a ``Partial`` placement, take
+DTensor's own path too.
 
 FSDP x TP (the optimizer-facing DTensors on the dp x TP mesh of [Note: 2-D parameters] in
 ``_tp_params.py``, DTensor TP parameters and ``spmd_types``-annotated plain ones alike, e.g.
@@ -29,9 +38,9 @@ TP-local piece is cut out of it at DTensor's own ``torch.chunk`` offsets (TP's s
 DTensor's, only the dp dims hold uneven rows), and this rank's dp rows out of that piece, the
 row offset found as above over the dp mesh dimensions (their groups hold ranks of one TP
 coordinate, whose TP-local tensors are the same tensor). A ``_StridedShard`` dp placement is
-read as what the library means by it: consecutive rows of the TP-local tensor; a plain dp
-``Shard(d)`` next to a TP ``Shard(d)`` (``distribute_tensor`` on the root mesh; never a unit's)
-as DTensor's nested ``torch.chunk`` pieces, as ``_redistribute.py`` reads it.
+read as what the library means by it: consecutive rows of the TP-local tensor (a plain dp
+``Shard(d)`` next to a TP ``Shard(d)``, from ``distribute_tensor`` on the root mesh, is
+DTensor's nested layout and DTensor's to draw, above).
 """
 
 from __future__ import annotations
@@ -41,8 +50,9 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ._redistribute import chunk_rows
 from ._uneven_gather import gather_sizes, is_shard_like
-from ._uneven_meshes import mesh_kind, tp_dims_of
+from ._uneven_meshes import mesh_kind, row_counts_of, tp_dims_of
 
 __all__ = ["random_op"]
 
@@ -128,25 +138,40 @@ def _piece(full: torch.Tensor, dtensor: Any, placements: tuple[Any, ...]) -> tor
     return piece
 
 
+def _may_hold_our_rows(dtensor: Any, sharded: list[tuple[int, int]], op_call: Any) -> bool:
+    """Whether ``dtensor`` may be a parameter of ours or keep one's size (its gradient, state,
+    a derived tensor), decided from the spec alone, the same on every rank ([Note: deciding by
+    tensor] in ``_redistribute.py``): sharded over dp, by :func:`chunk_rows`, which also raises
+    where a tensor called ``torch.chunk``'s holds other rows; sharded over no dp dim, by the
+    size of dim 0."""
+    if sharded:
+        what = f"{op_call} on a DTensor {tuple(dtensor.placements)} on {dtensor.device_mesh}"
+        return not chunk_rows(dtensor._local_tensor, dtensor._spec, [k for k, _ in sharded],
+                              what)
+    counts = row_counts_of(dtensor.device_mesh)
+    return dtensor.ndim > 0 and dtensor.shape[0] in counts
+
+
 def random_op(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``dtensor.<random op>_(...)`` (see [Note: random init of uneven shards]), or
-    ``NotImplemented`` for DTensor's own path (not on a registered mesh, or ``Partial``)."""
+    ``NotImplemented`` for DTensor's own path (not on a registered mesh, ``Partial``, or a
+    tensor that cannot be ours)."""
     target = args[0]
     tp_dims = tp_dims_of(target.device_mesh) if isinstance(target, DTensor) else ()
     if not _is_ours(target, tp_dims):
         return NotImplemented
+    if _nested_tp_shard(target, tp_dims):
+        return NotImplemented  # DTensor's nested torch.chunk pieces: never a unit's
+    sharded = _sharded_dims(target, tp_dims)
+    if not _may_hold_our_rows(target, sharded, op_call):
+        return NotImplemented
     local = target._local_tensor
-    nested = _nested_tp_shard(target, tp_dims)
-    sharded = [] if nested else _sharded_dims(target, tp_dims)
     offset = _row_offset(target, sharded) if sharded else 0
     full = torch.empty(target.shape, dtype=local.dtype, device=local.device)
     op_call(full, *args[1:], **kwargs)
-    if nested:  # torch.chunk pieces on every mesh dim: DTensor's own offsets
-        piece = _piece(full, target, tuple(target.placements))
-    else:
-        piece = _tp_piece(full, target, tp_dims) if tp_dims else full
-        if sharded:
-            piece = piece.narrow(sharded[0][1], offset, local.shape[sharded[0][1]])
+    piece = _tp_piece(full, target, tp_dims) if tp_dims else full
+    if sharded:
+        piece = piece.narrow(sharded[0][1], offset, local.shape[sharded[0][1]])
     with torch.no_grad():
         local.copy_(piece)
     return target

@@ -89,8 +89,9 @@ every rank decides alike, with no communication. The one guess that can be wrong
 ours that changed the sharded dimension's size (``p.flatten()``), is caught: before torch's
 path each rank compares its local sizes along those dims with ``torch.chunk``'s, and a rank
 whose rows are not raises (ranks whose rows happen to agree go on and wait), never wrong values.
-The op dispatcher's line-up (:func:`redistribute_local_args`) and the ``copy_`` handler
-(``_copy_rows.py``) use the same test (:func:`chunk_rows`), on every registered mesh: 1-D,
+The op dispatcher's line-up (:func:`redistribute_local_args`), the ``copy_`` handler
+(``_copy_rows.py``) and random init (``_random_init.py``) use the same test
+(:func:`chunk_rows`), on every registered mesh: 1-D,
 HSDP's 2-D and dp x TP ones (the wrap registers each unit's parameter sizes with its mesh).
 
 Not covered: gradients flowing back *into* a parameter through ``full_tensor()``/

@@ -30,6 +30,9 @@ No other module of the package may assign to a torch module, class or op table
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from . import (
     _clip_grad,
     _copy_handler,
@@ -44,7 +47,7 @@ from ._version_gate import ALLOW_UNTESTED_ENV, TESTED_TORCH, check_torch_version
 
 __all__ = [
     "ALLOW_UNTESTED_ENV", "PATCHES", "TESTED_TORCH", "check_torch_version", "install_all",
-    "uninstall_all",
+    "suspended", "uninstall_all",
 ]
 
 # Every patch, in install order (each has ``.name`` and ``.reason``, a one-line why).
@@ -71,3 +74,17 @@ def uninstall_all() -> None:
     """Put back every object any patch replaced, in reverse install order."""
     for patch in reversed(PATCHES):
         patch.uninstall()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """torch's own objects inside the block, whatever was installed before, which is put back
+    after: what torch alone does, as a control beside the library (the tests' reference for the
+    tensors the patches leave to torch)."""
+    installed = [patch for patch in PATCHES if patch.is_installed()]
+    uninstall_all()
+    try:
+        yield
+    finally:
+        for patch in installed:
+            patch.install()

@@ -14,7 +14,9 @@ explicit generator; after each round every ``full_tensor()`` equals the unwrappe
 parameter (the same round from the same seeds) bitwise, and the generator ends in the same
 state. One training step later the full values still match single-process training. And
 torchtitan's fused-weight init, ``p.copy_(replicated)`` (DTensor's implicit redistribution of
-the source into the parameter's placements), keeps each rank's piece of the source.
+the source into the parameter's placements), keeps each rank's piece of the source. The user's
+``distribute_tensor`` DTensors on the same mesh draw DTensor's own values (torch alone, the
+patches suspended, is the control) unless they share a parameter's size.
 
 No FSDP2 control: FSDP2's sharded draws on CPU are not the single-process values (DTensor's
 offset-based generator is CUDA-only; each rank draws its local tensor from its own
@@ -44,8 +46,9 @@ from _tp_common import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2 import _torch_patches, fully_shard
 
+from _comm_counts import CollectiveCounts
 from _models import all_ranks_ok
 from _pool import RankPools
 
@@ -110,18 +113,38 @@ def _build(face: str, strategy: str) -> tuple[nn.Module, nn.Module, Any]:
     return model, ref, mesh
 
 
-def _distributed_tensors(mesh: Any) -> None:
-    """DTensors of ``distribute_tensor`` on the registered dp x tp mesh (``torch.chunk``
-    pieces; a plain dp ``Shard(0)`` next to a TP ``Shard(0)`` is DTensor's nested layout, dp
-    first) draw the single-process values too."""
+def _draw(x: DTensor) -> DTensor:
+    torch.manual_seed(5)
+    nn.init.normal_(x)
+    return x
+
+
+def _distributed_tensors(model: nn.Module, mesh: Any) -> None:
+    """DTensors of ``distribute_tensor`` on the registered dp x tp mesh (``torch.chunk`` pieces)
+    are decided by tensor ([Note: random init of uneven shards]): one whose dp-sharded (or, not
+    sharded over dp, dim-0) size no parameter has, and DTensor's nested ``(Shard(0), Shard(0))``,
+    draw what DTensor draws without the library (torch alone is the control: per rank on CPU)
+    with no collective; one with a parameter's dim-0 size takes the library's path, right for
+    ``torch.chunk`` rows too: the single-process values."""
+    counts = {p.shape[0] for p in model.parameters()}
+    user_rows = next(r for r in range(10, 64) if r not in counts)
+    ours_rows = max(counts)
     err = ""
     for placements in ((Shard(0), Shard(0)), (Shard(0), Shard(1)), (Replicate(), Shard(1))):
-        x = distribute_tensor(torch.zeros(10, 6), mesh, placements)
+        x = distribute_tensor(torch.zeros(user_rows, 6), mesh, placements)
+        with CollectiveCounts() as comm:
+            got = _draw(x).to_local().clone()
+        with _torch_patches.suspended():
+            want = _draw(x).to_local()
+        if comm.get_total_counts() or not torch.equal(got, want):
+            err = err or (f"distribute_tensor {placements}, {user_rows} rows: not DTensor's own "
+                          f"draw ({comm.get_total_counts()} collectives)")
+        if placements[0] == placements[1]:
+            continue  # nested: DTensor's whatever the size
+        full = _draw(distribute_tensor(torch.zeros(ours_rows, 6), mesh, placements)).full_tensor()
         torch.manual_seed(5)
-        nn.init.normal_(x)
-        torch.manual_seed(5)
-        if not torch.equal(x.full_tensor(), torch.empty(10, 6).normal_()):
-            err = err or f"distribute_tensor {placements}: not the single-process draw"
+        if not torch.equal(full, torch.empty(ours_rows, 6).normal_()):
+            err = err or f"distribute_tensor {placements}, {ours_rows} rows: not one process's draw"
     if not all_ranks_ok(not err):
         raise AssertionError(err or "differs on another rank")
 
@@ -130,7 +153,7 @@ def _init_case(rank: int, world: int, face: str, strategy: str) -> None:
     model, ref, mesh = _build(face, strategy)
     init_and_compare(f"{face} {strategy}", model, ref)
     if face == "dtensor":
-        _distributed_tensors(mesh)
+        _distributed_tensors(model, mesh)
         data = batches(steps=1, micro=1, dp=2)
         train(ref, data, None, clip=clip_torch)
         train(model, data, mesh.get_local_rank("dp"), mark=True, clip=clip_ours)

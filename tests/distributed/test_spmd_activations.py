@@ -2,8 +2,8 @@
 own path ([Note: deciding by tensor] in ``megatron_fsdp_v2/_dtensor/_redistribute.py``).
 
 On a 1-D mesh: the user's ``distribute_tensor`` results (``full_tensor``, ``redistribute``,
-``copy_``, an op against a replicated operand) issue DTensor's collectives and no size
-exchange, while parameters keep the uneven path.
+``copy_``, an op against a replicated operand, ``nn.init.normal_``) issue DTensor's collectives
+and no size exchange, and draw DTensor's own values, while parameters keep the uneven path.
 
 On the SPMD mesh ``fully_shard`` registered (FSDP2's ``dp_mesh_dims`` with tensor parallelism,
 torchtitan's ``full_dtensor`` backend), activations: a TP-only redistribution of a
@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from megatron_fsdp_v2 import fully_shard
+from megatron_fsdp_v2 import _torch_patches, fully_shard
 
 from _comm_counts import CollectiveCounts
 from _models import SmallMLP, all_ranks_ok
@@ -145,6 +145,12 @@ def test_activations_take_torch_path(ranks: RankPools) -> None:
     assert not failures, "\n".join(failures[:20])
 
 
+def _normal(x: DTensor) -> torch.Tensor:
+    torch.manual_seed(3)
+    nn.init.normal_(x)
+    return x.to_local()
+
+
 def _one_d_worker(rank: int, world: int) -> list[str]:
     """A 1-D mesh of 3 ranks (7 rows: ours (3, 3, 1) or similar, torch.chunk's (3, 3, 1) too,
     so a 5-row tensor (2, 2, 1) and an 8-row one (3, 3, 2) are the user's)."""
@@ -175,6 +181,15 @@ def _one_d_worker(rank: int, world: int) -> list[str]:
             x.copy_(other)
         if comm.get_total_counts():
             errors.append(f"{rows} rows: copy_ between the user's DTensors issued {_counts(comm)}")
+        for placements in ([Shard(0)], [Replicate()]):  # nn.init: DTensor's own draw
+            y = distribute_tensor(torch.zeros(rows, 6), mesh, placements)
+            with CollectiveCounts() as comm:
+                drawn = _normal(y).clone()
+            with _torch_patches.suspended():
+                want = _normal(y)
+            if comm.get_total_counts() or not torch.equal(drawn, want):
+                errors.append(f"{rows} rows {placements}: nn.init.normal_ issued "
+                              f"{_counts(comm)}, or drew other values than DTensor's own")
         ones = distribute_tensor(torch.ones(rows, 6), mesh, [Replicate()])
         with CollectiveCounts() as comm:
             summed = x + ones  # the replicated operand cut at torch.chunk rows, locally

@@ -42,13 +42,8 @@ def _may_go(patch: str, what: str) -> str:
 def torch_own() -> Iterator[None]:
     """torch's own objects, whatever ran before in this process; the patches installed then are
     put back after."""
-    installed = [patch for patch in _torch_patches.PATCHES if patch.is_installed()]
-    _torch_patches.uninstall_all()
-    try:
+    with _torch_patches.suspended():
         yield
-    finally:
-        for patch in installed:
-            patch.install()
 
 
 def _our_rows(mesh: DeviceMesh, local: torch.Tensor, placement: Shard | None = None) -> DTensor:

@@ -8,6 +8,11 @@ identity in general), on that rank only. Norms are non-negative, so 0 is the ide
 max: a one-row all-zero stand-in for the empty local shard gives the same reduced value, with
 DTensor's own sharding propagation and reduction (the same single all-reduce). Finite orders
 need nothing (an empty sum is 0).
+
+Only tensors that may be the library's (parameters, gradients, optimizer states and tensors that
+keep their size) are stood in for, decided by tensor as every DTensor path on a registered mesh
+([Note: deciding by tensor] in ``_redistribute.py``): anything else, on any mesh, is torch's,
+with torch's error for an empty ``torch.chunk`` shard.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from ._redistribute import chunk_rows
+from ._uneven_gather import is_shard_like
+from ._uneven_meshes import mesh_is_registered, tp_dims_of
 
 __all__ = ["stand_in_empty_shards"]
 
@@ -38,7 +47,19 @@ def stand_in_empty_shards(
 
 
 def _empty_local(t: Any) -> bool:
-    return isinstance(t, DTensor) and t._local_tensor.numel() == 0 and t.numel() > 0
+    return (isinstance(t, DTensor) and t._local_tensor.numel() == 0 and t.numel() > 0
+            and _may_hold_our_rows(t))
+
+
+def _may_hold_our_rows(t: DTensor) -> bool:
+    mesh = t.device_mesh
+    if not mesh_is_registered(mesh):
+        return False
+    tp_dims = tp_dims_of(mesh)
+    sharded = [k for k, p in enumerate(t.placements)
+               if k not in tp_dims and is_shard_like(p) and mesh.size(k) > 1]
+    return bool(sharded) and not chunk_rows(
+        t._local_tensor, t._spec, sharded, f"the infinity norm of a DTensor {t.placements}")
 
 
 def _zero_row(t: DTensor) -> DTensor:

@@ -197,6 +197,20 @@ def _one_d_worker(rank: int, world: int) -> list[str]:
             errors.append(f"{rows} rows: x + replicated issued {_counts(comm)}")
         if not torch.equal(summed.full_tensor(), full * 2 + 1):
             errors.append(f"{rows} rows: x + replicated values differ")
+    # An empty torch.chunk shard's infinity norm is torch's (its error, on that rank only);
+    # a parameter's, ours (0 stands in: the true max over the ranks).
+    x = distribute_tensor(torch.ones(2, 6), mesh, [Shard(0)])
+    try:
+        (norm,) = torch._foreach_norm([x], float("inf"))
+        if x.to_local().numel() == 0:
+            errors.append("the user's empty shard: the infinity norm did not raise (torch's)")
+    except RuntimeError as e:
+        if x.to_local().numel() or "infinity norm" not in str(e):
+            errors.append(f"the user's shard: {e}")
+    for name, p in model.named_parameters():
+        (norm,) = torch._foreach_norm([p], float("inf"))
+        if norm.full_tensor() != base.get_parameter(name).detach().abs().max():
+            errors.append(f"{name}: infinity norm differs from the module's")
     # Parameters (and what keeps their row count) still take the uneven path: right values.
     for name, p in model.named_parameters():
         want = base.get_parameter(name).detach()

@@ -2,6 +2,8 @@
 
     python benchmarks/bench_training.py --out /tmp/bench/training.md   # CPU/gloo, NCCL on GPUs
     python benchmarks/bench_training.py --quick --world 2 --profile   # smoke run + breakdown
+    python benchmarks/bench_training.py --rounds 0 --systems optim_grads_params,fsdp2 \
+        --peak-breakdown   # what each system's step holds at its memory peak
     python benchmarks/bench_training.py --matrix   # --world 2,4 --mp fp32,bf16 --micro-batches 1,4
     python benchmarks/bench_training.py --world 4 --mesh 2,2 \
         --systems optim_grads,optim_grads_params,fsdp2_noreshard,fsdp2   # HSDP vs FSDP2's HSDP
@@ -143,6 +145,77 @@ def _reset_rss_hwm() -> bool:
         return True
     except OSError:
         return False
+
+
+# [Note: peak breakdown] --peak-breakdown: one more fresh run per system in which rank 0 traces
+# one steady-state step with torch.profiler's memory profiling and replays its allocation
+# timeline (torch.profiler._memory_profiler, the data behind export_memory_timeline): the peak
+# of the bytes allocated during that step and still alive, and which op allocated each of
+# them (AccumulateGrad/MmBackward0: autograd's gradients; aten::linear/gelu/...: activations;
+# "[memory]": no op, e.g. a library's own buffer from its allocator or a collective's thread;
+# "?": torch's profiler could not name it). Tensors alive from before the step (the sharded
+# weights, optimizer state, a persistent gradient buffer) are not in it: it shows what the
+# step adds on top, the part the systems' schedules decide. torch's replay of the data flow
+# raises an AssertionError on some steps' traces; each of the PEAK_TRIES steps is tried in turn.
+PEAK_TRIES = 3
+
+
+class PeakTracer:
+    """Rank 0's memory trace of one step at a time, until one replays (see [Note: peak
+    breakdown])."""
+
+    def __init__(self) -> None:
+        self.found: dict[str, Any] | None = None
+        self.errors: list[str] = []
+        self._profiler: Any = None
+
+    def start(self) -> None:
+        if self.found is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                                     record_shapes=True, with_stack=True)
+            self._profiler.start()
+
+    def stop(self) -> None:
+        if self._profiler is None:
+            return
+        self._profiler.stop()
+        try:
+            self.found = _step_peak(self._profiler)
+        except AssertionError as e:  # torch's data-flow replay; see the Note
+            self.errors.append(f"{type(e).__name__}: {str(e)[:120]}")
+        self._profiler = None
+
+    def result(self) -> dict[str, Any]:
+        return self.found if self.found is not None else {"errors": self.errors}
+
+
+def _step_peak(profiler: Any) -> dict[str, Any]:
+    """The peak of the step's live allocations and, per allocating op, its bytes at the peak."""
+    from torch.profiler._memory_profiler import Action, MemoryProfile
+
+    memory = MemoryProfile(profiler.profiler.kineto_results)
+    creator: dict[Any, str] = {}
+    for node in memory._data_flow_graph.flow_nodes:
+        for key in node.outputs:
+            creator.setdefault(key, node._event.name)
+    live: dict[Any, int] = {}
+    total, peak, at_peak = 0, 0, {}
+    for _, action, (key, _version), size in memory.timeline:
+        if action == Action.CREATE:
+            live[key] = size
+            total += size
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif action == Action.DESTROY:
+            total -= live.pop(key, 0)
+    by_op: dict[str, int] = {}
+    for key, size in at_peak.items():
+        by_op[creator.get(key, "?")] = by_op.get(creator.get(key, "?"), 0) + size
+    return {"peak_mib": peak / MiB, "tensors": len(at_peak),
+            "by_op_mib": {k: v / MiB for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])},
+            "largest_mib": sorted((v / MiB for v in at_peak.values()), reverse=True)[:12]}
 
 
 def _range(name: str, enabled: bool) -> Any:
@@ -380,7 +453,9 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
     counter = CommCounter()
     micro = a["micro_batches"]
     num_steps = {"measure": a["measure_steps"], "time": a["warmup"] + a["steps"],
-                 "profile": a["warmup"] + a["profile_steps"]}[kind]
+                 "profile": a["warmup"] + a["profile_steps"],
+                 "peak": max(a["warmup"], 1) + PEAK_TRIES}[kind]
+    peak_tracer = PeakTracer() if kind == "peak" and rank == 0 else None
     # DDP and ZeRO-1 hold fp32 weights: bf16 compute for them is autocast (FSDP2 and ours cast
     # the weights once per gather/refresh instead).
     autocast = (a["mp"] == "bf16" and system in ("ddp", "zero1"))
@@ -394,6 +469,8 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
     for step in range(num_steps):
         if profiler is not None and step == a["warmup"]:
             profiler.start()
+        if peak_tracer is not None and step >= num_steps - PEAK_TRIES:
+            peak_tracer.start()
         batches = [_make_batch(a, step, i, rank, device) for i in range(micro)]
         dist.barrier()
         if device.type == "cuda":
@@ -419,9 +496,13 @@ def _run_system(rank: int, world: int, device: torch.device, system: str, a: dic
                 torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         losses.append(loss_sum.item())
+        if peak_tracer is not None:
+            peak_tracer.stop()
     if profiler is not None:
         profiler.stop()
         result["profile"] = profile_breakdown(profiler.events(), a["profile_steps"])
+    if peak_tracer is not None:
+        result["peak_breakdown"] = peak_tracer.result()
     result.update(kind=kind, losses=losses, times=times)
     if kind == "measure":
         result["comm"] = counter.stats.as_dict()
@@ -744,6 +825,30 @@ def render_matrix(summaries: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_peaks(summary: dict[str, Any]) -> list[str]:
+    """The --peak-breakdown table: each system's live-tensor peak of one step and the MiB at
+    that peak per allocating op (see [Note: peak breakdown])."""
+    peaks = {s: p for s, p in summary.get("peaks", {}).items() if "peak_mib" in p}
+    failed = {s: p["errors"] for s, p in summary.get("peaks", {}).items() if s not in peaks}
+    if not peaks and not failed:
+        return []
+    names = list(peaks)
+    ops: list[str] = []
+    for p in peaks.values():
+        ops += [op for op, mib in p["by_op_mib"].items() if mib >= 0.5 and op not in ops]
+    lines = ["", "Live tensors at the peak of one step, rank 0, MiB by allocating op (tensors "
+             "alive from before the step not included; see [Note: peak breakdown]):", "",
+             "| | " + " | ".join(names) + " |", "|---|" + "---|" * len(names),
+             "| **peak** | " + " | ".join(f"**{peaks[n]['peak_mib']:.1f}**" for n in names) + " |"]
+    for op in ops:
+        lines.append(f"| {op} | " + " | ".join(
+            f"{peaks[n]['by_op_mib'].get(op, 0.0):.1f}" for n in names) + " |")
+    lines.append("| largest tensors | " + " | ".join(
+        " ".join(f"{v:.1f}" for v in peaks[n]["largest_mib"][:6]) for n in names) + " |")
+    lines += [f"- {s}: torch's memory replay failed on every try: {e}" for s, e in failed.items()]
+    return lines
+
+
 def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
     rows, failures = summary["systems"], summary["failures"]
     cuda = a["device"] == "cuda"
@@ -814,6 +919,7 @@ def render(summary: dict[str, Any], a: dict[str, Any]) -> str:
                 f"{rows[n]['losses'][s]:.6f}" if s < len(rows[n]["losses"]) else ""
                 for n in names) + " |")
     lines += render_profile(summary, a)
+    lines += render_peaks(summary)
     notes = [
         "",
         "Notes:",
@@ -934,6 +1040,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "backward, exposed communication, optimizer step and copy kernels per "
                         "step, side by side with the peer")
     p.add_argument("--profile-steps", type=int, default=2, help="profiled steps per system")
+    p.add_argument("--peak-breakdown", action="store_true",
+                   help="one more run per system: rank 0's live-tensor peak of one steady-state "
+                        "step and the ops that allocated it (see [Note: peak breakdown])")
     p.add_argument("--zero-grad", choices=["none", "zeros"], default="none",
                    help="every system's optimizer.zero_grad between steps: none = "
                         "set_to_none=True (free gradient memory where the system can), zeros = "
@@ -999,6 +1108,9 @@ def _run_config(a: dict[str, Any]) -> dict[str, Any]:
                                      for r in range(a["rounds"])]
     if a["profile"]:
         plan.append(("profile", systems))
+    if a["peak_breakdown"]:
+        plan.append(("peak", systems))
+    peaks: dict[str, dict[str, Any]] = {}
     for i, (kind, order) in enumerate(plan):
         label = kind if kind != "time" else f"round {i}"
         for system in order:
@@ -1024,6 +1136,11 @@ def _run_config(a: dict[str, Any]) -> dict[str, Any]:
                 timed[system].append(ranks)
                 steps = [max(r["times"][s] for r in ranks) for s in range(len(ranks[0]["times"]))]
                 detail = "step ms " + " ".join(f"{x * 1e3:.0f}" for x in steps[a["warmup"]:])
+            elif kind == "peak":
+                peaks[system] = ranks[0]["peak_breakdown"]
+                pb = peaks[system]
+                detail = (f"step's live-tensor peak {pb['peak_mib']:.1f} MiB" if "peak_mib" in pb
+                          else f"peak breakdown failed: {pb['errors']}")
             else:
                 profiles[system] = ranks[0]["profile"]
                 pr = profiles[system]
@@ -1037,6 +1154,7 @@ def _run_config(a: dict[str, Any]) -> dict[str, Any]:
             "systems": {s: summarize(s, measured[s], timed[s], a)
                         for s in systems if s not in failures},
             "profiles": profiles,
+            "peaks": peaks,
             "failures": failures,
             "wall_s": time.monotonic() - t_start,
             "load_end": os.getloadavg()[0]}

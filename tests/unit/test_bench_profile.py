@@ -116,3 +116,30 @@ def test_paired_round_ratios() -> None:
     assert bench._step_ratio(ours, faster).endswith("[1.00-1.10]")
     one_round = bench.summarize("ddp", *_ranks([[9.0, 1.0]]), a)
     assert "[" not in bench._step_ratio(one_round, one_round)  # no range from a single round
+
+
+def test_peak_breakdown_names_what_a_step_holds_at_its_peak() -> None:
+    """[Note: peak breakdown]: a step that keeps a 4 MiB tensor while a 2 MiB one lives, then
+    frees both: the peak is 6 MiB, named by the op that allocated them; a tensor alive from
+    before the step is not counted, nor one the step allocates after the peak is past."""
+    import torch
+
+    before = torch.ones(1 << 20)  # 4 MiB alive from before the step: not in the breakdown
+    tracer = bench.PeakTracer()
+    for _ in range(bench.PEAK_TRIES):
+        tracer.start()
+        kept = torch.zeros(1 << 20)  # 4 MiB
+        temp = torch.zeros(1 << 19)  # 2 MiB
+        del temp, kept
+        after = torch.empty(1 << 18)  # 1 MiB, alone
+        del after
+        tracer.stop()
+    found = tracer.result()
+    assert before.sum() == 1 << 20
+    assert "peak_mib" in found, found
+    assert found["peak_mib"] == pytest.approx(6.0), found
+    assert found["by_op_mib"] == {"aten::zeros": pytest.approx(6.0)}, found
+    assert found["largest_mib"] == [pytest.approx(4.0), pytest.approx(2.0)], found
+    lines = bench.render_peaks({"peaks": {"ours": found, "peer": {"errors": ["replay"]}}})
+    assert "| **peak** | **6.0** |" in lines and "| aten::zeros | 6.0 |" in lines, lines
+    assert lines[-1] == "- peer: torch's memory replay failed on every try: ['replay']", lines

@@ -8,7 +8,8 @@ synchronization: the CPU waits for the GPU and can no longer queue work ahead of
 steady-state step reads no value, for every strategy, however the gradients were cleared:
 
 * ``zero_grad()`` (``set_to_none=True``): :meth:`GroupGrads.sweep` sees ``.grad is None`` on
-  the host and frees the storage; nothing to read.
+  the host and forgets the gradients (frees the storage, unless [Note: main_grad kept on CPU]
+  in ``_grads.py`` keeps it); nothing to read.
 * ``zero_grad(set_to_none=False)``, or any other in-place write of the installed gradients
   (``p.grad.zero_()`` in a loop, clipping, an add through ``to_local()`` or a DTensor op): the
   library does not ask what they hold. On the reduce-each path the next window's reductions

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ from megatron_fsdp_v2 import MixedPrecisionPolicy, clip_grad_norm_, fully_shard,
 from megatron_fsdp_v2._registry import state_of
 
 from _comm_counts import CollectiveCounts
-from _models import TinyGPT, lm_loss, make_batches
+from _models import TinyGPT, all_ranks_ok, lm_loss, make_batches
 from _pool import RankPools
 
 STRATEGIES = ["no_shard", "optim", "optim_grads", "optim_grads_params"]
@@ -241,3 +243,44 @@ def _gathered_weights_worker(rank: int, world: int) -> list[str]:
 def test_zero3_casts_main_shard_into_each_gather(ranks: RankPools) -> None:
     for mismatches in ranks.run(_gathered_weights_worker, 2, timeout_s=300):
         assert mismatches == ["24 checks"], mismatches
+
+
+def _kept_storage_worker(rank: int, world: int, strategy: str) -> list[str]:
+    """[Note: main_grad kept on CPU]: after ``zero_grad(set_to_none=True)`` the accumulate
+    path's ``main_grad`` keeps its storage (the reduce-each path's is freed), the optimizer
+    sees ``.grad=None``, and the next backward's gradients are one process's, whatever the
+    kept storage held (poisoned with NaN here)."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=2)
+    ref = copy.deepcopy(model)
+    for block in model.blocks:
+        fully_shard(block, sharding_strategy=strategy)
+    fully_shard(model, sharding_strategy=strategy)
+    batches = make_batches("lm", 2, 1, world, per_rank=2)
+    lm_loss(model, batches[0][0][rank]).backward()
+    model.zero_grad(set_to_none=True)
+    errors = []
+    keeps = strategy in ("no_shard", "optim")
+    for group in _groups(model):
+        main_grad = group.grads._main_grad
+        held = main_grad is not None and main_grad.untyped_storage().nbytes() > 0
+        if held != keeps:
+            errors.append(f"main_grad storage {'kept' if held else 'freed'}, want the other")
+        if held:
+            main_grad.fill_(float("nan"))
+    errors += [f"{n}: .grad after zero_grad" for n, p in model.named_parameters()
+               if p.grad is not None]
+    lm_loss(model, batches[1][0][rank]).backward()
+    lm_loss(ref, torch.cat([batches[1][0][r] for r in range(world)])).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if not torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-5, atol=1e-6):
+            errors.append(f"{name}: gradient differs from one process's")
+    if not all_ranks_ok(not errors):
+        errors = errors or ["failed on another rank"]
+    return [f"rank {rank}: {e}" for e in errors]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_zero_grad_keeps_accumulate_buffers_on_cpu(ranks: RankPools, strategy: str) -> None:
+    failures = [e for r in ranks.run(_kept_storage_worker, 2, strategy, timeout_s=120) for e in r]
+    assert not failures, "\n".join(failures[:20])

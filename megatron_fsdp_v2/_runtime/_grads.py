@@ -146,7 +146,7 @@ class GroupGrads:
         # On CPU a freed buffer of that size is unmapped, and growing it again costs a page
         # fault per 4 KiB page in the next backward: measured (4 gloo ranks, the 29.5M GPT,
         # fp32, `bench_training.py --systems no_shard,ddp,optim,zero1 --rounds 3`), `no_shard`
-        # went from 1.07x DDP's step time to 1.02x and its peak RSS above base from 0.95x
+        # went from 1.07x DDP's step time to 1.02-1.05x and its peak RSS above base from 0.95x
         # to 1.01x DDP's, which keeps its buckets the same way. The reduce-each path's
         # ``main_grad`` (the shard) is freed everywhere, as FSDP2 frees its sharded gradients.
         return (self.group.plan.grad_path is GradPath.ACCUMULATE_THEN_REDUCE

@@ -57,7 +57,7 @@ from ._uneven_meshes import mesh_kind, row_counts_of, tp_dims_of
 __all__ = ["random_op"]
 
 
-def _is_ours(dtensor: Any, tp_dims: tuple[int, ...]) -> bool:
+def _on_our_mesh(dtensor: Any, tp_dims: tuple[int, ...]) -> bool:
     """On a registered mesh, with ``Shard``/``Replicate`` placements only (and, on a dp x TP
     mesh, the ``_StridedShard`` dp placement of [Note: 2-D parameters])."""
     return (
@@ -158,7 +158,7 @@ def random_op(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     tensor that cannot be ours)."""
     target = args[0]
     tp_dims = tp_dims_of(target.device_mesh) if isinstance(target, DTensor) else ()
-    if not _is_ours(target, tp_dims):
+    if not _on_our_mesh(target, tp_dims):
         return NotImplemented
     if _nested_tp_shard(target, tp_dims):
         return NotImplemented  # DTensor's nested torch.chunk pieces: never a unit's

@@ -147,7 +147,7 @@ def _reset_rss_hwm() -> bool:
         return False
 
 
-# [Note: peak breakdown] --peak-breakdown: one more fresh run per system in which rank 0 traces
+# [Note: peak breakdown] `--peak-breakdown`: one more fresh run per system in which rank 0 traces
 # one steady-state step with torch.profiler's memory profiling and replays its allocation
 # timeline (torch.profiler._memory_profiler, the data behind export_memory_timeline): the peak
 # of the bytes allocated during that step and still alive, and which op allocated each of

@@ -46,6 +46,8 @@ from _tp_common import (
 )
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+# private: _torch_patches.suspended(), torch alone on the same tensor, is the control for
+# the DTensors the patches must leave to torch
 from megatron_fsdp_v2 import _torch_patches, fully_shard
 
 from _comm_counts import CollectiveCounts

@@ -24,6 +24,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+# private: _torch_patches.suspended(), torch alone on the same tensor, is the control for
+# the DTensors the patches must leave to torch
 from megatron_fsdp_v2 import _torch_patches, fully_shard
 
 from _comm_counts import CollectiveCounts

@@ -88,12 +88,13 @@ class FSDPContext:
         # refresh a ZeRO-1/2 group in the backward that follows, before any step changed it
         # (torchtitan's head, whose window its last chunk's backward ends).
         self.owed_updates: list[FlatParamGroup] = []
-        # Units whose gradient collectives hold scratch buffers and may still be in flight,
-        # oldest first. At most ``max_inflight_reductions`` units' reduction scratch buffers are
-        # alive at once. Reductions in place into persistent buffers are not listed: they cost no
-        # memory in flight and run on until the final callback (FSDPState.run_post_backward),
-        # unless the window ends and HSDP's outer reduction waits for them (see [Note: outer
-        # reductions in backward]).
+        # Units whose gradient collectives hold memory (scratch buffers, a reduce-scatter's
+        # copy in the transport) and may still be in flight, oldest first: at most
+        # ``max_inflight_reductions`` units' are alive at once. All-reduces in place into
+        # persistent buffers are not listed: they cost no memory in flight and run on until the
+        # final callback ([Note: in-place reductions in flight] in ``_state.py``), unless the
+        # window ends and HSDP's outer reduction waits for them (see [Note: outer reductions
+        # in backward]).
         self.reducing: deque[FSDPState] = deque()
         self.max_inflight_reductions = 1
         # Debug/test event log of (event, unit fqn); None disables logging.

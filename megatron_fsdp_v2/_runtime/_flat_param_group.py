@@ -546,6 +546,12 @@ class FlatParamGroup:
         return self.grads.reduction_holds_temporary
 
     @property
+    def reduction_holds_memory(self) -> bool:
+        """An in-flight reduction holds memory until finished (a scratch buffer, or a
+        reduce-scatter's input copy in the transport)."""
+        return self.grads.reduction_holds_memory
+
+    @property
     def awaits_last_reduction(self) -> bool:
         """Locally accumulated micro-batches wait for the window's delayed collective."""
         return self.grads.awaits_last_reduction

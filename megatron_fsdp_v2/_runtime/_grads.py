@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._buffers._plan import Extent, GradPath
+from .._buffers._plan import Collective, Extent, GradPath
 from .._profiling import traced
 from . import _reduce
 from ._all_reduce_hook import AllReduceHook, run_all_reduce_hook
@@ -450,6 +450,16 @@ class GroupGrads:
     def reduction_holds_temporary(self) -> bool:
         """An in-flight reduction of this group holds a scratch buffer until finished."""
         return any(p.holds_temporary for p in self._pending)
+
+    @property
+    def reduction_holds_memory(self) -> bool:
+        """An in-flight reduction of this group holds memory until finished: a scratch buffer
+        of ours, or a reduce-scatter, whose transport may hold a copy of its input (see [Note:
+        in-place reductions in flight] in ``_state.py``). Only an all-reduce in place into a
+        persistent buffer holds none."""
+        steps = self.group.plan.reduce_steps
+        return self.reduction_holds_temporary or (
+            bool(self._pending) and any(s.op is Collective.REDUCE_SCATTER for s in steps))
 
     @traced("mfsdp::finish_reduce")
     def wait_for_reduction(self, coalesced: bool = True) -> None:

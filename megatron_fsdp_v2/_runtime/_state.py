@@ -472,15 +472,21 @@ class FSDPState(UnitState):
             reduced |= group.reduce_gradients(self.is_last_backward, async_op=ctx.overlap)
         if reduced:
             ctx.log("reduce", self)
-            # Only reductions that hold a scratch buffer are drained early. One in place into
-            # a persistent buffer (the accumulate path's ``main_grad`` in its own dtype) costs
-            # no memory in flight: it runs on until the final callback, as DDP's bucket
-            # all-reduces do, instead of stalling the next unit's backward (measured: ``optim``
-            # on 4 gloo ranks waited 144 ms per step in backward before).
+            # [Note: in-place reductions in flight] Reductions that hold memory are finished
+            # one unit later (the next post-backward's drain), as FSDP2 finishes its
+            # reduce-scatters. An all-reduce in place into a persistent buffer (``no_shard``'s
+            # ``main_grad`` in its own dtype) holds none: it runs on until the final callback,
+            # as DDP's bucket all-reduces do. A reduce-scatter in place (``optim``'s) holds no
+            # buffer of ours, but its transport may: on gloo each one holds a copy of its
+            # input while in flight, 96 MiB at the end of ``optim``'s backward on the 29.5M
+            # GPT at 4 ranks when all ran on to the final callback (``bench_training.py
+            # --peak-breakdown``); drained one unit later, the step time was the same (1.07x
+            # ZeRO-1's both ways, ``--systems optim,zero1 --rounds 3``; 1.02x in a run after
+            # the change) and the peak RSS above base 1.02x ZeRO-1's instead of 1.13x.
             # A window's end is listed too: its outer reduction is launched when the next
             # drain has finished the inner one (see [Note: outer reductions in backward]).
             if ctx.overlap and any(
-                g.reduction_holds_temporary
+                g.reduction_holds_memory
                 or (self.is_last_backward and g.awaits_window_steps) for g in self.groups
             ):
                 ctx.reducing.append(self)

@@ -284,3 +284,42 @@ def _kept_storage_worker(rank: int, world: int, strategy: str) -> list[str]:
 def test_zero_grad_keeps_accumulate_buffers_on_cpu(ranks: RankPools, strategy: str) -> None:
     failures = [e for r in ranks.run(_kept_storage_worker, 2, strategy, timeout_s=120) for e in r]
     assert not failures, "\n".join(failures[:20])
+
+
+def _in_flight_worker(rank: int, world: int, strategy: str) -> list[int]:
+    """How many units still have a reduction in flight after each drain of a backward ([Note:
+    in-place reductions in flight] in ``_runtime/_state.py``)."""
+    torch.manual_seed(0)
+    model = TinyGPT(layers=4)
+    for block in model.blocks:
+        fully_shard(block, sharding_strategy=strategy)
+    fully_shard(model, sharding_strategy=strategy)
+    batches = make_batches("lm", 2, 1, world, per_rank=2)
+    lm_loss(model, batches[0][0][rank]).backward()  # the context exists from the first forward
+    model.zero_grad()
+    ctx = state_of(model).ctx
+    seen: list[int] = []
+    drain = ctx.drain_reductions
+
+    def counting_drain(keep: int) -> None:
+        drain(keep)
+        seen.append(sum(any(g.grads._pending for g in state.groups) for state in ctx.states))
+
+    ctx.drain_reductions = counting_drain  # type: ignore[method-assign]
+    lm_loss(model, batches[1][0][rank]).backward()
+    return seen
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim"])
+def test_in_place_reduce_scatters_finish_one_unit_later(ranks: RankPools, strategy: str) -> None:
+    """``optim``'s in-place reduce-scatters are finished one unit later, as FSDP2's (on gloo each
+    holds a copy of its input while in flight): each unit's post-backward finds none of an
+    earlier unit in flight. ``no_shard``'s in-place all-reduces run on until the final
+    callback, as DDP's buckets: one more in flight at each unit's post-backward."""
+    seen = ranks.run(_in_flight_worker, 2, strategy, timeout_s=120)[0]
+    assert seen, "no drain ran"
+    assert len(seen) >= 5, seen  # each block's post-backward, then the root's or the final callback
+    if strategy == "optim":
+        assert not any(seen), seen  # each drain finished the unit before's
+    else:
+        assert seen[:4] == [0, 1, 2, 3], seen

@@ -11,7 +11,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ._chunk_metadata import ROWS_ATTR
 from ._redistribute import chunk_rows
-from ._uneven_gather import ALTERNATIVE, gather_sizes, is_shard_like
+from ._uneven_gather import ALTERNATIVE, dp_sharded_mesh_dims, gather_sizes, is_shard_like
 from ._uneven_meshes import any_mesh_registered, mesh_kind, tp_dims_of
 
 __all__ = ["copy_rows"]
@@ -36,8 +36,7 @@ def copy_rows(op_call: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     # [Note: deciding by tensor] in _redistribute.py: two DTensors whose dp-sharded sizes no
     # parameter has hold torch.chunk rows both (checked): a local copy.
     tp_dims = tp_dims_of(mesh)
-    dp_sharded = [n for n, p in enumerate(dst.placements)
-                  if n not in tp_dims and is_shard_like(p) and mesh.size(n) > 1]
+    dp_sharded = dp_sharded_mesh_dims(dst.placements, mesh, tp_dims)
     if dp_sharded and all(chunk_rows(t._local_tensor, t._spec, dp_sharded, what)
                           for t in (dst, src)):
         return NotImplemented

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ._redistribute import chunk_rows
-from ._uneven_gather import is_shard_like
+from ._uneven_gather import dp_sharded_mesh_dims
 from ._uneven_meshes import mesh_is_registered, tp_dims_of
 
 __all__ = ["stand_in_empty_shards"]
@@ -55,9 +55,7 @@ def _may_hold_our_rows(t: DTensor) -> bool:
     mesh = t.device_mesh
     if not mesh_is_registered(mesh):
         return False
-    tp_dims = tp_dims_of(mesh)
-    sharded = [k for k, p in enumerate(t.placements)
-               if k not in tp_dims and is_shard_like(p) and mesh.size(k) > 1]
+    sharded = dp_sharded_mesh_dims(t.placements, mesh, tp_dims_of(mesh))
     return bool(sharded) and not chunk_rows(
         t._local_tensor, t._spec, sharded, f"the infinity norm of a DTensor {t.placements}")
 

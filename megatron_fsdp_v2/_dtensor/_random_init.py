@@ -51,7 +51,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ._redistribute import chunk_rows
-from ._uneven_gather import gather_sizes, is_shard_like
+from ._uneven_gather import dp_sharded_mesh_dims, gather_sizes, is_shard_like
 from ._uneven_meshes import mesh_kind, row_counts_of, tp_dims_of
 
 __all__ = ["random_op"]
@@ -72,11 +72,9 @@ def _on_our_mesh(dtensor: Any, tp_dims: tuple[int, ...]) -> bool:
 def _sharded_dims(dtensor: Any, tp_dims: tuple[int, ...]) -> list[tuple[int, int]]:
     """(mesh dim, tensor dim) of every data-parallel mesh dimension of size > 1 ``dtensor`` is
     sharded over (the fully_shard rows; not the TP dims ``tp_dims``)."""
-    mesh = dtensor.device_mesh
-    return [
-        (k, cast(Shard, p).dim % dtensor.ndim) for k, p in enumerate(dtensor.placements)
-        if k not in tp_dims and is_shard_like(p) and mesh.size(k) > 1
-    ]
+    placements = dtensor.placements
+    return [(k, cast(Shard, placements[k]).dim % dtensor.ndim)
+            for k in dp_sharded_mesh_dims(placements, dtensor.device_mesh, tp_dims)]
 
 
 def _row_offset(dtensor: Any, sharded: list[tuple[int, int]]) -> int:

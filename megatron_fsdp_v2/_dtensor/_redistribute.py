@@ -107,7 +107,13 @@ from typing import Any, cast
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
-from ._uneven_gather import ALTERNATIVE, gather_shard, gather_sizes, is_shard_like
+from ._uneven_gather import (
+    ALTERNATIVE,
+    dp_sharded_mesh_dims,
+    gather_shard,
+    gather_sizes,
+    is_shard_like,
+)
 from ._uneven_meshes import any_mesh_registered, mesh_kind, row_counts_of, tp_dims_of
 
 __all__ = ["chunk_rows", "redistribute_local_args", "redistribute_local_tensor"]
@@ -133,7 +139,7 @@ def redistribute_local_tensor(
     if tp_dims:
         return _redistribute_2d(torch_redistribute, local_tensor, current_spec, target_spec,
                                 tp_dims, **kwargs)
-    sharded = [i for i, p in enumerate(source) if is_shard_like(p) and mesh.size(i) > 1]
+    sharded = dp_sharded_mesh_dims(source, mesh)
     if not sharded or not mesh._is_current_rank_part_of_mesh():
         return torch_redistribute(local_tensor, current_spec, target_spec, **kwargs)
     what = f"redistributing a DTensor {source} -> {target} on {mesh}"
@@ -217,10 +223,7 @@ def _redistribute_2d(
     mesh = current_spec.mesh
     source, target = tuple(current_spec.placements), tuple(target_spec.placements)
     what = f"redistributing a DTensor {source} -> {target} on {mesh}"
-    sharded = [
-        i for i, p in enumerate(source)
-        if i not in tp_dims and is_shard_like(p) and mesh.size(i) > 1
-    ]
+    sharded = dp_sharded_mesh_dims(source, mesh, tp_dims)
     # A plain dp Shard(d) next to a TP Shard(d) is DTensor's nested meaning (dp chunk first,
     # e.g. distribute_tensor on the root mesh), never a unit's (those are _StridedShard): torch's.
     ndim = max(len(current_spec.shape), 1)

@@ -5,12 +5,14 @@ find this rank's rows."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
 
-__all__ = ["ALTERNATIVE", "gather_shard", "gather_sizes", "is_shard_like"]
+__all__ = ["ALTERNATIVE", "dp_sharded_mesh_dims", "gather_shard", "gather_sizes", "is_shard_like"]
 
 # What every refusal of an uneven DTensor path points to.
 ALTERNATIVE = (
@@ -26,6 +28,14 @@ def is_shard_like(placement: Placement) -> bool:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     return placement.is_shard() or isinstance(placement, _StridedShard)
+
+
+def dp_sharded_mesh_dims(placements: Sequence[Placement], mesh: DeviceMesh,
+                         tp_dims: tuple[int, ...] = ()) -> list[int]:
+    """The mesh dimensions of size > 1 that ``placements`` shard, tensor parallelism's
+    ``tp_dims`` left out: where the library's rows may be."""
+    return [k for k, p in enumerate(placements)
+            if k not in tp_dims and is_shard_like(p) and mesh.size(k) > 1]
 
 
 def _signature(local: torch.Tensor, dim: int, shape: tuple[int, ...] | None) -> list[int]:
